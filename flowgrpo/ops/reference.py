@@ -1,0 +1,74 @@
+"""Pure-PyTorch GRPO loss (DESIGN §5): the source of truth for the fused op in csrc/."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def grpo_loss_ref(
+    prev_sample: Tensor,
+    mean: Tensor,
+    mean_old: Tensor,
+    std: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    weights: Tensor,
+    *,
+    clip_range: float,
+    guard: bool = False,
+    mean_ref: Tensor | None = None,
+    kl_sigma: Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped GRPO surrogate over N SDE transitions, each with D latent elements.
+
+    Args:
+        prev_sample: x' [N, ...] drawn at rollout time.
+        mean: mu_theta [N, ...] recomputed with grad (the only input that needs a gradient).
+        mean_old: mu_old [N, ...] stored at rollout (used by the GRPO-Guard normalisation).
+        std: transition std s [N]. logp_old: [N] rollout log-probs (DESIGN §3 convention).
+        advantages: A [N]. weights: per-row weight w [N] (TempFlow / Guard reweighting; ones otherwise).
+        clip_range: epsilon of the ratio clip. guard: use GRPO-Guard's normalised log-ratio
+            log r^ = s * (logp - logp_old) + mse / (2 s), mse = mean_D((mu - mu_old)^2).
+        mean_ref: mu_ref [N, ...] of the reference model, kl_sigma [N]: the KL term
+            mean_D((mu - mu_ref)^2) / (2 kl_sigma^2), weighted by ``beta``.
+
+    Returns: (loss scalar fp32, stats) with per-row fp32 ``logp``, ``ratio``, ``kl`` and bool
+    ``clipped_high`` (r > 1 + eps), ``clipped_low`` (r < 1 - eps), all [N].
+    Accumulation is float32 whatever the input dtype.
+    """
+    n = prev_sample.shape[0]
+    x = prev_sample.float().reshape(n, -1)
+    mu = mean.float().reshape(n, -1)
+    s = std.float().reshape(n)
+    logp = (-((x - mu) ** 2) / (2 * s[:, None] ** 2)).mean(1) - torch.log(s) - _LOG_SQRT_2PI
+    log_ratio = logp - logp_old.float()
+    if guard:
+        mse = ((mu - mean_old.float().reshape(n, -1)) ** 2).mean(1)
+        log_ratio = s * log_ratio + mse / (2 * s)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float()
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = (weights.float() * torch.maximum(unclipped, clipped)).mean()
+    if mean_ref is not None and beta != 0.0:
+        if kl_sigma is None:
+            raise ValueError("mean_ref given without kl_sigma")
+        kl = ((mu - mean_ref.float().reshape(n, -1)) ** 2).mean(1) / (2 * kl_sigma.float() ** 2)
+        loss = policy_loss + beta * kl.mean()
+    else:
+        kl = torch.zeros_like(logp)
+        loss = policy_loss
+    stats = {
+        "logp": logp.detach(),
+        "ratio": ratio.detach(),
+        "clipped_high": (ratio > 1.0 + clip_range).detach(),
+        "clipped_low": (ratio < 1.0 - clip_range).detach(),
+        "kl": kl.detach(),
+    }
+    return loss, stats

@@ -1,0 +1,118 @@
+"""The policy interface: everything the sampler, the loss and the trainer need from a generator.
+
+A policy wraps one text-to-image (or video) flow model: it encodes prompts once, predicts the
+velocity v = eps - x0 at (x_sigma, sigma) with classifier-free guidance, exposes the trainable
+parameters (a LoRA adapter through peft, or the full transformer), gives the reference velocity
+with the adapter disabled (for the KL term) and decodes latents to images.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class Conditioning:
+    """Prompt encodings, every tensor batch-first with one row per prompt.
+
+    ``tensors`` holds the conditional encodings and ``uncond`` the same keys for the empty prompt
+    (one row, broadcast on use) when classifier-free guidance is available.
+    """
+
+    tensors: dict[str, Tensor]
+    uncond: dict[str, Tensor] | None = None
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    def index(self, idx: Tensor) -> "Conditioning":
+        """Rows ``idx`` [B] (long) of every tensor; ``uncond`` is shared and kept as is."""
+        return Conditioning({k: v[idx] for k, v in self.tensors.items()}, self.uncond)
+
+
+class Policy(nn.Module, ABC):
+    """Abstract flow-model policy. Subclasses implement :meth:`_forward`, :meth:`_encode` and :meth:`decode`."""
+
+    #: shape of one latent sample, e.g. (3, 32, 32) or (16, 64, 64)
+    latent_shape: tuple[int, ...]
+
+    def __init__(self, guidance_scale: float = 1.0):
+        super().__init__()
+        self.guidance_scale = guidance_scale
+
+    # ------------------------------------------------------------------ to implement
+    @abstractmethod
+    def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
+        """Prompts -> dict of batch-first encodings (no grad)."""
+
+    @abstractmethod
+    def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
+        """Raw model velocity for x [B, ...] at sigma [B] (0..1) given batch-aligned encodings."""
+
+    @abstractmethod
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents [B, ...] -> images [B, 3, H, W] float in [0, 1] (or [B, F, 3, H, W] for video)."""
+
+    @abstractmethod
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters the optimiser updates (the LoRA adapter, or the full transformer)."""
+
+    @abstractmethod
+    def adapter_disabled(self) -> contextlib.AbstractContextManager:
+        """Context in which :meth:`velocity` is the frozen base model's (for the KL reference)."""
+
+    # ------------------------------------------------------------------ shared logic
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Encode prompts once per rollout; the empty prompt is encoded for guidance."""
+        uncond = self._encode([""]) if self.guidance_scale != 1.0 else None
+        return Conditioning(self._encode(list(prompts)), uncond)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float | None = None) -> Tensor:
+        """Guided velocity [B, ...] for x [B, ...] at sigma [B] with batch-aligned ``cond``.
+
+        With guidance g != 1 the conditional and unconditional passes share one forward call
+        (batch 2B): v = v_u + g * (v_c - v_u).
+        """
+        g = self.guidance_scale if guidance_scale is None else guidance_scale
+        if g == 1.0 or cond.uncond is None:
+            return self._forward(x, sigma, cond.tensors)
+        b = x.shape[0]
+        enc = {k: torch.cat([v, cond.uncond[k].expand(b, *v.shape[1:])]) for k, v in cond.tensors.items()}
+        out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), enc)
+        v_c, v_u = out[:b], out[b:]
+        return v_u + g * (v_c - v_u)
+
+    @torch.no_grad()
+    def reference_velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float | None = None) -> Tensor:
+        """Velocity of the frozen base model (adapter off), for the KL term."""
+        with self.adapter_disabled():
+            return self.velocity(x, sigma, cond, guidance_scale)
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """Named trainable tensors (what checkpoints and EMA hold)."""
+        ids = {id(p) for p in self.trainable_parameters()}
+        return {n: p.detach().clone() for n, p in self.named_parameters() if id(p) in ids}
+
+    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None:
+        params = dict(self.named_parameters())
+        missing = [n for n in state if n not in params]
+        if missing:
+            raise KeyError(f"checkpoint holds parameters this policy lacks: {missing[:5]}")
+        with torch.no_grad():
+            for n, t in state.items():
+                params[n].copy_(t)
+
+    def named_trainable_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        ids = {id(p) for p in self.trainable_parameters()}
+        return ((n, p) for n, p in self.named_parameters() if id(p) in ids)

@@ -1,0 +1,94 @@
+"""Prompt sources of the shapes world: random training prompts, the fixed held-out set, prompt files.
+
+Every shapes prompt parses back into its :class:`SceneSpec` (:func:`parse_prompt`), so the
+verifiable reward needs nothing but the prompt string and the image.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from .world import COLORS, NUMBERS, RELATIONS, SHAPES, TAGS, ObjectSpec, SceneSpec, sample_spec
+
+HELDOUT_SEED = 20261122
+_WORD_TO_NUMBER = {w: n for n, w in NUMBERS.items()}
+
+
+def _parse_noun(words: list[str], prompt: str) -> ObjectSpec:
+    if not words:
+        raise ValueError(f"cannot parse shapes prompt {prompt!r}: missing object")
+    if words[0] == "a":
+        count, rest = 1, words[1:]
+    elif words[0] in _WORD_TO_NUMBER:
+        count, rest = _WORD_TO_NUMBER[words[0]], words[1:]
+    else:
+        raise ValueError(f"cannot parse shapes prompt {prompt!r}: expected 'a' or a number, got {words[0]!r}")
+    color = None
+    if rest and rest[0] in COLORS:
+        color, rest = rest[0], rest[1:]
+    if len(rest) != 1:
+        raise ValueError(f"cannot parse shapes prompt {prompt!r}: expected one shape word, got {rest}")
+    noun = rest[0]
+    shape = noun[:-1] if count > 1 and noun.endswith("s") else noun
+    if shape not in SHAPES:
+        raise ValueError(f"cannot parse shapes prompt {prompt!r}: unknown shape {noun!r}; valid: {', '.join(SHAPES)}")
+    return ObjectSpec(shape, color, count)
+
+
+def parse_prompt(prompt: str) -> SceneSpec:
+    """Inverse of :func:`~flowgrpo.shapes.world.spec_to_prompt`; the tag follows from the structure."""
+    text = " ".join(prompt.lower().split())
+    for rel in RELATIONS:
+        marker = f" {rel} "
+        if marker in text:
+            left, right = text.split(marker, 1)
+            objs = (_parse_noun(left.split(), prompt), _parse_noun(right.split(), prompt))
+            return SceneSpec("position", objs, rel)
+    parts = text.split(" and ")
+    objs = tuple(_parse_noun(p.split(), prompt) for p in parts)
+    if len(objs) == 1:
+        o = objs[0]
+        tag = "counting" if o.count > 1 else ("colors" if o.color else "single_object")
+    elif len(objs) == 2:
+        tag = "color_attr" if all(o.color for o in objs) else "two_object"
+    else:
+        raise ValueError(f"cannot parse shapes prompt {prompt!r}: at most two object groups")
+    return SceneSpec(tag, objs)
+
+
+def heldout_specs(num_prompts: int = 64) -> list[SceneSpec]:
+    """The fixed held-out prompt set: ``num_prompts`` scenes balanced over the six tags."""
+    rng = np.random.default_rng(HELDOUT_SEED)
+    return [sample_spec(rng, TAGS[i % len(TAGS)]) for i in range(num_prompts)]
+
+
+def load_prompt_file(path: str | Path) -> list[dict]:
+    """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``{"prompt": ..., "tag": ...}``).
+
+    Returns a list of ``{"prompt": str, "tag": str}``. Raises :class:`UserError` naming the file and
+    line for a missing file, an empty file, or a malformed line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"prompt file not found: {path}")
+    rows: list[dict] = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+                raise UserError(f"{path}:{lineno}: each JSONL line needs a non-empty string field 'prompt'")
+            rows.append({"prompt": obj["prompt"].strip(), "tag": str(obj.get("tag", "default"))})
+        else:
+            rows.append({"prompt": line.strip(), "tag": "default"})
+    if not rows:
+        raise UserError(f"prompt file {path} holds no prompts")
+    return rows

@@ -1,0 +1,160 @@
+"""One denoising step x_sigma -> x_sigma' in the rectified-flow convention (DESIGN §2-§3).
+
+Convention (diffusers' FlowMatchEulerDiscreteScheduler): x_sigma = (1 - sigma) * x0 + sigma * eps,
+sigma runs from 1 (noise) to 0 (data), the model predicts v = eps - x0. Delta = sigma' - sigma < 0.
+
+All step math runs in float32 whatever the model dtype: bf16 step math overflows in the
+sigma_t^2 / sigma terms near sigma = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SDE_KINDS = ("flow_grpo", "dance", "cps")
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class SDEStepOutput:
+    """Result of :func:`sde_step`.
+
+    Attributes:
+        prev_sample: x_sigma' [B, ...] float32 (drawn, or the given ``prev_sample``).
+        mean: mu [B, ...] float32, the Gaussian mean of the transition.
+        std: s [B] float32, the transition's standard deviation (per element).
+        log_prob: [B] float32 log-density of ``prev_sample`` (mean over non-batch dims; see
+            :func:`gaussian_log_prob`). For ``kind="cps"`` it is the reference code's
+            *constant-free* convention ``-mean((x' - mu)^2)``.
+        sigma_t: [B] float32, the SDE's diffusion coefficient sigma_t (used by the KL term).
+    """
+
+    prev_sample: Tensor
+    mean: Tensor
+    std: Tensor
+    log_prob: Tensor
+    sigma_t: Tensor
+
+
+def _per_sample(value: float | Tensor, batch: int, device) -> Tensor:
+    """Float or [B] tensor -> float32 [B] on ``device``."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+    if t.ndim == 0:
+        t = t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(f"sigma must be a float or a [B]={batch} tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def _bcast(t: Tensor, like: Tensor) -> Tensor:
+    """[B] -> [B, 1, 1, ...] matching ``like``'s rank."""
+    return t.view(t.shape[0], *([1] * (like.ndim - 1)))
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Log N(x; mean, std^2) **averaged** over the non-batch dims, constants included.
+
+    Args: x, mean [B, ...]; std [B] (or broadcastable). Returns [B] float32.
+    The mean (not the sum) over dims sets the scale of the importance ratio and therefore the
+    meaning of the clip range (1e-4 .. 1e-3 in Flow-GRPO).
+    """
+    x, mean = x.float(), mean.float()
+    std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
+    if std.ndim == 1:
+        std = _bcast(std, x)
+    lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return lp.flatten(1).mean(1)
+
+
+def euler_step(sample: Tensor, velocity: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:
+    """Deterministic Euler ODE step x' = x + (sigma' - sigma) * v, in float32. Shapes [B, ...]."""
+    x, v = sample.float(), velocity.float()
+    s = _bcast(_per_sample(sigma, x.shape[0], x.device), x)
+    sn = _bcast(_per_sample(sigma_next, x.shape[0], x.device), x)
+    return x + (sn - s) * v
+
+
+def sde_sigma_t(
+    sigma: Tensor, sigma_next: Tensor, noise_level: float, kind: str, sigma_max: Tensor | None = None
+) -> Tensor:
+    """Diffusion coefficient sigma_t [B] of the reverse SDE for ``kind`` in {"flow_grpo", "dance"}.
+
+    flow_grpo: a * sqrt(sigma / (1 - sigma)); at sigma = 1 the denominator uses ``sigma_max``
+    (the next grid point, as in the reference code) and falls back to ``sigma_next``.
+    dance: the constant eta = ``noise_level``.
+    """
+    if kind == "dance":
+        return torch.full_like(sigma, float(noise_level))
+    denom_sigma = torch.where(sigma >= 1.0, sigma_max if sigma_max is not None else sigma_next, sigma)
+    return noise_level * torch.sqrt(sigma / (1.0 - denom_sigma))
+
+
+def sde_step(
+    sample: Tensor,
+    velocity: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    *,
+    noise_level: float = 0.7,
+    kind: str = "flow_grpo",
+    prev_sample: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    noise: Tensor | None = None,
+    sigma_max: float | Tensor | None = None,
+) -> SDEStepOutput:
+    """One stochastic reverse step with its Gaussian log-probability (DESIGN §3).
+
+    Args:
+        sample: x_sigma [B, ...] (any float dtype; math runs in float32).
+        velocity: model output v = eps - x0 at (x_sigma, sigma) [B, ...].
+        sigma, sigma_next: current and next noise level, floats or [B] tensors, sigma_next < sigma.
+        noise_level: a for "flow_grpo" and "cps", eta for "dance".
+        kind: "flow_grpo" (Euler-Maruyama of the marginal-preserving SDE), "dance" (same drift,
+            constant sigma_t = eta) or "cps" (coefficient-preserving sampling).
+        prev_sample: if given, score this x_sigma' [B, ...] instead of drawing one.
+        generator: RNG for the drawn noise.
+        noise: standard-normal noise [B, ...] to use instead of drawing (branching noise).
+        sigma_max: sigma of the grid's second point, for the flow_grpo sigma = 1 rule.
+
+    Returns: :class:`SDEStepOutput`. With noise_level = 0, "flow_grpo" and "dance" reduce exactly
+    to :func:`euler_step` (std = 0, so only ``mean``/``prev_sample`` are meaningful).
+    """
+    if kind not in SDE_KINDS:
+        raise ValueError(f"unknown SDE kind {kind!r}; valid kinds: {', '.join(SDE_KINDS)}")
+    x, v = sample.float(), velocity.float()
+    b = x.shape[0]
+    s = _per_sample(sigma, b, x.device)
+    sn = _per_sample(sigma_next, b, x.device)
+    smax = _per_sample(sigma_max, b, x.device) if sigma_max is not None else None
+    s_, sn_ = _bcast(s, x), _bcast(sn, x)
+    delta = sn_ - s_
+
+    if kind == "cps":
+        std = sn * math.sin(noise_level * math.pi / 2)
+        x0_hat = x - s_ * v
+        x1_hat = x + (1 - s_) * v
+        mean = x0_hat * (1 - sn_) + x1_hat * torch.sqrt(torch.clamp(sn_**2 - _bcast(std, x) ** 2, min=0.0))
+        sigma_t = std
+    else:
+        sigma_t = sde_sigma_t(s, sn, noise_level, kind, smax)
+        st2 = _bcast(sigma_t, x) ** 2
+        mean = x * (1 + st2 / (2 * s_) * delta) + v * (1 + st2 * (1 - s_) / (2 * s_)) * delta
+        std = sigma_t * torch.sqrt(-(sn - s))
+
+    if prev_sample is None:
+        if noise is None:
+            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        prev = mean + _bcast(std, x) * noise.float()
+    else:
+        prev = prev_sample.float()
+
+    if kind == "cps":
+        # Reference-code convention: constants and the 1/(2 std^2) scale dropped.
+        log_prob = -((prev - mean) ** 2).flatten(1).mean(1)
+    else:
+        log_prob = gaussian_log_prob(prev, mean, std)
+    return SDEStepOutput(prev_sample=prev, mean=mean, std=std, log_prob=log_prob, sigma_t=sigma_t)
