@@ -80,3 +80,15 @@ class ShapesPolicy(Policy):
         if self.train_mode == "full" and self._frozen is None:
             frozen = copy.deepcopy(self.model.transformer).requires_grad_(False)
             object.__setattr__(self, "_frozen", frozen)  # not a submodule: not trained, not checkpointed
+
+
+def build_shapes_policy(cfg) -> ShapesPolicy:
+    """Factory for ``model.name=shapes`` from a :class:`~flowgrpo.config.ModelConfig`."""
+    from ..errors import UserError
+
+    try:
+        model = ShapesFlowModel.load(cfg.path)
+    except FileNotFoundError as exc:
+        raise UserError(str(exc)) from None
+    return ShapesPolicy(model, guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
+                        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)

@@ -1,0 +1,162 @@
+"""The ``flowgrpo`` command line.
+
+    flowgrpo train [--preset NAME] [--config FILE] [key.sub=value ...] [--resume RUN_DIR]
+    flowgrpo eval RUN_DIR_OR_CHECKPOINT [--json PATH]
+    flowgrpo presets
+    flowgrpo bench ops [--json PATH]
+    flowgrpo build-ext | doctor
+
+Bad input (config keys, values, presets, prompt files, missing weights) prints one line naming the
+problem and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+
+def _cmd_train(args) -> int:
+    from .config import load_config
+    from .trainer.run import load_run_config, train
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg = load_run_config(run_dir)
+        if args.overrides:
+            from .config import apply_dict, parse_override, validate
+
+            for ov in args.overrides:
+                apply_dict(cfg, parse_override(ov))
+            validate(cfg)
+        summary = train(cfg, run_dir, resume=True)
+    else:
+        cfg = load_config(args.preset, args.config, args.overrides)
+        summary = train(cfg)
+    b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
+    print(f"done: {summary['iterations']} iterations, {summary['train_seconds'] / 60:.1f} min of training; "
+          f"held-out accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    import torch
+
+    from .evaluate import evaluate_policy
+    from .policies import build_policy
+    from .trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from .trainer.run import load_run_config
+
+    target = Path(args.target)
+    if (target / "state.pt").exists():
+        ckpt, run_dir = target, target.parent.parent
+    elif (target / "config.yaml").exists():
+        run_dir, ckpt = target, latest_checkpoint(target)
+        if ckpt is None:
+            raise UserError(f"run directory {target} has no checkpoint yet")
+    else:
+        raise UserError(f"{target} is neither a run directory nor a checkpoint folder")
+    cfg = load_run_config(run_dir)
+    torch.manual_seed(cfg.train.seed)
+    policy = build_policy(cfg.model)
+    state = load_checkpoint(ckpt)["trainer"]
+    policy.load_trainable_state_dict(state["ema"] if state.get("ema") else state["trainable"])
+    res = evaluate_policy(policy, cfg.eval.num_prompts, cfg.eval.seeds_per_prompt, cfg.eval.num_steps, cfg.sampler.shift)
+    res.pop("correct", None)
+    res["checkpoint"] = str(ckpt)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"held-out evaluation of {ckpt}")
+    table.add_column("tag")
+    table.add_column("accuracy", justify="right")
+    for tag, acc in res["per_tag"].items():
+        table.add_row(tag, f"{acc:.3f}")
+    table.add_row("[bold]overall", f"[bold]{res['accuracy']:.3f}")
+    Console().print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+def _cmd_presets(args) -> int:
+    from .config import preset_names, read_preset
+
+    for name in preset_names():
+        data = read_preset(name)
+        print(f"{name:24s} {data.get('description', '')}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    if args.what == "ops":
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from benchmarks.bench_ops import run_bench_ops
+
+        run_bench_ops(args.json)
+        return 0
+    raise UserError(f"unknown benchmark {args.what!r}; valid: ops")
+
+
+def _cmd_build_ext(args) -> int:
+    from .ops.build import build_extension
+
+    build_extension(cuda=args.cuda, verbose=True)
+    return 0
+
+
+def _cmd_doctor(args) -> int:
+    from .ops.doctor import doctor_report
+
+    print("\n".join(doctor_report()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flowgrpo", description="GRPO for flow-matching generators")
+    sub = ap.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a policy (default: the embedded shapes world)")
+    t.add_argument("--preset", default="shapes", help="preset name (see `flowgrpo presets`)")
+    t.add_argument("--config", default=None, help="YAML config file applied on top of the preset")
+    t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run")
+    t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    t.set_defaults(fn=_cmd_train)
+    e = sub.add_parser("eval", help="held-out accuracy of a run or checkpoint (deterministic)")
+    e.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
+    e.add_argument("--json", default=None)
+    e.set_defaults(fn=_cmd_eval)
+    p = sub.add_parser("presets", help="list the shipped presets")
+    p.set_defaults(fn=_cmd_presets)
+    b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
+    b.add_argument("what", choices=["ops"])
+    b.add_argument("--json", default=None)
+    b.set_defaults(fn=_cmd_bench)
+    x = sub.add_parser("build-ext", help="build the fused loss extension ahead of time")
+    x.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None)
+    x.set_defaults(fn=_cmd_build_ext)
+    d = sub.add_parser("doctor", help="report the environment and which loss backend runs")
+    d.set_defaults(fn=_cmd_doctor)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as exc:
+        print(f"flowgrpo: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flowgrpo: interrupted (checkpoints written so far are kept; resume with --resume RUN_DIR)",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Policy adapter for Stable Diffusion 3 / 3.5 (diffusers ``StableDiffusion3Pipeline`` components).
+
+Latent space: the VAE's ``[latent_channels, H/f, W/f]`` (16 x H/8 x W/8 for SD3). Prompts are
+encoded with SD3's recipe (the same tensors as ``StableDiffusion3Pipeline.encode_prompt``):
+
+* each CLIP (L, then G) tokenizes to its ``model_max_length`` (77), padding to max length; the
+  penultimate hidden layer is the token feature and the projected text embedding the pooled one;
+* the two CLIP token features are concatenated on channels and zero-padded to T5's width;
+* T5 tokenizes to ``max_sequence_length`` (special tokens added) and its last hidden state follows
+  the CLIP tokens on the sequence axis (zeros when the pipeline has no T5);
+* ``prompt_embeds`` = [B, 77 + max_sequence_length, joint_dim], ``pooled_prompt_embeds`` =
+  [B, pooled_dim] (the two projected CLIP embeddings concatenated).
+
+The transformer is called with ``timestep = 1000 * sigma``. Text encoders and VAE are frozen; the
+trainable part is a peft LoRA adapter on the transformer (or the whole transformer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UserError
+from .base import Policy
+from .lora import add_lora, lora_disabled
+
+# Attention (both streams, and the second attention of SD3.5-M dual-attention blocks, which share
+# the names to_q/to_k/to_v/to_out.0) and feed-forward projections of SD3's MMDiT blocks.
+SD3_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (UserError on an unknown name)."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise UserError(f"unknown model dtype {name!r}; valid: float32, bfloat16, float16") from None
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module.to(dtype)`` only where some floating parameter differs (diffusers warns on every cast)."""
+    if any(p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
+        module = module.to(dtype)
+    return module
+
+
+class SD3Policy(Policy):
+    """Wraps the components of a ``StableDiffusion3Pipeline``.
+
+    Args:
+        transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3,
+            tokenizer_3: the pipeline's components (T5 may be None, as in the stock pipeline).
+        resolution: image side in pixels; sets :attr:`latent_shape`.
+        guidance_scale: classifier-free guidance scale (1 = off, one forward per step).
+        train_mode: "lora" (peft adapter on the transformer), "full" (every transformer weight) or
+            "frozen" (nothing trainable; evaluation only).
+        lora_rank, lora_alpha, lora_targets: adapter size, scale and target module names.
+        max_sequence_length: T5 tokens.
+        dtype: dtype of the transformer and text encoders (the VAE runs in float32; LoRA weights
+            are kept in float32). Velocities are returned in this dtype; callers cast.
+        decode_batch: largest VAE decode batch.
+        gradient_checkpointing: recompute transformer blocks in backward (memory for real SD3).
+    """
+
+    adapter_name = "default"
+
+    def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
+                 tokenizer_3=None, *, resolution: int = 512, guidance_scale: float = 1.0, train_mode: str = "lora",
+                 lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None,
+                 max_sequence_length: int = 256, dtype: torch.dtype | str = torch.float32, decode_batch: int = 8,
+                 gradient_checkpointing: bool = False):
+        super().__init__(guidance_scale)
+        if train_mode not in ("lora", "full", "frozen"):
+            raise ValueError(f"unknown train_mode {train_mode!r}; valid: lora, full, frozen")
+        self.dtype = torch_dtype(dtype)
+        self.transformer = _cast(transformer, self.dtype)
+        self.vae = _cast(vae, torch.float32).eval()
+        self.text_encoder = _cast(text_encoder, self.dtype).eval()
+        self.text_encoder_2 = _cast(text_encoder_2, self.dtype).eval()
+        self.text_encoder_3 = _cast(text_encoder_3, self.dtype).eval() if text_encoder_3 is not None else None
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
+        if text_encoder_3 is not None and tokenizer_3 is None:
+            raise ValueError("text_encoder_3 (T5) needs tokenizer_3")
+        for module in (self.transformer, self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
+            if module is not None:
+                module.requires_grad_(False)
+        self.max_sequence_length = int(max_sequence_length)
+        self.decode_batch = int(decode_batch)
+        self.train_mode = train_mode
+        self._frozen: nn.Module | None = None
+
+        # latent geometry
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        patch = self.transformer.config.patch_size
+        step = self.vae_scale_factor * patch
+        if resolution <= 0 or resolution % step:
+            raise ValueError(f"resolution {resolution} must be a positive multiple of {step} "
+                             f"(VAE factor {self.vae_scale_factor} x patch size {patch})")
+        side = resolution // self.vae_scale_factor
+        max_patches = self.transformer.config.pos_embed_max_size
+        if max_patches is not None and side // patch > max_patches:
+            raise ValueError(f"resolution {resolution} exceeds the transformer's positional grid "
+                             f"({max_patches} patches per side = {max_patches * step} px)")
+        self.resolution = int(resolution)
+        self.latent_shape = (self.vae.config.latent_channels, side, side)
+
+        if train_mode == "lora":
+            add_lora(self.transformer, lora_rank, lora_alpha, lora_targets or SD3_LORA_TARGETS, name=self.adapter_name)
+            for p in self.transformer.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()  # LoRA weights train in fp32 even when the base runs in bf16
+        elif train_mode == "full":
+            self.transformer.requires_grad_(True)
+        if gradient_checkpointing and train_mode != "frozen":
+            self.transformer.enable_gradient_checkpointing()
+
+    @classmethod
+    def from_components(cls, components: dict, **kwargs) -> "SD3Policy":
+        """From a ``pipeline.components``-style dict (scheduler and unused entries are ignored)."""
+        names = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+                 "text_encoder_3", "tokenizer_3"]
+        return cls(**{n: components.get(n) for n in names}, **kwargs)
+
+    def train(self, mode: bool = True) -> "SD3Policy":
+        """Only the transformer follows ``mode``: frozen encoders and VAE stay in eval (T5's dropout is 0.1)."""
+        super().train(mode)
+        for module in (self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
+            if module is not None:
+                module.eval()
+        return self
+
+    # ------------------------------------------------------------------ prompts
+    def _clip_max_length(self) -> int:
+        length = self.tokenizer.model_max_length  # the stock pipeline uses tokenizer 1's length for both
+        if length is None or length > 10_000:
+            length = 77
+        return int(length)
+
+    def _clip(self, prompts: list[str], tokenizer, encoder: nn.Module) -> tuple[Tensor, Tensor]:
+        ids = tokenizer(prompts, padding="max_length", max_length=self._clip_max_length(), truncation=True,
+                        return_tensors="pt").input_ids.to(self.device)
+        out = encoder(ids, output_hidden_states=True)
+        return out.hidden_states[-2], out[0]  # penultimate layer, projected pooled embedding
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
+        prompts = list(prompts)
+        hidden_1, pooled_1 = self._clip(prompts, self.tokenizer, self.text_encoder)
+        hidden_2, pooled_2 = self._clip(prompts, self.tokenizer_2, self.text_encoder_2)
+        joint_dim = self.transformer.config.joint_attention_dim
+        if self.text_encoder_3 is not None:
+            ids = self.tokenizer_3(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                                   add_special_tokens=True, return_tensors="pt").input_ids.to(self.device)
+            t5 = self.text_encoder_3(ids)[0]
+        else:
+            t5 = torch.zeros(len(prompts), self.max_sequence_length, joint_dim, device=self.device, dtype=self.dtype)
+        clip = torch.cat([hidden_1, hidden_2], dim=-1)
+        clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return {
+            "prompt_embeds": torch.cat([clip, t5], dim=-2).to(self.dtype),
+            "pooled_prompt_embeds": torch.cat([pooled_1, pooled_2], dim=-1).to(self.dtype),
+        }
+
+    # ------------------------------------------------------------------ model
+    def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
+        sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).reshape(-1).expand(x.shape[0])
+        return self.transformer(
+            hidden_states=x.to(self.dtype),
+            timestep=sigma * 1000.0,
+            encoder_hidden_states=enc["prompt_embeds"].to(self.dtype),
+            pooled_projections=enc["pooled_prompt_embeds"].to(self.dtype),
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: Tensor) -> Tensor:
+        cfg = self.vae.config
+        shift = cfg.shift_factor if cfg.shift_factor is not None else 0.0
+        images = []
+        for chunk in latents.split(self.decode_batch):
+            z = chunk.to(self.vae.dtype) / cfg.scaling_factor + shift
+            images.append(self.vae.decode(z, return_dict=False)[0])
+        return ((torch.cat(images).float() + 1.0) / 2.0).clamp(0.0, 1.0)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def adapter_disabled(self):
+        if self.train_mode == "lora":
+            with lora_disabled(self.transformer):
+                yield
+            return
+        if self.train_mode == "frozen":  # the policy is the base model
+            yield
+            return
+        # full fine-tuning: the reference is a frozen copy of the initial transformer
+        if self._frozen is None:
+            raise RuntimeError("call snapshot_reference() before using the reference model in full fine-tuning")
+        live = self.transformer
+        self.transformer = self._frozen
+        try:
+            yield
+        finally:
+            self.transformer = live
+
+    def snapshot_reference(self) -> None:
+        """Keep a frozen copy of the current transformer as the KL reference (full fine-tuning only)."""
+        if self.train_mode == "full" and self._frozen is None:
+            frozen = copy.deepcopy(self.transformer).requires_grad_(False)
+            object.__setattr__(self, "_frozen", frozen)  # not a submodule: not trained, not checkpointed
+
+    # ------------------------------------------------------------------ export
+    def save_lora(self, directory: str | Path) -> Path:
+        """Save the adapter so that ``StableDiffusion3Pipeline.load_lora_weights(directory)`` loads it.
+
+        Writes ``pytorch_lora_weights.safetensors`` (diffusers' key layout, with the LoRA config —
+        rank, alpha, targets — in the file's metadata so the loaded scale matches).
+        """
+        if self.train_mode != "lora":
+            raise ValueError(f"save_lora needs train_mode='lora' (this policy is {self.train_mode!r})")
+        from diffusers import StableDiffusion3Pipeline
+        from peft.utils import get_peft_model_state_dict
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(self.transformer, adapter_name=self.adapter_name)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+        metadata = self.transformer.peft_config[self.adapter_name].to_dict()
+        StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state,
+                                                   transformer_lora_adapter_metadata=metadata)
+        return directory
+
+
+def build_sd3_policy(cfg) -> SD3Policy:
+    """Factory for ``model.name=sd3``: ``cfg.path`` is a local diffusers SD3/SD3.5 pipeline folder."""
+    if not cfg.path:
+        raise UserError("model.name=sd3 needs model.path: a local diffusers StableDiffusion3Pipeline folder "
+                        "(one holding model_index.json); weights are never downloaded")
+    path = Path(cfg.path).expanduser()
+    if not (path / "model_index.json").is_file():
+        what = "does not exist" if not path.exists() else "has no model_index.json"
+        raise UserError(f"model.path {str(path)!r} {what}: it must be a local diffusers StableDiffusion3Pipeline "
+                        "folder (e.g. from `huggingface-cli download` or pipeline.save_pretrained)")
+    dtype = torch_dtype(cfg.dtype)
+    from diffusers import StableDiffusion3Pipeline
+
+    try:
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load an SD3 pipeline from {str(path)!r}: {exc}") from None
+    try:
+        return SD3Policy.from_components(
+            pipe.components, resolution=cfg.resolution, guidance_scale=cfg.guidance_scale,
+            train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+            max_sequence_length=cfg.max_sequence_length, dtype=dtype,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None

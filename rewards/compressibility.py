@@ -1,0 +1,45 @@
+"""JPEG compressibility rewards (DDPO): the encoded size of each image."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from .base import REWARDS, RewardOutput
+
+
+def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:
+    """Size in kB of each image [B, 3, H, W] in [0, 1] saved as JPEG at ``quality``. Returns [B]."""
+    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    sizes = []
+    for img in arr:
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(img)).save(buf, format="JPEG", quality=quality)
+        sizes.append(buf.tell() / 1000.0)
+    return torch.tensor(sizes, dtype=torch.float32)
+
+
+@REWARDS.register("jpeg_compressibility")
+class JpegCompressibility:
+    """Reward = -(JPEG size in kB): smaller files score higher."""
+
+    name = "jpeg_compressibility"
+
+    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput:
+        kb = jpeg_kilobytes(images)
+        return RewardOutput(-kb, {"jpeg_kb": kb})
+
+
+@REWARDS.register("jpeg_incompressibility")
+class JpegIncompressibility:
+    """Reward = +(JPEG size in kB): busier images score higher."""
+
+    name = "jpeg_incompressibility"
+
+    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput:
+        kb = jpeg_kilobytes(images)
+        return RewardOutput(kb, {"jpeg_kb": kb})

@@ -1,0 +1,36 @@
+"""The shapes world's verifiable reward: parse the image, check the prompt's spec."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flowgrpo.shapes.prompts import parse_prompt
+from flowgrpo.shapes.verify import verify
+
+from .base import REWARDS, RewardOutput
+
+
+@REWARDS.register("shapes")
+class ShapesReward:
+    """GenEval-style reward for shapes prompts.
+
+    ``scores`` is the partial credit in [0, 1] (the mean of the per-object count checks, the
+    no-extra-objects check and the relation check); component ``correct`` is the strict 0/1
+    GenEval rule. A prompt that is not a shapes-world prompt scores NaN (dropped by the trainer).
+    """
+
+    name = "shapes"
+
+    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput:
+        arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        scores, correct = [], []
+        for prompt, img in zip(prompts, arr):
+            try:
+                r = verify(parse_prompt(prompt), img)
+            except ValueError:
+                r = {"score": float("nan"), "correct": float("nan")}
+            scores.append(r["score"])
+            correct.append(r["correct"])
+        return RewardOutput(torch.tensor(scores, dtype=torch.float32),
+                            {"correct": torch.tensor(correct, dtype=torch.float32)})
