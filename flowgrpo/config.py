@@ -77,6 +77,8 @@ class LossConfig:
     beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass")
     kl_sigma: str = _f("transition_std", "KL denominator: transition_std (s = sigma_t*sqrt(-dt), exact Gaussian KL; Flow-GRPO code) | sigma_t (DESIGN formula)")
     guard: bool = _f(False, "GRPO-Guard ratio normalisation")
+    guard_reweight: bool = _f(False, "GRPO-Guard per-step gradient reweighting (weight proportional to 1/|dt|, mean 1)")
+    tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to sigma_t*sqrt(-dt), mean 1)")
     backend: str = _f("auto", "auto (fused op where built, else reference) | reference | fused")
 
 

@@ -42,6 +42,19 @@ class Strategy(ABC):
     def plan(self, iteration: int) -> SamplingPlan:
         """The sampling plan for outer iteration ``iteration`` (0-based)."""
 
+    # ---- optional hooks the trainer calls; the defaults change nothing -------------------------
+    def edge_train_masks(self, rollout, advantages, iteration: int) -> list | None:
+        """Per-depth bool masks [N_d] of edges that enter the backward pass (pruning), or None for all."""
+        return None
+
+    def clip_range(self, iteration: int, default: float, rewards=None) -> float:
+        """The ratio clip epsilon for this iteration (reward-adaptive strategies override)."""
+        return default
+
+    def auxiliary_loss(self, policy, batch, velocity, mean, plan, rollout):
+        """An extra loss term for one micro-batch (e.g. an SFT pull toward the best path), or None."""
+        return None
+
 
 @STRATEGIES.register("flow_grpo")
 class FlowGRPOStrategy(Strategy):

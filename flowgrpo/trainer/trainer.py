@@ -121,11 +121,14 @@ class GRPOTrainer:
         x = rollout.leaves.x
         return torch.cat([self.policy.decode(x[i:i + chunk]).float().cpu() for i in range(0, x.shape[0], chunk)])
 
-    def score(self, images: torch.Tensor, prompts: list[str]) -> tuple[dict, dict]:
-        """Rewards [L] per name, plus named components for logging."""
+    def score(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor | None = None) -> tuple[dict, dict]:
+        """Rewards [L] per name, plus named components for logging.
+
+        Pairwise rewards (attribute ``needs_groups = True``) also receive the leaves' group ids [L].
+        """
         scores, comps = {}, {}
         for name, fn in self.rewards.items():
-            out = fn(images, prompts)
+            out = fn(images, prompts, groups=groups) if getattr(fn, "needs_groups", False) else fn(images, prompts)
             scores[name] = out.scores.float().cpu()
             for k, v in out.components.items():
                 comps[f"{name}.{k}"] = v.float().cpu()
@@ -153,17 +156,21 @@ class GRPOTrainer:
         rollout = self.sampler.rollout(plan, prompts, cfg.data.group_size, gen, cfg.sampler.shared_group_noise)
         images = self.decode_leaves(rollout)
         t_rollout = time.perf_counter() - t0
-        rewards, comps = self.score(images, rollout.leaf_prompts)
+        rewards, comps = self.score(images, rollout.leaf_prompts, rollout.leaf_groups)
         adv = estimate_advantages(cfg.advantage.estimator, rollout, rewards, cfg.advantage, cfg.reward)
         edge_masks = [None] + [rollout.mean_over_descendants(adv.leaf_mask.float(), d) > 0
                                for d in range(1, len(rollout.levels))]
+        pruned = self.strategy.edge_train_masks(rollout, adv, it)
+        if pruned is not None:  # backward-only pruning: the rollout and rewards are untouched
+            edge_masks = [m if p is None else (p if m is None else m & p) for m, p in zip(edge_masks, pruned)]
         steps = self.select_steps(plan, it)
         t1 = time.perf_counter()
         train_stats = {}
         if adv.leaf_mask.any():
             batch = rollout.transitions(adv.edge_advantages, steps, edge_masks)
             cond = self.policy.encode_prompts(rollout.prompts)
-            train_stats = self.update(batch, plan, cond, it)
+            clip = self.strategy.clip_range(it, cfg.loss.clip_range, rewards)
+            train_stats = self.update(batch, plan, cond, it, clip, rollout)
         t_train = time.perf_counter() - t1
         if self.ema is not None:
             d = cfg.train.ema_decay
@@ -208,15 +215,17 @@ class GRPOTrainer:
                                     plan.sigmas[1].expand(len(rows)))
         return out
 
-    def update(self, batch: TransitionBatch, plan, cond, iteration: int) -> dict:
+    def update(self, batch: TransitionBatch, plan, cond, iteration: int, clip_range: float, rollout=None) -> dict:
         """Inner epochs x minibatches of clipped-surrogate updates over ``batch``. Returns diagnostics."""
+        from ..loss_weights import transition_weights
+
         cfg, tc = self.cfg, self.cfg.train
         trees = batch.tree.unique()
         rng = np.random.default_rng([tc.seed, iteration, 31])
         stats = {"ratio": [], "logp_diff": [], "clip_high": [], "clip_low": [], "kl": [], "loss": []}
         grad_norms = []
         first_dev = None
-        weights_all = torch.ones(len(batch))
+        weights_all = transition_weights(batch, plan, cfg.loss)
         for epoch in range(tc.inner_epochs):
             order = trees[torch.from_numpy(rng.permutation(len(trees)))]
             for mb_trees in torch.tensor_split(order, tc.minibatches):
@@ -238,8 +247,11 @@ class GRPOTrainer:
                         mean_ref = self._means(x, v_ref, mb, plan).detach()
                         kl_sigma = mb.std if cfg.loss.kl_sigma == "transition_std" else self._sigma_t(mb, plan)
                     loss, st = self.loss_fn(mb.prev_sample, mean, mb.mean_old, mb.std, mb.log_prob_old, mb.advantages,
-                                            weights_all[mrows], clip_range=cfg.loss.clip_range, guard=cfg.loss.guard,
+                                            weights_all[mrows], clip_range=clip_range, guard=cfg.loss.guard,
                                             mean_ref=mean_ref, kl_sigma=kl_sigma, beta=cfg.loss.beta)
+                    aux = self.strategy.auxiliary_loss(self.policy, mb, v, mean, plan, rollout)
+                    if aux is not None:
+                        loss = loss + aux
                     self.accelerator.backward(loss * (len(mrows) / len(rows)))
                     stats["ratio"].append(st["ratio"])
                     stats["logp_diff"].append(st["logp"] - mb.log_prob_old)
