@@ -102,3 +102,7 @@ def group_zscore_estimator(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_rew
 
 def estimate_advantages(name: str, rollout, rewards, cfg_adv, cfg_reward) -> AdvantageResult:
     return ESTIMATORS.get(name)(rollout, rewards, cfg_adv, cfg_reward)
+
+
+# Estimators defined in other modules register themselves on import.
+from . import tree_advantages  # noqa: E402,F401  (branch_grpo, tempflow, g2rpo)

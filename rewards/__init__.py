@@ -8,6 +8,7 @@ from .base import REWARDS, Reward, RewardOutput
 REWARDS.register_lazy("shapes", "flowgrpo.rewards.shapes:ShapesReward")
 REWARDS.register_lazy("jpeg_compressibility", "flowgrpo.rewards.compressibility:JpegCompressibility")
 REWARDS.register_lazy("jpeg_incompressibility", "flowgrpo.rewards.compressibility:JpegIncompressibility")
+REWARDS.register_lazy("shapes_pairwise", "flowgrpo.rewards.pairwise:ShapesPairwiseReward")
 
 
 def build_reward(name: str) -> Reward:

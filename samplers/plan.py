@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-ODE_SOLVERS = ("euler",)
+ODE_SOLVERS = ("euler", "dpm2")  # dpm2: DPM-Solver++(2M) midpoint, samplers/solvers.py
+#: How the K > 1 SDE children of one node draw their noise (DESIGN §6, BranchGRPO):
+#: "iid" independent standard normals; "shared" the marginal-preserving branching noise
+#: xi_b = (xi_0 + c * eta_b) / sqrt(1 + c^2) (xi_0 shared by the siblings, eta_b their own, so every
+#: child keeps the N(0, 1) marginal and siblings correlate by 1 / (1 + c^2)); "scaled" the BranchGRPO
+#: reference code's variant xi_b = c * eta_b (independent, scaled: the marginal is N(0, c^2), so the
+#: children are not drawn from the density their log-prob scores).
+BRANCH_NOISE = ("iid", "shared", "scaled")
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,15 @@ class StepSpec:
         sde_kind: "flow_grpo" | "dance" | "cps".
         solver: ODE solver for deterministic steps (see :data:`ODE_SOLVERS`).
         train: whether this SDE step's transitions enter the loss.
+        stride: grid points this edge spans (ODE only): the child sits at grid index
+            min(i + stride, T). G2RPO completes children at several ODE granularities this way.
+        lane: lane of the children in :attr:`SamplingPlan.rules` (None: the parent's lane).
+        branch_noise: how K > 1 SDE children share noise, see :data:`BRANCH_NOISE`.
+        branch_noise_scale: c of the "shared" and "scaled" branching noise.
+
+    In a plan without ``rules`` a StepSpec is what every node does at step i. In a tree program
+    (``rules``), one StepSpec is one *group of children* of a node: ``branch`` children, all with
+    this edge kind, in lane ``lane``.
     """
 
     sde: bool = True
@@ -30,44 +46,122 @@ class StepSpec:
     sde_kind: str = "flow_grpo"
     solver: str = "euler"
     train: bool = True
+    stride: int = 1
+    lane: int | None = None
+    branch_noise: str = "iid"
+    branch_noise_scale: float = 4.0
 
     def __post_init__(self):
         if self.branch < 1:
             raise ValueError(f"branch must be >= 1, got {self.branch}")
+        if self.stride < 1:
+            raise ValueError(f"stride must be >= 1, got {self.stride}")
+        if self.sde and self.stride != 1:
+            raise ValueError("an SDE edge spans one grid step (stride 1)")
+        if self.branch_noise not in BRANCH_NOISE:
+            raise ValueError(f"unknown branch_noise {self.branch_noise!r}; valid: {', '.join(BRANCH_NOISE)}")
         if self.solver not in ODE_SOLVERS:
             raise ValueError(f"unknown ODE solver {self.solver!r}; valid: {', '.join(ODE_SOLVERS)}")
 
 
+Rule = tuple  # tuple[StepSpec, ...]: the child groups of one node
+
+
 @dataclass
 class SamplingPlan:
-    """A sigma grid [T + 1] (1 -> 0) and one :class:`StepSpec` per step."""
+    """A sigma grid [T + 1] (1 -> 0) and one :class:`StepSpec` per step, optionally a tree program.
+
+    Without ``rules`` every node at step i does ``steps[i]`` (chains, and trees whose nodes of one
+    depth all branch alike, e.g. BranchGRPO). A **tree program** (``rules``) lets nodes of one depth
+    differ: every node carries a *lane* (an int role) and its grid index; a lane-l node at grid index i
+    produces the child groups ``rules[l][i]`` (a tuple of :class:`StepSpec`, possibly empty: the node
+    ends there). Lane 0 defaults to ``(steps[i],)`` when ``rules`` has no lane 0. Nodes reaching grid
+    index T are the leaves, whatever their depth. TempFlow-GRPO: lane 0 an ODE main chain whose
+    branch steps also spawn K one-step SDE children into lane 1, which runs ODE to the end.
+
+    ``steps[i]`` always describes the SDE edges that start at grid step i (noise level, kind,
+    train), which is what the loss needs to recompute their means; rules are checked against it.
+    """
 
     sigmas: Tensor
     steps: list[StepSpec]
     info: dict = field(default_factory=dict)
+    rules: dict | None = None  # {lane: [Rule] * T}
 
     def __post_init__(self):
         if len(self.sigmas) != len(self.steps) + 1:
             raise ValueError(f"plan has {len(self.steps)} steps but {len(self.sigmas)} sigmas (need steps + 1)")
+        for lane, per_step in (self.rules or {}).items():
+            if len(per_step) != len(self.steps):
+                raise ValueError(f"rules of lane {lane} cover {len(per_step)} steps, the plan has {len(self.steps)}")
+            for i, rule in enumerate(per_step):
+                for spec in rule:
+                    if spec.lane is not None and spec.lane not in self.rules and spec.lane != 0:
+                        raise ValueError(f"rule at lane {lane}, step {i} sends children to undefined lane {spec.lane}")
+                    ref = self.steps[i]
+                    if spec.sde and not (ref.sde and ref.noise_level == spec.noise_level
+                                         and ref.sde_kind == spec.sde_kind):
+                        raise ValueError(f"SDE edges at step {i} (lane {lane}) must match steps[{i}] "
+                                         "(sde, noise_level, sde_kind): the loss recomputes means from steps[i]")
 
     @property
     def num_steps(self) -> int:
         return len(self.steps)
 
     @property
+    def is_program(self) -> bool:
+        """True for a tree program (per-lane rules), False for one spec per step."""
+        return self.rules is not None
+
+    def rule(self, lane: int, i: int) -> Rule:
+        """Child groups of a lane-``lane`` node at grid index ``i`` (empty: the node ends there)."""
+        if self.rules is not None and lane in self.rules:
+            return tuple(self.rules[lane][i])
+        if lane == 0:
+            return (self.steps[i],)
+        raise KeyError(f"the plan has no rules for lane {lane}")
+
+    def all_specs(self) -> list[StepSpec]:
+        specs = list(self.steps)
+        for per_step in (self.rules or {}).values():
+            for rule in per_step:
+                specs.extend(rule)
+        return specs
+
+    def walk(self, trees: int = 1) -> list[dict]:
+        """Node counts per depth without sampling: ``[{(lane, grid index): count}, ...]`` from depth 0
+        until no node is left to step."""
+        t = self.num_steps
+        out = [{(0, 0): trees}]
+        while True:
+            nxt: dict = {}
+            for (lane, i), n in out[-1].items():
+                if i >= t:
+                    continue
+                for spec in self.rule(lane, i):
+                    key = (lane if spec.lane is None else spec.lane, min(i + spec.stride, t))
+                    nxt[key] = nxt.get(key, 0) + n * spec.branch
+            if not nxt:
+                return out
+            out.append(nxt)
+
+    @property
     def leaves_per_tree(self) -> int:
-        return math.prod(s.branch for s in self.steps)
+        """Nodes reaching sigma = 0 (grid index T) per root."""
+        if not self.is_program and all(s.stride == 1 for s in self.steps):
+            return math.prod(s.branch for s in self.steps)
+        t = self.num_steps
+        return sum(n for level in self.walk(1) for (lane, i), n in level.items() if i >= t)
 
     def nodes_per_depth(self, trees: int = 1) -> list[int]:
-        """Nodes at depths 0..T for ``trees`` roots."""
-        out = [trees]
-        for s in self.steps:
-            out.append(out[-1] * s.branch)
-        return out
+        """Nodes at depths 0..D for ``trees`` roots (D = T for plans without strides)."""
+        return [sum(level.values()) for level in self.walk(trees)]
 
     def nfe(self, trees: int = 1) -> int:
-        """Model evaluations of one rollout (one per node per non-final depth), before CFG doubling."""
-        return sum(self.nodes_per_depth(trees)[:-1])
+        """Model evaluations of one rollout (one per node that takes a step), before CFG doubling."""
+        t = self.num_steps
+        return sum(n for level in self.walk(trees) for (lane, i), n in level.items()
+                   if i < t and self.rule(lane, i))
 
     def trained_steps(self) -> list[int]:
         return [i for i, s in enumerate(self.steps) if s.sde and s.train]

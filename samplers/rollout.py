@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from .forest import Level, Rollout
 from .plan import SamplingPlan
+from .solvers import dpm2_step, lambda_step
 from .steps import euler_step, sde_step
 
 
@@ -15,7 +18,10 @@ class ForestSampler:
 
     Every node of one depth, across all trees and prompts, is evaluated in one model batch
     (split into chunks of ``max_micro_batch``); a node with K children is evaluated once and its
-    velocity reused for all K (shared prefixes are computed once).
+    velocity reused for all K (shared prefixes are computed once). In a tree program the nodes of
+    one depth may sit at different grid indices and take different kinds of step (SDE or ODE, any
+    stride): they still share the one model call (per-node sigma), and each (lane, grid index)
+    group of nodes then takes its rule's steps.
 
     Args:
         policy: a :class:`flowgrpo.policies.Policy` (velocity, encode_prompts, latent_shape).
@@ -32,7 +38,8 @@ class ForestSampler:
         for start in range(0, x.shape[0], self.max_micro_batch):
             sl = slice(start, start + self.max_micro_batch)
             xs = x[sl]
-            s = torch.as_tensor(sigma, dtype=torch.float32, device=xs.device).expand(xs.shape[0])
+            s = torch.as_tensor(sigma, dtype=torch.float32, device=xs.device)
+            s = s.expand(xs.shape[0]) if s.ndim == 0 else s[sl]
             out.append(self.policy.velocity(xs.to(self._dtype), s, cond.index(prompt_rows[sl])).float())
         return torch.cat(out)
 
@@ -64,24 +71,143 @@ class ForestSampler:
         tree_prompt = torch.arange(len(prompts), device=device).repeat_interleave(group_size)
         x = self.initial_noise(len(prompts), group_size, generator, shared_group_noise)
         levels = [Level(x=x, parent=torch.full((num_trees,), -1, dtype=torch.long, device=device),
-                        tree=torch.arange(num_trees, device=device))]
+                        tree=torch.arange(num_trees, device=device),
+                        pos=torch.zeros(num_trees, dtype=torch.long, device=device),
+                        lane=torch.zeros(num_trees, dtype=torch.long, device=device))]
         sigmas = plan.sigmas.to(device)
+        t_end = plan.num_steps
         nfe = 0
-        for i, step in enumerate(plan.steps):
+        # multistep ODE history per node of the current depth: (x0_hat at the previous step's start,
+        # h of the previous step [N] float64 on the CPU); h = NaN after an SDE step (the next dpm2
+        # step is then first order)
+        hist = None
+        keep_hist = any(not s.sde and s.solver == "dpm2" for s in plan.all_specs())
+        while True:
             cur = levels[-1]
-            v = self.velocity(cur.x, sigmas[i], cond, tree_prompt[cur.tree])
-            nfe += len(cur)
-            parent = torch.arange(len(cur), device=device)
-            if step.branch > 1:
-                parent = parent.repeat_interleave(step.branch)
-            xs, vs = cur.x[parent], v[parent]
-            if step.sde:
-                out = sde_step(xs, vs, sigmas[i], sigmas[i + 1], noise_level=step.noise_level, kind=step.sde_kind,
-                               generator=generator, sigma_max=sigmas[1])
-                levels.append(Level(x=out.prev_sample, parent=parent, tree=cur.tree[parent], mean=out.mean,
-                                    std=out.std, log_prob=out.log_prob))
+            groups = self._node_groups(plan, cur, t_end)
+            if not groups:
+                break
+            act = groups[0][0] if len(groups) == 1 else torch.cat([g[0] for g in groups])
+            if len(groups) == 1:
+                sigma_act = sigmas[groups[0][1]]
             else:
-                xn = euler_step(xs, vs, sigmas[i], sigmas[i + 1])
-                levels.append(Level(x=xn, parent=parent, tree=cur.tree[parent]))
+                sigma_act = sigmas[cur.pos[act]]
+            v = self.velocity(cur.x[act], sigma_act, cond, tree_prompt[cur.tree[act]])
+            nfe += len(act)
+            row = torch.full((len(cur),), -1, dtype=torch.long, device=device)
+            row[act] = torch.arange(len(act), device=device)
+            parts = []
+            for members, i, lane, rule in groups:
+                for step in rule:
+                    parent = members.repeat_interleave(step.branch) if step.branch > 1 else members
+                    xs, vs = cur.x[parent], v[row[parent]]
+                    prev_hist = None if hist is None else (hist[0][parent], hist[1][parent.cpu()])
+                    nxt = min(i + step.stride, t_end)
+                    part = {"parent": parent, "pos": nxt, "lane": lane if step.lane is None else step.lane,
+                            "sde": step.sde, "train": step.train}
+                    if step.sde:
+                        noise = self.branch_noise(step, len(members), xs, generator)
+                        out = sde_step(xs, vs, sigmas[i], sigmas[i + 1], noise_level=step.noise_level,
+                                       kind=step.sde_kind, generator=generator, noise=noise, sigma_max=sigmas[1])
+                        part.update(x=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob)
+                        if keep_hist:
+                            part["hist"] = (xs, torch.full((len(parent),), math.nan, dtype=torch.float64))
+                    elif step.solver == "dpm2":
+                        xn, x0_hat, h = dpm2_step(xs, vs, sigmas[i], sigmas[nxt], *(prev_hist or (None, None)))
+                        part.update(x=xn, hist=(x0_hat, h))
+                    else:
+                        xn = euler_step(xs, vs, sigmas[i], sigmas[nxt])
+                        part["x"] = xn
+                        if keep_hist:
+                            part["hist"] = (xs - sigmas[i] * vs,
+                                            lambda_step(plan.sigmas[i], plan.sigmas[nxt]).expand(len(xn)))
+                    parts.append(part)
+            level, hist = self._make_level(parts, cur, keep_hist, device)
+            levels.append(level)
         return Rollout(plan=plan, levels=levels, prompts=list(prompts), tree_prompt=tree_prompt.cpu(),
                        tree_group=tree_prompt.cpu().clone(), nfe=nfe)
+
+    @staticmethod
+    def _node_groups(plan: SamplingPlan, cur: Level, t_end: int) -> list:
+        """The nodes of ``cur`` that take a step, grouped by (grid index, lane):
+        ``[(members [n] long, grid index, lane, rule), ...]``. Empty when every node is a leaf or ends."""
+        pos, lane = cur.pos, cur.lane
+        p0, l0 = int(pos[0]), int(lane[0])
+        if bool((pos == p0).all()) and bool((lane == l0).all()):  # chains and uniform trees: one group
+            keys = [(p0, l0, None)]
+        else:
+            code = pos * (int(lane.max()) + 1) + lane
+            keys = []
+            for c in torch.unique(code).tolist():
+                members = (code == c).nonzero(as_tuple=True)[0]
+                keys.append((int(pos[members[0]]), int(lane[members[0]]), members))
+        groups = []
+        for i, ln, members in keys:
+            if i >= t_end:
+                continue
+            rule = plan.rule(ln, i)
+            if not rule:
+                continue
+            if members is None:
+                members = torch.arange(len(cur), device=cur.x.device)
+            groups.append((members, i, ln, rule))
+        return groups
+
+    @staticmethod
+    def branch_noise(step, num_parents: int, like: Tensor, generator: torch.Generator) -> Tensor | None:
+        """Standard-normal-marginal noise for the ``step.branch`` SDE children of each of ``num_parents``
+        nodes ([num_parents * K, ...], siblings adjacent), or None to let the step draw i.i.d. noise.
+
+        "shared": xi_b = (xi_0 + c * eta_b) / sqrt(1 + c^2) with xi_0 drawn once per parent: every child
+        keeps the N(0, 1) marginal (so its log-prob is the density it was drawn from) and siblings
+        correlate by 1 / (1 + c^2). "scaled": the BranchGRPO reference code's independent noise
+        scaled by c, xi_b = c * eta_b (variance c^2: not the density its log-prob scores).
+        """
+        k = step.branch
+        if k == 1 or step.branch_noise == "iid":
+            return None
+        c = float(step.branch_noise_scale)
+        shape = tuple(like.shape[1:])
+        eta = torch.randn((num_parents * k, *shape), generator=generator, dtype=torch.float32)
+        if step.branch_noise == "scaled":
+            return (c * eta).to(like.device)
+        xi0 = torch.randn((num_parents, *shape), generator=generator, dtype=torch.float32)
+        return ((xi0.repeat_interleave(k, dim=0) + c * eta) / math.sqrt(1.0 + c * c)).to(like.device)
+
+    @staticmethod
+    def _make_level(parts: list[dict], cur: Level, keep_hist: bool, device) -> tuple[Level, tuple | None]:
+        """Concatenate the child groups of one depth into a :class:`Level` (children ordered by parent)."""
+        def cat(key, fill=None):
+            vals = [p[key] if key in p else fill(p) for p in parts]
+            return vals[0] if len(vals) == 1 else torch.cat(vals)
+
+        parent = cat("parent")
+        n = len(parent)
+        x = cat("x")
+        pos = torch.cat([torch.full((len(p["parent"]),), p["pos"], dtype=torch.long, device=device) for p in parts])
+        lane = torch.cat([torch.full((len(p["parent"]),), p["lane"], dtype=torch.long, device=device) for p in parts])
+        sde = torch.cat([torch.full((len(p["parent"]),), p["sde"], dtype=torch.bool, device=device) for p in parts])
+        train = torch.cat([torch.full((len(p["parent"]),), p["sde"] and p["train"], dtype=torch.bool, device=device)
+                           for p in parts])
+        mean = std = log_prob = None
+        if bool(sde.any()):
+            mean = cat("mean", lambda p: p["x"])
+            std = cat("std", lambda p: torch.zeros(len(p["parent"]), device=device))
+            log_prob = cat("log_prob", lambda p: torch.zeros(len(p["parent"]), device=device))
+        hist = None
+        if keep_hist:
+            hist = tuple(parts[0]["hist"][j] if len(parts) == 1 else torch.cat([p["hist"][j] for p in parts])
+                         for j in (0, 1))
+        if len(parts) > 1:  # keep siblings adjacent, in rule order
+            order = torch.sort(parent, stable=True).indices
+            parent, x, pos, lane, sde, train = (t[order] for t in (parent, x, pos, lane, sde, train))
+            if mean is not None:
+                mean, std, log_prob = mean[order], std[order], log_prob[order]
+            if hist is not None:
+                hist = (hist[0][order], hist[1][order.cpu()])
+        all_sde = bool(sde.all())
+        level = Level(x=x, parent=parent, tree=cur.tree[parent], mean=mean, std=std, log_prob=log_prob,
+                      pos=pos, lane=lane, sde=None if (all_sde or mean is None) else sde,
+                      train=None if bool((train == sde).all()) else train)
+        assert len(level) == n
+        return level, hist

@@ -66,3 +66,8 @@ class FlowGRPOStrategy(Strategy):
 
 def build_strategy(sampler_cfg, options: dict | None = None) -> Strategy:
     return STRATEGIES.build(sampler_cfg.strategy, sampler_cfg, options)
+
+
+# Strategies defined in other modules register themselves on import.
+from . import mix  # noqa: E402,F401  (dance_grpo, mix_grpo, mix_grpo_flash, mix_grpo_flash_star)
+from . import trees  # noqa: E402,F401  (branch_grpo, branch_grpo_mix, tree_rpo, tempflow_grpo, g2rpo)

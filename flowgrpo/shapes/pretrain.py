@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--init", default=None, help="start from these weights (a snapshot folder) instead of random")
+    ap.add_argument("--warmup", type=int, default=200, help="linear learning-rate warm-up steps")
     args = ap.parse_args(argv)
 
     from ..evaluate import evaluate_shapes_model  # late import: evaluation pulls in the samplers
@@ -56,10 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     cfg = ShapesModelConfig()
-    model = ShapesFlowModel(cfg)
+    model = ShapesFlowModel.load(args.init) if args.init else ShapesFlowModel(cfg)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
-    warmup = 200
+    warmup = max(1, args.warmup)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,9 +83,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        # EMA with a warm-up (early on, averaging in the random init only adds noise)
+        decay = args.ema if args.init else min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
             for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - args.ema)
+                pe.lerp_(pm, 1 - decay)
         losses.append(loss.item())
         step += 1
         if step % args.eval_every == 0:
