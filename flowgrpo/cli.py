@@ -3,8 +3,8 @@
     flowgrpo train [--preset NAME] [--config FILE] [key.sub=value ...] [--resume RUN_DIR]
     flowgrpo eval RUN_DIR_OR_CHECKPOINT [--json PATH]
     flowgrpo presets
-    flowgrpo bench ops [--json PATH]
-    flowgrpo build-ext | doctor
+    flowgrpo bench ops|samplers|e2e [--json PATH]
+    flowgrpo build-ext [--cuda] | doctor
 
 Bad input (config keys, values, presets, prompt files, missing weights) prints one line naming the
 problem and exits with code 2.
@@ -93,20 +93,42 @@ def _cmd_presets(args) -> int:
     return 0
 
 
+def _benchmarks_on_path() -> None:
+    """benchmarks/ lives at the repository root (not installed): make it importable."""
+    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        if (root / "benchmarks" / "__init__.py").exists():
+            sys.path.insert(0, str(root))
+            return
+    raise UserError("benchmarks/ not found: run `flowgrpo bench` from a checkout of the flowgrpo repository")
+
+
 def _cmd_bench(args) -> int:
+    _benchmarks_on_path()
     if args.what == "ops":
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from benchmarks.bench_ops import run_bench_ops
 
-        run_bench_ops(args.json)
-        return 0
-    raise UserError(f"unknown benchmark {args.what!r}; valid: ops")
+        kw = {"repeats": args.repeats} if args.repeats else {}
+        run_bench_ops(args.json, **kw)
+    elif args.what == "samplers":
+        from benchmarks.bench_samplers import run_bench_samplers
+
+        run_bench_samplers(args.json)
+    elif args.what == "e2e":
+        from benchmarks.bench_e2e import run_bench_e2e
+
+        run_bench_e2e(args.json)
+    return 0
 
 
 def _cmd_build_ext(args) -> int:
     from .ops.build import build_extension
 
-    build_extension(cuda=args.cuda, verbose=True)
+    try:
+        path = build_extension(cuda=args.cuda, verbose=not args.quiet)
+    except RuntimeError as exc:
+        print(f"flowgrpo: build failed: {exc}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 
@@ -133,11 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(fn=_cmd_presets)
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
-    b.add_argument("what", choices=["ops"])
-    b.add_argument("--json", default=None)
+    b.add_argument("what", choices=["ops", "samplers", "e2e"])
+    b.add_argument("--json", default=None, help="also write the results as JSON here")
+    b.add_argument("--repeats", type=int, default=0, help="timed repetitions (ops; 0 = the benchmark's default)")
     b.set_defaults(fn=_cmd_bench)
     x = sub.add_parser("build-ext", help="build the fused loss extension ahead of time")
-    x.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None)
+    x.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
+                   help="build the CUDA kernels too (default: when a GPU is visible)")
+    x.add_argument("--quiet", action="store_true", help="hide compiler output")
     x.set_defaults(fn=_cmd_build_ext)
     d = sub.add_parser("doctor", help="report the environment and which loss backend runs")
     d.set_defaults(fn=_cmd_doctor)

@@ -1,20 +1,14 @@
-"""GRPO loss operators: the pure-PyTorch reference and (where built) the fused csrc/ kernel."""
+"""GRPO loss operators (DESIGN §5): the pure-PyTorch reference and the fused csrc/ kernel.
+
+* :func:`grpo_loss_ref` - plain PyTorch, the source of truth.
+* :func:`grpo_loss` - same signature and results; runs the fused C++/CUDA op where it is built
+  (JIT on first use, cached), else the reference with one warning.
+* :func:`active_backend` - "compiled" or "reference" for a device.
+"""
 
 from __future__ import annotations
 
-import torch
-
+from .fused import active_backend, fused_available, grpo_loss
 from .reference import grpo_loss_ref
 
-
-def active_backend(device: torch.device | str = "cpu") -> str:
-    """"compiled" when a fused kernel serves ``device``, else "reference"."""
-    return "reference"
-
-
-def grpo_loss(*args, **kwargs):
-    """Same signature and results as :func:`grpo_loss_ref`; dispatches to the fused op when available."""
-    return grpo_loss_ref(*args, **kwargs)
-
-
-__all__ = ["active_backend", "grpo_loss", "grpo_loss_ref"]
+__all__ = ["active_backend", "fused_available", "grpo_loss", "grpo_loss_ref"]

@@ -40,26 +40,28 @@ def grpo_loss_ref(
 
     Returns: (loss scalar fp32, stats) with per-row fp32 ``logp``, ``ratio``, ``kl`` and bool
     ``clipped_high`` (r > 1 + eps), ``clipped_low`` (r < 1 - eps), all [N].
-    Accumulation is float32 whatever the input dtype.
+    Accumulation is float32 for float32/bfloat16/float16 inputs; float64 inputs are computed (and
+    returned) in float64, which makes this the float64 ground truth for the fused op's tests.
     """
     n = prev_sample.shape[0]
-    x = prev_sample.float().reshape(n, -1)
-    mu = mean.float().reshape(n, -1)
-    s = std.float().reshape(n)
+    acc = torch.float64 if mean.dtype == torch.float64 else torch.float32
+    x = prev_sample.to(acc).reshape(n, -1)
+    mu = mean.to(acc).reshape(n, -1)
+    s = std.to(acc).reshape(n)
     logp = (-((x - mu) ** 2) / (2 * s[:, None] ** 2)).mean(1) - torch.log(s) - _LOG_SQRT_2PI
-    log_ratio = logp - logp_old.float()
+    log_ratio = logp - logp_old.to(acc)
     if guard:
-        mse = ((mu - mean_old.float().reshape(n, -1)) ** 2).mean(1)
+        mse = ((mu - mean_old.to(acc).reshape(n, -1)) ** 2).mean(1)
         log_ratio = s * log_ratio + mse / (2 * s)
     ratio = torch.exp(log_ratio)
-    adv = advantages.float()
+    adv = advantages.to(acc)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = (weights.float() * torch.maximum(unclipped, clipped)).mean()
+    policy_loss = (weights.to(acc) * torch.maximum(unclipped, clipped)).mean()
     if mean_ref is not None and beta != 0.0:
         if kl_sigma is None:
             raise ValueError("mean_ref given without kl_sigma")
-        kl = ((mu - mean_ref.float().reshape(n, -1)) ** 2).mean(1) / (2 * kl_sigma.float() ** 2)
+        kl = ((mu - mean_ref.to(acc).reshape(n, -1)) ** 2).mean(1) / (2 * kl_sigma.to(acc) ** 2)
         loss = policy_loss + beta * kl.mean()
     else:
         kl = torch.zeros_like(logp)

@@ -14,6 +14,7 @@ One outer iteration n:
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -78,7 +79,9 @@ class GRPOTrainer:
         self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
         if cfg.loss.backend == "reference":
             self.loss_fn = grpo_loss_ref
-        else:
+        elif cfg.loss.backend == "fused":
+            self.loss_fn = functools.partial(grpo_loss, backend="fused")
+        else:  # auto: the fused op where a kernel is built, else the reference (one warning)
             self.loss_fn = grpo_loss
         self.iteration = 0
 

@@ -1,0 +1,182 @@
+"""Typed config: presets load and validate, overrides parse and are type-checked, registries."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from flowgrpo.config import (
+    RunConfig,
+    apply_dict,
+    load_config,
+    parse_override,
+    preset_names,
+    read_preset,
+    to_dict,
+    validate,
+)
+from flowgrpo.errors import ConfigError, UserError
+from flowgrpo.registry import Registry
+
+
+def test_shapes_is_a_preset():
+    assert "shapes" in preset_names()
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads_and_validates(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.preset == name
+    validate(cfg)
+    assert read_preset(name).get("description"), f"preset {name} has no description line"
+    # the resolved config survives the YAML round trip a run directory relies on (resume, eval)
+    again = RunConfig()
+    apply_dict(again, yaml.safe_load(yaml.safe_dump(to_dict(cfg))))
+    assert to_dict(again) == to_dict(cfg)
+
+
+def test_shapes_preset_is_the_cli_default():
+    cfg = load_config()
+    assert cfg.preset == "shapes" and cfg.model.name == "shapes" and cfg.data.prompts == "shapes"
+    assert cfg.reward.weights == {"shapes": 1.0}
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("train.lr=1e-4", {"train": {"lr": 1e-4}}),
+    ("train.lr=3.0e-4", {"train": {"lr": 3e-4}}),
+    ("train.lr=1E-3", {"train": {"lr": 1e-3}}),
+    ("train.iterations=7", {"train": {"iterations": 7}}),
+    ("log.progress=true", {"log": {"progress": True}}),
+    ("log.progress=false", {"log": {"progress": False}}),
+    ("train.adam_betas=[0.8, 0.95]", {"train": {"adam_betas": [0.8, 0.95]}}),
+    ("reward.weights={shapes: 1.0, jpeg_compressibility: 0.5}",
+     {"reward": {"weights": {"shapes": 1.0, "jpeg_compressibility": 0.5}}}),
+    ("log.run_name=my-run", {"log": {"run_name": "my-run"}}),
+    ("data.prompts=/tmp/a=b.txt", {"data": {"prompts": "/tmp/a=b.txt"}}),
+    ("model.path=null", {"model": {"path": None}}),
+])
+def test_overrides_parse(text, expected):
+    out = parse_override(text)
+    assert out == expected
+    leaf = next(iter(next(iter(out.values())).values()))
+    exp_leaf = next(iter(next(iter(expected.values())).values()))
+    assert type(leaf) is type(exp_leaf)
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config("shapes", None, ["train.lr=1e-4", "log.progress=false", "train.adam_betas=[0.8, 0.9]",
+                                        "loss.clip_range=1", "sampler.shared_group_noise=true"])
+    assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.log.progress is False and cfg.sampler.shared_group_noise is True
+    assert cfg.train.adam_betas == [0.8, 0.9]
+    assert cfg.loss.clip_range == 1.0 and isinstance(cfg.loss.clip_range, float)  # ints are fine for floats
+    # later overrides win; strategy options merge
+    cfg = load_config("shapes", None, ["train.iterations=3", "train.iterations=5", "strategy={a: 1}", "strategy={b: 2}"])
+    assert cfg.train.iterations == 5 and cfg.strategy == {"a": 1, "b": 2}
+
+
+def test_config_file_applies_between_preset_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  iterations: 9\n  lr: 0.01\n")
+    cfg = load_config("shapes", str(f), ["train.lr=0.02"])
+    assert cfg.train.iterations == 9 and cfg.train.lr == 0.02
+    f.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config("shapes", str(f))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("shapes", str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.lr=abc", "train.lr"),
+    ("train.iterations=1.5", "train.iterations"),
+    ("train.iterations=true", "train.iterations"),
+    ("log.progress=3", "log.progress"),
+    ("train.adam_betas=0.9", "train.adam_betas"),
+    ("reward.weights=shapes", "reward.weights"),
+])
+def test_wrong_types_are_refused(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config("shapes", None, [override])
+
+
+def test_unknown_keys_list_the_valid_ones():
+    with pytest.raises(ConfigError) as exc:
+        load_config("shapes", None, ["train.learning_rate=1"])
+    msg = str(exc.value)
+    assert "train.learning_rate" in msg and "lr" in msg and "iterations" in msg
+    with pytest.raises(ConfigError) as exc:
+        load_config("shapes", None, ["trian.lr=1"])
+    assert "trian" in str(exc.value) and "train" in str(exc.value)
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("train.lr")
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("sampler.sde_kind=ddim", "flow_grpo, dance, cps"),
+    ("advantage.std=batch", "group, global"),
+    ("reward.combine=max", "sum_then_normalize"),
+    ("train.iterations=0", ">= 1"),
+    ("data.group_size=0", ">= 1"),
+    ("train.timestep_fraction=1.5", "(0, 1]"),
+    ("reward.weights={}", "at least one reward"),
+])
+def test_value_validation(override, needle):
+    with pytest.raises(ConfigError) as exc:
+        load_config("shapes", None, [override])
+    assert needle in str(exc.value)
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError) as exc:
+        load_config("nope")
+    assert "nope" in str(exc.value) and "shapes" in str(exc.value)
+
+
+def test_config_errors_are_user_errors():
+    assert issubclass(ConfigError, UserError)
+
+
+# --------------------------------------------------------------------------- registries
+
+
+def test_registry_refuses_duplicates_and_lists_valid_names():
+    reg: Registry = Registry("widget")
+
+    @reg.register("alpha")
+    def alpha():
+        return "A"
+
+    reg.register_lazy("beta", "json:dumps")
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("alpha")(lambda: None)
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register_lazy("beta", "json:loads")
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register_lazy("alpha", "json:loads")
+    assert reg.names() == ["alpha", "beta"] and "beta" in reg
+    assert reg.build("alpha") == "A"
+    import json
+
+    assert reg.get("beta") is json.dumps  # lazy entries import on first use
+    with pytest.raises(UserError) as exc:
+        reg.get("gamma")
+    msg = str(exc.value)
+    assert "widget" in msg and "gamma" in msg and "alpha" in msg and "beta" in msg
+
+
+def test_builtin_registries():
+    from flowgrpo.advantages import ESTIMATORS
+    from flowgrpo.policies import POLICIES
+    from flowgrpo.rewards import REWARDS, build_reward
+    from flowgrpo.samplers.strategies import STRATEGIES
+
+    assert {"shapes", "jpeg_compressibility", "jpeg_incompressibility"} <= set(REWARDS.names())
+    assert {"shapes", "sd3", "sd3-tiny"} <= set(POLICIES.names())
+    assert "flow_grpo" in STRATEGIES.names() and "group_zscore" in ESTIMATORS.names()
+    with pytest.raises(ValueError, match="already registered"):
+        REWARDS.register("shapes")(object)
+    with pytest.raises(UserError) as exc:
+        build_reward("hpsv9")
+    assert "hpsv9" in str(exc.value) and "jpeg_compressibility" in str(exc.value) and "shapes" in str(exc.value)
