@@ -303,6 +303,20 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'train.timestep_fraction' must be in (0, 1], got {cfg.train.timestep_fraction}")
     if not cfg.reward.weights:
         raise ConfigError("config key 'reward.weights' needs at least one reward")
+    # names are checked against the registries here, before any model is built (no heavy imports)
+    from .advantages import ESTIMATORS
+    from .policies import POLICIES
+    from .rewards import REWARDS
+    from .samplers.strategies import STRATEGIES
+
+    for key, registry, names in (("model.name", POLICIES, [cfg.model.name]),
+                                 ("sampler.strategy", STRATEGIES, [cfg.sampler.strategy]),
+                                 ("advantage.estimator", ESTIMATORS, [cfg.advantage.estimator]),
+                                 ("reward.weights", REWARDS, list(cfg.reward.weights))):
+        for name in names:
+            if name not in registry:
+                raise ConfigError(f"config key '{key}': unknown {registry.kind} {name!r}; "
+                                  f"valid choices: {', '.join(registry.names())}")
 
 
 def to_dict(cfg: RunConfig) -> dict:

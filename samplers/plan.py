@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 
@@ -91,6 +93,12 @@ class SamplingPlan:
     def __post_init__(self):
         if len(self.sigmas) != len(self.steps) + 1:
             raise ValueError(f"plan has {len(self.steps)} steps but {len(self.sigmas)} sigmas (need steps + 1)")
+        # A CPS step into sigma' = 0 has std sigma' * sin(a pi / 2) = 0: it is deterministic (and equals
+        # the Euler step to x0_hat), so it is run as an ODE step rather than as a zero-variance "SDE".
+        if not self.rules:
+            self.steps = [dataclasses.replace(s, sde=False, train=False)
+                          if s.sde and s.sde_kind == "cps" and float(self.sigmas[i + 1]) == 0.0 else s
+                          for i, s in enumerate(self.steps)]
         for lane, per_step in (self.rules or {}).items():
             if len(per_step) != len(self.steps):
                 raise ValueError(f"rules of lane {lane} cover {len(per_step)} steps, the plan has {len(self.steps)}")

@@ -10,7 +10,7 @@ from torch import Tensor
 from .forest import Level, Rollout
 from .plan import SamplingPlan
 from .solvers import dpm2_step, lambda_step
-from .steps import euler_step, sde_step
+from .steps import euler_step, gaussian_log_prob, sde_step
 
 
 class ForestSampler:
@@ -109,7 +109,10 @@ class ForestSampler:
                         noise = self.branch_noise(step, len(members), xs, generator)
                         out = sde_step(xs, vs, sigmas[i], sigmas[i + 1], noise_level=step.noise_level,
                                        kind=step.sde_kind, generator=generator, noise=noise, sigma_max=sigmas[1])
-                        part.update(x=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob)
+                        # The stored behaviour log-prob is always DESIGN §3's Gaussian one, which the loss
+                        # recomputes; for "cps" it differs from sde_step's constant-free convention.
+                        logp = out.log_prob if step.sde_kind != "cps" else gaussian_log_prob(out.prev_sample, out.mean, out.std)
+                        part.update(x=out.prev_sample, mean=out.mean, std=out.std, log_prob=logp)
                         if keep_hist:
                             part["hist"] = (xs, torch.full((len(parent),), math.nan, dtype=torch.float64))
                     elif step.solver == "dpm2":

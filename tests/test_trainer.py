@@ -139,10 +139,8 @@ def test_timestep_fraction_selects_a_subset(tiny_config):
     assert steps == trainer.select_steps(trainer.strategy.plan(0), 0) and len(steps) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: with sampler.sde_kind=cps the rollout stores the constant-free "
-                   "CPS log-prob while the loss recomputes a Gaussian log-prob (and the last step has std 0), so "
-                   "the on-policy ratio is not 1 (NaN)")
 def test_cps_kind_is_on_policy_too(tiny_config):
+    """CPS rollouts store the Gaussian log-prob the loss recomputes; the std-0 last step runs as ODE."""
     cfg = brightness_cfg(tiny_config, **{"sampler.sde_kind": "cps", "loss.backend": "reference"})
     m = GRPOTrainer(cfg).iteration_step().metrics
     assert m["onpolicy_ratio_maxdev"] < 1e-6

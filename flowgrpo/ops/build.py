@@ -34,6 +34,26 @@ import torch
 
 log = logging.getLogger("flowgrpo.ops")
 
+
+def _quiet_cpp_extension_import() -> None:
+    """Import torch.utils.cpp_extension without its CUDA_HOME guess warning on CPU-only machines.
+
+    The warning ("No CUDA runtime is found, using CUDA_HOME=...") is noise when no CUDA kernel is
+    wanted; `flowgrpo doctor` reports the CUDA situation instead.
+    """
+    if "torch.utils.cpp_extension" in sys.modules:
+        return
+    ext_log = logging.getLogger("torch.utils.cpp_extension")
+    level = ext_log.level
+    ext_log.setLevel(logging.ERROR)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        ext_log.setLevel(level)
+
+
+_quiet_cpp_extension_import()
+
 CPP_SOURCES = ("grpo_loss.cpp",)
 CUDA_SOURCES = ("grpo_loss_cuda.cu",)
 HEADERS = ("grpo_loss.h", "grpo_loss_ops.h")

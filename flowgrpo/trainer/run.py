@@ -93,6 +93,7 @@ def _progress(enabled: bool, total: int):
 
 def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> dict:
     """Run (or resume) training. Returns the summary dict (also written to RUN_DIR/summary.json)."""
+    trainer = GRPOTrainer(cfg)  # first, so that bad input fails before a run directory exists
     if resume:
         assert run_dir is not None
         run_dir = Path(run_dir)
@@ -100,7 +101,6 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
         run_dir = run_dir or make_run_dir(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    trainer = GRPOTrainer(cfg)
     train_seconds = 0.0
     start_iter = 0
     ckpt = latest_checkpoint(run_dir) if resume else None

@@ -156,7 +156,9 @@ class GRPOTrainer:
         prompts = self.prompts.batch(it, cfg.data.prompts_per_iteration)
         gen = torch.Generator().manual_seed(_seed_for(cfg.train.seed, it, 11))
         self.policy.eval()
-        rollout = self.sampler.rollout(plan, prompts, cfg.data.group_size, gen, cfg.sampler.shared_group_noise)
+        cond = self.policy.encode_prompts(prompts)  # once per iteration: the rollout and the update share it
+        rollout = self.sampler.rollout(plan, prompts, cfg.data.group_size, gen, cfg.sampler.shared_group_noise,
+                                       cond=cond)
         images = self.decode_leaves(rollout)
         t_rollout = time.perf_counter() - t0
         rewards, comps = self.score(images, rollout.leaf_prompts, rollout.leaf_groups)
@@ -171,7 +173,6 @@ class GRPOTrainer:
         train_stats = {}
         if adv.leaf_mask.any():
             batch = rollout.transitions(adv.edge_advantages, steps, edge_masks)
-            cond = self.policy.encode_prompts(rollout.prompts)
             clip = self.strategy.clip_range(it, cfg.loss.clip_range, rewards)
             train_stats = self.update(batch, plan, cond, it, clip, rollout)
         t_train = time.perf_counter() - t1

@@ -1,0 +1,127 @@
+"""End-to-end benchmark: held-out accuracy against training wall-clock on the shapes world.
+
+    flowgrpo bench e2e [--json PATH]          (or: python -m benchmarks.bench_e2e --minutes 4)
+
+Each preset trains from the same shipped base model under the same wall-clock budget. Every
+``--eval-every`` seconds of training the held-out accuracy is measured. Evaluation time is not
+counted: the clock is paused while it runs. The target is flow-grpo's final accuracy, and
+``seconds_to_target`` is the first training time at which a preset reaches it.
+Writes benchmarks/results/e2e.csv and e2e.png, and the JSON
+``{"rows": [{"preset", "final_accuracy", "seconds_to_target"}], "target": x}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from flowgrpo.config import load_config
+from flowgrpo.evaluate import evaluate_policy
+from flowgrpo.trainer.trainer import GRPOTrainer
+
+RESULTS = Path(__file__).parent / "results"
+PRESETS = ("flow-grpo", "mix-grpo", "branch-grpo", "tempflow-grpo")
+
+
+def _accuracy(trainer: GRPOTrainer, num_prompts: int, seeds: int) -> float:
+    cfg = trainer.cfg
+    with trainer.ema_weights():
+        res = evaluate_policy(trainer.policy, num_prompts, seeds, cfg.eval.num_steps, cfg.sampler.shift)
+    return res["accuracy"]
+
+
+def train_curve(preset: str, minutes: float, eval_every_s: float, num_prompts: int, seeds: int,
+                overrides: list[str] = ()) -> list[tuple[float, float]]:
+    """(training seconds, held-out accuracy) points for one preset, starting with the base model."""
+    cfg = load_config(preset, None, ["train.iterations=100000", *overrides])
+    trainer = GRPOTrainer(cfg)
+    points = [(0.0, _accuracy(trainer, num_prompts, seeds))]
+    spent, next_eval = 0.0, eval_every_s
+    while spent < minutes * 60:
+        t0 = time.perf_counter()
+        trainer.iteration_step()
+        spent += time.perf_counter() - t0
+        if spent >= next_eval or spent >= minutes * 60:
+            points.append((spent, _accuracy(trainer, num_prompts, seeds)))
+            next_eval += eval_every_s
+            print(f"  {preset}: {spent:7.1f} s  iteration {trainer.iteration}  accuracy {points[-1][1]:.3f}", flush=True)
+    return points
+
+
+def seconds_to(points: list[tuple[float, float]], target: float) -> float | None:
+    for s, acc in points:
+        if acc >= target - 1e-9:
+            return s
+    return None
+
+
+def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float = 4.0, eval_every_s: float = 60.0,
+                  num_prompts: int = 64, seeds: int = 4, overrides: list[str] = ()) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rich.console import Console
+    from rich.table import Table
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    curves = {}
+    for p in presets:
+        print(f"[e2e] {p}: {minutes} min of training", flush=True)
+        curves[p] = train_curve(p, minutes, eval_every_s, num_prompts, seeds, overrides)
+    base = "flow-grpo" if "flow-grpo" in curves else presets[0]
+    target = curves[base][-1][1]
+    rows = [{"preset": p, "final_accuracy": c[-1][1], "seconds_to_target": seconds_to(c, target)} for p, c in curves.items()]
+    with (RESULTS / "e2e.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["preset", "train_seconds", "accuracy"])
+        for p, c in curves.items():
+            for s, a in c:
+                w.writerow([p, f"{s:.1f}", f"{a:.4f}"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p, c in curves.items():
+        ax.plot([s for s, _ in c], [a for _, a in c], "o-", label=p)
+    ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({base} final)")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel(f"held-out accuracy ({num_prompts}x{seeds} samples)")
+    ax.set_title(f"shapes world, equal budget of {minutes} min per preset")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "e2e.png", dpi=120)
+    plt.close(fig)
+    table = Table(title=f"bench e2e (target = {base} final accuracy {target:.3f})")
+    for col in ("preset", "base acc", "final acc", "s to target"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        s = r["seconds_to_target"]
+        table.add_row(r["preset"], f"{curves[r['preset']][0][1]:.3f}", f"{r['final_accuracy']:.3f}",
+                      "-" if s is None else f"{s:.0f}")
+    Console().print(table)
+    out = {"rows": rows, "target": target, "minutes": minutes, "curves": {p: c for p, c in curves.items()}}
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--minutes", type=float, default=4.0, help="training budget per preset")
+    ap.add_argument("--eval-every", type=float, default=60.0, help="seconds of training between evaluations")
+    ap.add_argument("--presets", nargs="*", default=list(PRESETS))
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every preset")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_bench_e2e(args.json, args.presets, args.minutes, args.eval_every, overrides=args.overrides)
+
+
+if __name__ == "__main__":
+    main()
