@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"flowgrpo: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("flowgrpo: interrupted (checkpoints written so far are kept; resume with --resume RUN_DIR)",
               file=sys.stderr)
