@@ -17,6 +17,8 @@ Option defaults are the papers' where they do not depend on T (DESIGN §6); the 
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import math
 
 import torch
@@ -380,12 +382,13 @@ class _BranchPointStrategy(Strategy):
     node also gets K one-step SDE children (lane 1) that are completed by ODE. The main chain stops at
     the last branch step (nothing after it is needed)."""
 
+    @abstractmethod
     def branch_steps(self) -> list[int]:
-        raise NotImplementedError
+        """The steps k at which the main chain branches."""
 
+    @abstractmethod
     def child_rules(self) -> dict:
         """Rules of lane 1 (the SDE children) and any further lanes."""
-        raise NotImplementedError
 
     def plan(self, iteration: int) -> SamplingPlan:
         t, k_steps = self.cfg.num_steps, self.branch_steps()
