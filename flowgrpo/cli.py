@@ -116,7 +116,8 @@ def _cmd_bench(args) -> int:
     elif args.what == "e2e":
         from benchmarks.bench_e2e import run_bench_e2e
 
-        run_bench_e2e(args.json)
+        kw = {"minutes": args.minutes} if args.minutes else {}
+        run_bench_e2e(args.json, **kw)
     return 0
 
 
@@ -158,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["ops", "samplers", "e2e"])
     b.add_argument("--json", default=None, help="also write the results as JSON here")
     b.add_argument("--repeats", type=int, default=0, help="timed repetitions (ops; 0 = the benchmark's default)")
+    b.add_argument("--minutes", type=float, default=0.0,
+                   help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
     b.set_defaults(fn=_cmd_bench)
     x = sub.add_parser("build-ext", help="build the fused loss extension ahead of time")
     x.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,

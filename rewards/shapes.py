@@ -34,3 +34,16 @@ class ShapesReward:
             correct.append(r["correct"])
         return RewardOutput(torch.tensor(scores, dtype=torch.float32),
                             {"correct": torch.tensor(correct, dtype=torch.float32)})
+
+
+@REWARDS.register("shapes_correct")
+class ShapesCorrectReward(ShapesReward):
+    """The strict 0/1 GenEval rule of :class:`ShapesReward` as the score (what held-out accuracy
+    measures); the partial credit is kept as component ``partial``. Sparse: a group whose samples
+    all fail (or all succeed) has zero spread and carries no advantage."""
+
+    name = "shapes_correct"
+
+    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput:
+        out = super().__call__(images, prompts)
+        return RewardOutput(out.components["correct"], {"partial": out.scores})

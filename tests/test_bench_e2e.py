@@ -1,0 +1,43 @@
+"""`bench e2e` smoke test on tiny budgets: CSV/PNG/JSON outputs, shared base point, target rule."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ sits at the repository root
+
+from benchmarks.bench_e2e import run_bench_e2e, seconds_to  # noqa: E402
+
+
+def test_seconds_to_ignores_the_base_point():
+    pts = [(0.0, 0.40), (60.0, 0.35), (120.0, 0.41), (180.0, 0.45)]
+    assert seconds_to(pts, 0.40) == 120.0  # the base already scores 0.40, but it is not training
+    assert seconds_to(pts, 0.45) == 180.0
+    assert seconds_to(pts, 0.50) is None
+
+
+def test_bench_e2e_outputs(tmp_path):
+    overrides = [f"log.out_dir={tmp_path / 'runs'}", "log.tensorboard=false", "log.progress=false",
+                 "log.grid_every=0", "sampler.num_steps=3", "eval.num_steps=3", "data.prompts_per_iteration=1",
+                 "data.group_size=2", "train.threads=1"]
+    res = run_bench_e2e(str(tmp_path / "e2e.json"), presets=("flow-grpo", "mix-grpo"), minutes=0.02,
+                        eval_every_s=0.5, num_prompts=2, seeds=1, overrides=overrides, out_dir=tmp_path, quiet=True)
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    assert data["target"] == res["target"]
+    assert [r["preset"] for r in data["rows"]] == ["flow-grpo", "mix-grpo"]
+    for r in data["rows"]:
+        assert set(r) == {"preset", "final_accuracy", "seconds_to_target"}
+        assert 0.0 <= r["final_accuracy"] <= 1.0
+    curves = data["curves"]
+    # the base model is evaluated once and shared: every curve starts at the same (0, accuracy)
+    assert curves["flow-grpo"][0] == curves["mix-grpo"][0] == [0.0, data["base_accuracy"]]
+    assert data["target"] == curves["flow-grpo"][-1][1]
+    for c in curves.values():
+        assert len(c) >= 2 and all(b[0] > a[0] for a, b in zip(c, c[1:]))  # time moves forward
+    rows = list(csv.reader((tmp_path / "e2e.csv").open()))
+    assert rows[0] == ["preset", "train_seconds", "accuracy"]
+    assert len(rows) - 1 == sum(len(c) for c in curves.values())
+    assert (tmp_path / "e2e.png").stat().st_size > 1000
