@@ -67,6 +67,36 @@ def seconds_to(points: list[tuple[float, float]], target: float) -> float | None
     return None
 
 
+def plot_e2e(curves: dict, target: float, target_preset: str, minutes: float, n_samples: int, path: Path) -> None:
+    """Accuracy against training seconds per preset, with the target line and a band of +-1
+    standard error of an ``n_samples``-sample accuracy around the base model (binomial), so that
+    differences smaller than the evaluation noise read as such."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base_acc = next(iter(curves.values()))[0][1]
+    se = math.sqrt(base_acc * (1 - base_acc) / max(1, n_samples))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    t_max = max(c[-1][0] for c in curves.values())
+    ax.fill_between([0, t_max], base_acc - se, base_acc + se, color="gray", alpha=0.15,
+                    label=f"base +-1 s.e. ({n_samples} samples)")
+    for p, c in curves.items():
+        ax.plot([s for s, _ in c], [a for _, a in c], "o-", label=p)
+    ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_preset} final)")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(f"shapes world, equal budget of {minutes:g} min per preset")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float = 4.0, eval_every_s: float = 80.0,
                   num_prompts: int = 64, seeds: int = 4, overrides: list[str] = (), out_dir: str | Path | None = None,
                   quiet: bool = False) -> dict:
@@ -75,10 +105,6 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
     Writes ``e2e.csv`` (preset, train_seconds, accuracy per evaluation) and ``e2e.png`` under
     ``out_dir`` (default benchmarks/results) and returns the JSON-able result.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from rich.console import Console
     from rich.table import Table
 
@@ -99,18 +125,7 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
         for p, c in curves.items():
             for s, a in c:
                 w.writerow([p, f"{s:.1f}", f"{a:.4f}"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p, c in curves.items():
-        ax.plot([s for s, _ in c], [a for _, a in c], "o-", label=p)
-    ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({base} final)")
-    ax.set_xlabel("training wall-clock (s)")
-    ax.set_ylabel(f"held-out accuracy ({num_prompts}x{seeds} samples)")
-    ax.set_title(f"shapes world, equal budget of {minutes} min per preset")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(results / "e2e.png", dpi=120)
-    plt.close(fig)
+    plot_e2e(curves, target, base, minutes, num_prompts * seeds, results / "e2e.png")
     table = Table(title=f"bench e2e (target = {base} final accuracy {target:.3f})")
     for col in ("preset", "base acc", "final acc", "s to target"):
         table.add_column(col, justify="right")
@@ -121,7 +136,7 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
     if not quiet:
         Console().print(table)
     out = {"rows": rows, "target": target, "base_accuracy": base_acc, "target_above_base": target > base_acc,
-           "minutes": minutes, "curves": {p: c for p, c in curves.items()}}
+           "minutes": minutes, "samples": num_prompts * seeds, "curves": {p: c for p, c in curves.items()}}
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2))
     return out
@@ -134,8 +149,15 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=float, default=80.0, help="seconds of training between evaluations")
     ap.add_argument("--presets", nargs="*", default=list(PRESETS))
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw e2e.png from a saved result JSON")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every preset")
     args = ap.parse_args(argv)
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        target_preset = "flow-grpo" if "flow-grpo" in data["curves"] else next(iter(data["curves"]))
+        plot_e2e(data["curves"], data["target"], target_preset, data["minutes"], data.get("samples", 256),
+                 Path(args.replot).with_name("e2e.png"))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     run_bench_e2e(args.json, args.presets, args.minutes, args.eval_every, overrides=args.overrides)
