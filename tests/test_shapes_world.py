@@ -103,6 +103,19 @@ def test_shapes_reward_and_score_on_renders():
     assert torch.isnan(bad.scores[0]) and bad.scores[1] == 1.0
 
 
+def test_strict_reward_is_the_correct_component():
+    rng = np.random.default_rng(5)
+    specs = [sample_spec(rng) for _ in range(8)]
+    imgs = np.stack([render(s, rng) for s in specs])
+    images = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255.0
+    # pair every image with the next prompt: mostly wrong, so partial and strict credit differ
+    prompts = [s.prompt for s in specs[1:] + specs[:1]]
+    partial, strict = build_reward("shapes")(images, prompts), build_reward("shapes_correct")(images, prompts)
+    assert torch.equal(strict.scores, partial.components["correct"])
+    assert torch.equal(strict.components["partial"], partial.scores)
+    assert set(strict.scores.tolist()) <= {0.0, 1.0} and not torch.equal(strict.scores, partial.scores)
+
+
 def test_prompt_files(tmp_path):
     txt = tmp_path / "p.txt"
     txt.write_text("a red circle\n\n  two blue squares  \n")
