@@ -59,6 +59,12 @@ def train_curve(preset: str, minutes: float, eval_every_s: float, num_prompts: i
     return points
 
 
+def target_preset(presets) -> str:
+    """The preset whose final accuracy is the target: flow-grpo when it ran, else the first."""
+    presets = list(presets)
+    return "flow-grpo" if "flow-grpo" in presets else presets[0]
+
+
 def seconds_to(points: list[tuple[float, float]], target: float) -> float | None:
     """First training time > 0 whose accuracy reaches ``target`` (None if never)."""
     for s, acc in points:
@@ -67,7 +73,7 @@ def seconds_to(points: list[tuple[float, float]], target: float) -> float | None
     return None
 
 
-def plot_e2e(curves: dict, target: float, target_preset: str, minutes: float, n_samples: int, path: Path) -> None:
+def plot_e2e(curves: dict, target: float, target_name: str, minutes: float, n_samples: int, path: Path) -> None:
     """Accuracy against training seconds per preset, with the target line and a band of +-1
     standard error of an ``n_samples``-sample accuracy around the base model (binomial), so that
     differences smaller than the evaluation noise read as such."""
@@ -86,7 +92,7 @@ def plot_e2e(curves: dict, target: float, target_preset: str, minutes: float, n_
                     label=f"base +-1 s.e. ({n_samples} samples)")
     for p, c in curves.items():
         ax.plot([s for s, _ in c], [a for _, a in c], "o-", label=p)
-    ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_preset} final)")
+    ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_name} final)")
     ax.set_xlabel("training wall-clock (s)")
     ax.set_ylabel("held-out accuracy")
     ax.set_title(f"shapes world, equal budget of {minutes:g} min per preset")
@@ -116,7 +122,7 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
         print(f"[e2e] {p}: {minutes} min of training", flush=True)
         curves[p] = train_curve(p, minutes, eval_every_s, num_prompts, seeds, overrides, base_acc)
         base_acc = curves[p][0][1]
-    base = "flow-grpo" if "flow-grpo" in curves else presets[0]
+    base = target_preset(curves)
     target = curves[base][-1][1]
     rows = [{"preset": p, "final_accuracy": c[-1][1], "seconds_to_target": seconds_to(c, target)} for p, c in curves.items()]
     with (results / "e2e.csv").open("w", newline="") as fh:
@@ -135,7 +141,8 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
                       "-" if s is None else f"{s:.0f}")
     if not quiet:
         Console().print(table)
-    out = {"rows": rows, "target": target, "base_accuracy": base_acc, "target_above_base": target > base_acc,
+    out = {"rows": rows, "target": target, "base_accuracy": base_acc, "target_preset": base,
+           "target_above_base": target > base_acc,
            "minutes": minutes, "samples": num_prompts * seeds, "curves": {p: c for p, c in curves.items()}}
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2))
@@ -154,8 +161,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.replot:
         data = json.loads(Path(args.replot).read_text())
-        target_preset = "flow-grpo" if "flow-grpo" in data["curves"] else next(iter(data["curves"]))
-        plot_e2e(data["curves"], data["target"], target_preset, data["minutes"], data.get("samples", 256),
+        plot_e2e(data["curves"], data["target"], data.get("target_preset") or target_preset(data["curves"]),
+                 data["minutes"], data.get("samples", 256),
                  Path(args.replot).with_name("e2e.png"))
         return
     if args.threads:
