@@ -91,7 +91,13 @@ def group_zscore_estimator(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_rew
     groups = rollout.leaf_groups
     mask = valid_reward_mask(rewards)
     combined = combine_rewards(rewards, cfg_reward.weights, groups, mask, cfg_reward.combine, cfg_adv.eps)
-    adv, keep, stats = group_zscore(combined, groups, mask, cfg_adv.std, cfg_adv.eps, cfg_adv.clip)
+    if cfg_reward.combine == "normalize_then_sum" and len(cfg_reward.weights) > 1 and not cfg_reward.renormalize:
+        # MixGRPO / Pref-GRPO: the advantage *is* sum_k w_k z_k; z-scoring that sum again would rescale
+        # each group by its own factor (the references stop here)
+        _, keep, stats = group_zscore(combined, groups, mask, "group", cfg_adv.eps, cfg_adv.clip)
+        adv = torch.where(keep, combined.clamp(-cfg_adv.clip, cfg_adv.clip), torch.zeros_like(combined))
+    else:
+        adv, keep, stats = group_zscore(combined, groups, mask, cfg_adv.std, cfg_adv.eps, cfg_adv.clip)
     edges: list[Tensor | None] = [None]
     for d in range(1, len(rollout.levels)):
         edges.append(rollout.mean_over_descendants(adv, d, keep))

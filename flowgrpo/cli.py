@@ -118,6 +118,10 @@ def _cmd_bench(args) -> int:
 
         kw = {"minutes": args.minutes} if args.minutes else {}
         run_bench_e2e(args.json, **kw)
+    elif args.what == "profile":
+        from benchmarks.bench_profile import run_bench_profile
+
+        run_bench_profile(args.json)
     return 0
 
 
@@ -156,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(fn=_cmd_presets)
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
-    b.add_argument("what", choices=["ops", "samplers", "e2e"])
+    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile"])
     b.add_argument("--json", default=None, help="also write the results as JSON here")
     b.add_argument("--repeats", type=int, default=0, help="timed repetitions (ops; 0 = the benchmark's default)")
     b.add_argument("--minutes", type=float, default=0.0,

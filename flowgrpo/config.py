@@ -61,6 +61,7 @@ class DataConfig:
 class RewardConfig:
     weights: dict = _f({"shapes": 1.0}, "reward name -> weight (names from `flowgrpo.rewards.REWARDS`)")
     combine: str = _f("sum_then_normalize", "sum_then_normalize (Flow-GRPO) | normalize_then_sum (MixGRPO, Pref-GRPO)")
+    renormalize: bool = _f(False, "normalize_then_sum with several rewards: z-score the weighted sum of z-scores again per group (the references do not)")
 
 
 @dataclass
@@ -75,7 +76,7 @@ class AdvantageConfig:
 class LossConfig:
     clip_range: float = _f(1e-4, "PPO clip epsilon on the importance ratio")
     beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass")
-    kl_sigma: str = _f("transition_std", "KL denominator: transition_std (s = sigma_t*sqrt(-dt), exact Gaussian KL; Flow-GRPO code) | sigma_t (DESIGN formula)")
+    kl_sigma: str = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide beta by ~T to match)")
     guard: bool = _f(False, "GRPO-Guard ratio normalisation")
     guard_reweight: bool = _f(False, "GRPO-Guard per-step gradient reweighting (weight proportional to 1/|dt|, mean 1)")
     tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to sigma_t*sqrt(-dt), mean 1)")
@@ -109,6 +110,8 @@ class EvalConfig:
     seeds_per_prompt: int = _f(4, "fixed seeds per held-out prompt")
     num_steps: int = _f(20, "ODE steps for evaluation")
     every: int = _f(0, "evaluate every N iterations during training (0 = only before and after)")
+    every_minutes: float = _f(0.0, "evaluate every N minutes of training wall-clock (0 = off); the clock is paused while evaluating")
+    seen: bool = _f(True, "also evaluate on prompts from the training pools before and after (reported as eval_*_seen)")
 
 
 @dataclass
@@ -132,7 +135,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    strategy: dict = _f({}, "strategy-specific options (window size, branch steps, ...), passed to the strategy")
+    strategy: dict = _f({}, "strategy-specific options (window size, branch steps, ...), passed to the strategy; a preset, config file or set of overrides that selects another sampler.strategy starts from that strategy's defaults")
     preset: str = _f("", "name of the preset this config came from")
     description: str = _f("", "one line saying what this configuration is (shown by `flowgrpo presets`)")
 
@@ -178,6 +181,12 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
         raise ConfigError(f"config section '{prefix or '<root>'}' must be a mapping, got {type(data).__name__}")
     hints = _hint(cfg)
     names = [f.name for f in dataclasses.fields(cfg)]
+    if isinstance(cfg, RunConfig):
+        new_strategy = (data.get("sampler") or {}).get("strategy") if isinstance(data.get("sampler"), dict) else None
+        if new_strategy is not None and new_strategy != cfg.sampler.strategy:
+            # strategy options belong to their strategy: choosing another one starts from its defaults
+            # (options given in the same layer still apply)
+            cfg.strategy = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
@@ -209,6 +218,14 @@ def parse_override(text: str) -> dict:
         node = node.setdefault(p, {})
     node[parts[-1]] = value
     return out
+
+
+def _deep_merge(into: dict, data: dict) -> None:
+    for k, v in data.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = v
 
 
 def _looks_float(raw: str) -> bool:
@@ -267,8 +284,11 @@ def load_config(preset: str | None = "shapes", config_file: str | None = None, o
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         _apply_with_bases(cfg, _load_yaml_text(path.read_text(), f"config file {path}"))
-    for ov in overrides:
-        apply_dict(cfg, parse_override(ov))
+    if overrides:  # the overrides form one layer, whatever their order
+        merged: dict = {}
+        for ov in overrides:
+            _deep_merge(merged, parse_override(ov))
+        apply_dict(cfg, merged)
     validate(cfg)
     return cfg
 

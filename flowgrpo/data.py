@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .shapes.prompts import load_prompt_file
-from .shapes.world import sample_spec
+from .shapes.prompts import load_prompt_file, sample_train_spec
 
 
 class PromptSource:
     """Deterministic prompt batches: ``batch(iteration, n)`` depends only on (seed, iteration).
 
-    ``spec`` is "shapes" (fresh procedural shapes-world prompts every iteration) or the path of a
-    .txt / .jsonl prompt file (prompts drawn without replacement within an iteration).
+    ``spec`` is "shapes" (fresh procedural shapes-world prompts every iteration, from the training
+    pools only: held-out prompts are never trained on) or the path of a .txt / .jsonl prompt file
+    (prompts drawn without replacement within an iteration).
     """
 
     def __init__(self, spec: str, seed: int = 0):
@@ -23,6 +23,6 @@ class PromptSource:
     def batch(self, iteration: int, n: int) -> list[str]:
         rng = np.random.default_rng([self.seed, iteration, 17])
         if self.rows is None:
-            return [sample_spec(rng).prompt for _ in range(n)]
+            return [sample_train_spec(rng).prompt for _ in range(n)]
         idx = rng.choice(len(self.rows), size=n, replace=len(self.rows) < n)
         return [self.rows[i]["prompt"] for i in idx]

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .policies.base import Policy
 from .samplers import euler_step, sigma_grid
-from .shapes.prompts import heldout_specs, parse_prompt
+from .shapes.prompts import heldout_specs, is_heldout, parse_prompt, seen_specs
 from .shapes.verify import verify
 
 
@@ -43,19 +43,23 @@ def to_uint8(images: Tensor) -> np.ndarray:
 
 
 def score_shapes(prompts: list[str], images: Tensor) -> dict:
-    """Held-out metrics: strict accuracy overall and per tag, plus the mean partial score."""
+    """Held-out metrics: strict accuracy overall, per tag and on never-trained prompts only
+    (``accuracy_unseen``), the mean partial score, and the per-sample verdicts (``correct``)."""
     arr = to_uint8(images)
     per_tag: dict[str, list[float]] = defaultdict(list)
-    scores = []
-    correct = []
+    scores, correct, unseen = [], [], []
     for prompt, img in zip(prompts, arr):
         spec = parse_prompt(prompt)
         r = verify(spec, img)
         per_tag[spec.tag].append(r["correct"])
         correct.append(r["correct"])
         scores.append(r["score"])
+        if is_heldout(spec):
+            unseen.append(r["correct"])
     return {
         "accuracy": float(np.mean(correct)),
+        "accuracy_unseen": float(np.mean(unseen)) if unseen else float("nan"),
+        "num_unseen": len(unseen),
         "score": float(np.mean(scores)),
         "per_tag": {t: float(np.mean(v)) for t, v in sorted(per_tag.items())},
         "num_samples": len(prompts),
@@ -63,18 +67,33 @@ def score_shapes(prompts: list[str], images: Tensor) -> dict:
     }
 
 
-def heldout_prompts(num_prompts: int = 64, seeds_per_prompt: int = 4, base_seed: int = 1000) -> tuple[list[str], list[int]]:
-    """The fixed held-out (prompt, seed) pairs: prompt-major, seeds ``base_seed + j``."""
-    specs = heldout_specs(num_prompts)
+def heldout_prompts(num_prompts: int = 64, seeds_per_prompt: int = 4, base_seed: int = 1000,
+                    split: str = "heldout") -> tuple[list[str], list[int]]:
+    """The fixed evaluation (prompt, seed) pairs, prompt-major, seeds ``base_seed + j``.
+
+    ``split="heldout"``: prompts never trained on (wherever the grammar allows);
+    ``split="seen"``: prompts from the training pools."""
+    if split not in ("heldout", "seen"):
+        raise ValueError(f"unknown evaluation split {split!r}; valid: heldout, seen")
+    specs = heldout_specs(num_prompts) if split == "heldout" else seen_specs(num_prompts)
     prompts = [s.prompt for s in specs for _ in range(seeds_per_prompt)]
     seeds = [base_seed + i for i in range(len(prompts))]
     return prompts, seeds
 
 
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the per-sample change ``after - before`` (same prompts and seeds)."""
+    d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
+    if len(d) < 2:
+        return float(d.mean()) if len(d) else 0.0, float("nan")
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
+
+
 def evaluate_policy(policy: Policy, num_prompts: int = 64, seeds_per_prompt: int = 4, num_steps: int = 20,
-                    shift: float = 1.0, guidance_scale: float | None = None, return_images: bool = False) -> dict:
-    """Held-out shapes-world evaluation of a policy (accuracy overall and per tag)."""
-    prompts, seeds = heldout_prompts(num_prompts, seeds_per_prompt)
+                    shift: float = 1.0, guidance_scale: float | None = None, return_images: bool = False,
+                    split: str = "heldout") -> dict:
+    """Shapes-world evaluation of a policy on a fixed prompt split (accuracy overall and per tag)."""
+    prompts, seeds = heldout_prompts(num_prompts, seeds_per_prompt, split=split)
     was_training = policy.training
     policy.eval()
     images = generate_ode(policy, prompts, seeds, num_steps, shift, guidance_scale)
@@ -91,6 +110,6 @@ def evaluate_shapes_model(model, num_prompts: int = 64, seeds_per_prompt: int = 
     from .policies.shapes import ShapesPolicy
 
     policy = ShapesPolicy(model, guidance_scale=guidance_scale, train_mode="frozen")
-    res = evaluate_policy(policy, num_prompts, seeds_per_prompt, num_steps)
+    res = evaluate_policy(policy, num_prompts, seeds_per_prompt, num_steps, guidance_scale=guidance_scale)
     res.pop("correct")
     return res

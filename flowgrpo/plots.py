@@ -93,3 +93,31 @@ def save_reward_curve(path: Path, records: list[dict], eval_points: list[tuple[i
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
+    """Held-out accuracy against training minutes, with a +-1 standard-error band (binomial, of an
+    ``n_samples``-sample accuracy) and the never-trained-prompts accuracy where measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = np.array([c["train_seconds"] for c in curve]) / 60.0
+    acc = np.array([c["accuracy"] for c in curve])
+    se = np.sqrt(np.clip(acc * (1 - acc), 0, None) / max(1, n_samples))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.fill_between(t, acc - se, acc + se, color="tab:blue", alpha=0.2, label="+-1 s.e.")
+    ax.plot(t, acc, "o-", color="tab:blue", label=f"held-out accuracy ({n_samples} samples)")
+    unseen = [c.get("accuracy_unseen") for c in curve]
+    if all(u is not None and np.isfinite(u) for u in unseen):
+        ax.plot(t, unseen, "s--", color="tab:orange", ms=4, label="prompts never trained on")
+    ax.set_xlabel("training minutes (evaluation time excluded)")
+    ax.set_ylabel("accuracy (strict GenEval rule)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -177,3 +177,23 @@ def test_nan_reward_registered_in_tests_drops_and_counts(tiny_config):
     assert all(torch.isfinite(v).all() for v in after.values())
     m2 = trainer.iteration_step().metrics  # training continues
     assert m2["iteration"] == 1 and m2["nan_rewards_dropped"] == nan and np.isfinite(m2["loss"])
+
+
+def test_normalize_then_sum_stops_at_the_weighted_sum_of_z_scores():
+    """MixGRPO / Pref-GRPO: A = sum_k w_k z_k (clipped); a second per-group z-score only on request."""
+    from types import SimpleNamespace
+
+    rollout = small_rollout(num_prompts=3, group_size=4)
+    groups = rollout.leaf_groups
+    g = torch.Generator().manual_seed(2)
+    rewards = {"a": torch.rand(12, generator=g), "b": torch.rand(12, generator=g) * 10}
+    weights = {"a": 1.0, "b": 0.5}
+    cfg_adv = SimpleNamespace(std="group", eps=EPS, clip=5.0)
+    expected = np_zscore(rewards["a"].numpy(), groups.numpy(), clip=np.inf) + 0.5 * np_zscore(
+        rewards["b"].numpy(), groups.numpy(), clip=np.inf)
+    res = estimate_advantages("group_zscore", rollout, rewards, cfg_adv,
+                              SimpleNamespace(weights=weights, combine="normalize_then_sum", renormalize=False))
+    np.testing.assert_allclose(res.leaf_advantages.numpy(), expected, rtol=1e-4, atol=1e-5)
+    again = estimate_advantages("group_zscore", rollout, rewards, cfg_adv,
+                                SimpleNamespace(weights=weights, combine="normalize_then_sum", renormalize=True))
+    np.testing.assert_allclose(again.leaf_advantages.numpy(), np_zscore(expected, groups.numpy()), rtol=1e-4, atol=1e-5)

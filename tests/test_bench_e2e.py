@@ -29,12 +29,15 @@ def test_bench_e2e_outputs(tmp_path):
     assert data["target"] == res["target"]
     assert [r["preset"] for r in data["rows"]] == ["flow-grpo", "mix-grpo"]
     for r in data["rows"]:
-        assert set(r) == {"preset", "final_accuracy", "seconds_to_target"}
+        assert set(r) == {"preset", "final_accuracy", "seconds_to_target", "time_ratio"}
         assert 0.0 <= r["final_accuracy"] <= 1.0
     curves = data["curves"]
     # the base model is evaluated once and shared: every curve starts at the same (0, accuracy)
     assert curves["flow-grpo"][0] == curves["mix-grpo"][0] == [0.0, data["base_accuracy"]]
     assert data["target"] == curves["flow-grpo"][-1][1]
+    # flow-grpo reaches its own final accuracy, so its time ratio is 1 by construction of the rule
+    assert data["rows"][0]["time_ratio"] == 1.0 and data["rows"][0]["seconds_to_target"] is not None
+    assert data["mix_grpo_within_claim"] in (True, False)
     for c in curves.values():
         assert len(c) >= 2 and all(b[0] > a[0] for a, b in zip(c, c[1:]))  # time moves forward
     rows = list(csv.reader((tmp_path / "e2e.csv").open()))

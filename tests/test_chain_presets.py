@@ -33,6 +33,12 @@ def overrides(model_dir, preset, world, prompt_file=None):
             ov.append("strategy.shift_every=1")
     if world == "sd3":
         ov += ["model.name=sd3-tiny", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompt_file}"]
+    elif preset == "pref-grpo":
+        # a random model draws nothing the verifier reads, so the pairwise judge ties everywhere: a
+        # continuous reward beside it gives the groups signal
+        ov.append("reward.weights={shapes_pairwise: 1.0, test_brightness: 1.0}")
+    else:
+        ov.append("reward.weights={test_brightness: 1.0}")
     return ov
 
 

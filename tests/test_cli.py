@@ -90,7 +90,7 @@ def test_presets_lists_shapes():
 def test_end_to_end_run_directory(cli_run_dir):
     d = cli_run_dir
     for name in ("config.yaml", "metrics.jsonl", "reward_curve.png", "before_after.png", "summary.json",
-                 "eval_before.json"):
+                 "eval_before.json", "accuracy_curve.png"):
         assert (d / name).is_file() and (d / name).stat().st_size > 0, name
     assert list((d / "tensorboard").glob("events.out.tfevents.*"))
     ckpts = sorted(p.name for p in (d / "checkpoints").iterdir() if p.name.startswith("ckpt_"))
@@ -114,6 +114,16 @@ def test_end_to_end_run_directory(cli_run_dir):
         assert set(ev["per_tag"]) <= set(TAGS) and ev["per_tag"]
         assert ev["num_samples"] == 4
     assert s["accuracy_gain"] == pytest.approx(s["eval_after"]["accuracy"] - s["eval_before"]["accuracy"])
+    # the paired standard error of the gain, from the per-sample verdicts kept in eval_before.json
+    before = json.loads((d / "eval_before.json").read_text())["correct"]
+    assert len(before) == 4 and s["gain_se"] >= 0.0
+    # the curve starts at the base model and ends at the final evaluation, in training time order
+    curve = s["eval_curve"]
+    assert curve[0] == {"iteration": 0, "train_seconds": 0.0, "accuracy": s["eval_before"]["accuracy"],
+                        "accuracy_unseen": s["eval_before"]["accuracy_unseen"]}
+    assert curve[-1]["accuracy"] == s["eval_after"]["accuracy"] and curve[-1]["iteration"] == RUN_ITERATIONS
+    assert all(b["train_seconds"] >= a["train_seconds"] for a, b in zip(curve, curve[1:]))
+    assert s["eval_before_seen"]["num_samples"] == s["eval_after_seen"]["num_samples"] == 4
 
 
 def test_eval_command_writes_json(cli_run_dir, tmp_path, capsys):

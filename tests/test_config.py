@@ -72,7 +72,7 @@ def test_overrides_apply_with_types():
     assert cfg.train.adam_betas == [0.8, 0.9]
     assert cfg.loss.clip_range == 1.0 and isinstance(cfg.loss.clip_range, float)  # ints are fine for floats
     # later overrides win; strategy options merge
-    cfg = load_config("shapes", None, ["train.iterations=3", "train.iterations=5", "strategy={a: 1}", "strategy={b: 2}"])
+    cfg = load_config("flow-grpo", None, ["train.iterations=3", "train.iterations=5", "strategy={a: 1}", "strategy={b: 2}"])
     assert cfg.train.iterations == 5 and cfg.strategy == {"a": 1, "b": 2}
 
 
@@ -180,3 +180,14 @@ def test_builtin_registries():
     with pytest.raises(UserError) as exc:
         build_reward("hpsv9")
     assert "hpsv9" in str(exc.value) and "jpeg_compressibility" in str(exc.value) and "shapes" in str(exc.value)
+
+
+def test_switching_strategy_drops_the_previous_strategys_options():
+    # the default preset sets mix_grpo window options; another strategy must not inherit them
+    cfg = load_config("shapes", None, ["sampler.strategy=branch_grpo", "strategy.branch=3"])
+    assert cfg.strategy == {"branch": 3}
+    cfg = load_config("shapes", None, ["strategy.branch=3", "sampler.strategy=branch_grpo"])  # order-free
+    assert cfg.strategy == {"branch": 3}
+    # keeping the strategy keeps (and merges) its options
+    cfg = load_config("shapes", None, ["strategy.window=3"])
+    assert cfg.sampler.strategy == "mix_grpo" and cfg.strategy["window"] == 3 and cfg.strategy["mode"] == "frozen"

@@ -1,4 +1,5 @@
-"""The shapes world (DESIGN §8): renderer and verifier agree, prompts round-trip, the held-out set is fixed."""
+"""The shapes world: renderer and verifier agree, caption noise always violates its caption, prompts
+round-trip, the held-out prompts are never trained on and the evaluation sets are fixed."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from flowgrpo.evaluate import heldout_prompts, score_shapes
+from flowgrpo.data import PromptSource
+from flowgrpo.evaluate import heldout_prompts, paired_gain, score_shapes
 from flowgrpo.rewards import build_reward
-from flowgrpo.shapes.prompts import heldout_specs, load_prompt_file, parse_prompt
-from flowgrpo.shapes.verify import detect, verify
-from flowgrpo.shapes.world import TAGS, VOCAB, ObjectSpec, SceneSpec, render, sample_spec
+from flowgrpo.shapes.pretrain import make_batch, parse_noise
+from flowgrpo.shapes.prompts import (heldout_specs, is_heldout, load_prompt_file, parse_prompt, seen_specs,
+                                     split_specs)
+from flowgrpo.shapes.verify import UNKNOWN, detect, verify
+from flowgrpo.shapes.world import (CELL, GRID, TAGS, VOCAB, ObjectSpec, SceneSpec, all_specs, draw, place, render,
+                                   sample_spec, wrong_scene)
 
 
 def test_verifier_accepts_300_ground_truth_renders():
@@ -38,6 +43,34 @@ def test_detection_counts_objects_shapes_and_colours():
         dets = detect(render(spec, rng))
         assert len(dets) == 3
         assert {d.shape for d in dets} == {"triangle"} and {d.color for d in dets} == {"green"}
+    # cells are read where they are drawn, row-major
+    dets = detect(draw([("circle", "red", 3, 0), ("square", "blue", 0, 2)]))
+    assert [(d.shape, d.color, d.row, d.col) for d in dets] == [("square", "blue", 0, 2), ("circle", "red", 3, 0)]
+
+
+def test_verifier_tolerates_small_noise_and_rejects_smears():
+    rng = np.random.default_rng(6)
+    spec = SceneSpec("color_attr", (ObjectSpec("circle", "red"), ObjectSpec("triangle", "yellow")))
+    img = render(spec, rng).astype(np.float32)
+    noisy = np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
+    assert verify(spec, noisy)["correct"] == 1.0
+    # a cell that blends a red and a yellow glyph matches no template: an extra, unknown object
+    blend = draw([("square", "red", 1, 1)]).astype(np.float32) * 0.5 + draw([("square", "yellow", 1, 1)]) * 0.5
+    dets = detect(blend.astype(np.uint8))
+    assert [d.shape for d in dets] == [UNKNOWN]
+    smeared = img.copy()
+    smeared[1 * CELL:2 * CELL, 2 * CELL:3 * CELL] = blend[1 * CELL:2 * CELL, 1 * CELL:2 * CELL]
+    assert verify(spec, smeared.astype(np.uint8))["correct"] == 0.0
+
+
+def test_wrong_scenes_always_violate_their_caption():
+    rng = np.random.default_rng(7)
+    for tag in TAGS:
+        for spec in all_specs(tag):
+            for _ in range(3):
+                shown = wrong_scene(spec, rng)
+                assert shown != spec
+                assert verify(spec, draw(place(shown, rng)))["correct"] == 0.0, (spec.prompt, shown)
 
 
 def test_verifier_rejects_wrong_images():
@@ -70,12 +103,44 @@ def test_parse_prompt_round_trips():
             parse_prompt(bad)
 
 
+def test_heldout_prompts_are_never_trained_on():
+    for tag in TAGS:
+        train, held = split_specs(tag)
+        if tag == "single_object":  # three prompts: nothing can be held out
+            assert train == held == all_specs(tag)
+            continue
+        assert set(train).isdisjoint(held) and set(train) | set(held) == set(all_specs(tag))
+        assert len(held) == max(1, round(0.25 * len(all_specs(tag))))
+    rng = np.random.default_rng(8)
+    x, captions = make_batch(rng, 600, drop_prob=0.0, noise=parse_noise("0.5"))
+    assert x.shape == (600, 3, GRID * CELL, GRID * CELL) and float(x.min()) >= -1 and float(x.max()) <= 1
+    assert not any(is_heldout(parse_prompt(c)) for c in captions)
+    trained = [p for it in range(50) for p in PromptSource("shapes", seed=3).batch(it, 8)]
+    assert not any(is_heldout(parse_prompt(p)) for p in trained)
+    assert len({parse_prompt(p).tag for p in trained}) == len(TAGS)
+
+
+def test_caption_noise_rate_matches_the_setting():
+    rng = np.random.default_rng(9)
+    noise = parse_noise("counting=0.0,position=1.0")
+    assert noise["counting"] == 0.0 and noise["position"] == 1.0 and 0 < noise["colors"] < 1
+    x, captions = make_batch(rng, 400, drop_prob=0.0, noise=noise)
+    imgs = ((x.permute(0, 2, 3, 1).numpy() + 1) * 127.5).round().astype(np.uint8)
+    ok = {t: [] for t in TAGS}
+    for c, img in zip(captions, imgs):
+        spec = parse_prompt(c)
+        ok[spec.tag].append(verify(spec, img)["correct"])
+    assert np.mean(ok["counting"]) == 1.0 and np.mean(ok["position"]) == 0.0
+    assert abs(np.mean(ok["colors"]) - (1 - noise["colors"])) < 0.2
+    with pytest.raises(SystemExit, match="valid tags"):
+        parse_noise("countin=0.3")
+
+
 def test_heldout_set_is_fixed_and_balanced():
     a, b = heldout_specs(64), heldout_specs(64)
     assert a == b
-    # pinned: changing the held-out set would silently change every reported accuracy
-    assert [s.prompt for s in a[:6]] == ["a circle", "a circle and a square", "four blue triangles", "a red square",
-                                         "a blue circle above a blue square", "a blue square and a red square"]
+    assert all(is_heldout(s) for s in a if s.tag != "single_object")
+    assert not any(is_heldout(s) for s in seen_specs(64))
     counts = Counter(s.tag for s in a)
     assert set(counts) == set(TAGS)
     assert max(counts.values()) - min(counts.values()) <= 1
@@ -85,6 +150,15 @@ def test_heldout_set_is_fixed_and_balanced():
     prompts, seeds = heldout_prompts(8, 3)
     assert prompts == [s.prompt for s in a[:8] for _ in range(3)]
     assert seeds == list(range(1000, 1024)) and heldout_prompts(8, 3) == (prompts, seeds)
+
+
+def test_paired_gain_standard_error():
+    before = [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    after = [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    gain, se = paired_gain(before, after)
+    d = np.array(after) - np.array(before)  # [1, 0, 0, 1, -1, 1]
+    assert gain == pytest.approx(1 / 3)
+    assert se == pytest.approx(np.sqrt(((d - d.mean()) ** 2).sum() / 5) / np.sqrt(6))
 
 
 def test_shapes_reward_and_score_on_renders():

@@ -33,7 +33,7 @@ COMMON = ["sampler.num_steps=6", "data.prompts_per_iteration=2", "data.group_siz
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_is_documented_and_builds_its_plan(preset):
     raw = read_preset(preset)
-    assert raw["base"] == "shapes" and "paper" in raw["description"].lower()
+    assert raw["base"] == "shapes-world" and "paper" in raw["description"].lower()
     cfg = load_config(preset)
     assert cfg.advantage.estimator == ESTIMATOR[preset]
     plan = build_strategy(cfg.sampler, cfg.strategy).plan(0)

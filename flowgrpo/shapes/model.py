@@ -1,7 +1,13 @@
 """The tiny text-conditioned flow model of the shapes world.
 
 A diffusers ``SD3Transformer2DModel`` (the MMDiT of Stable Diffusion 3) run directly in pixel space
-on 32x32 RGB images with 4x4 patches, conditioned by a small word-level text encoder. Using SD3's
+on 32x32 RGB images with 8x8 patches (one patch = one grid cell of the world, 16 image tokens),
+conditioned by a small word-level text encoder.
+
+The transformer predicts the clean image x0 and the model returns the velocity
+v = (x - x0_hat) / sigma that every sampler expects. At patch size 8 a patch holds 192 values,
+more than the width of the transformer; v-prediction then leaves per-pixel noise in every sample,
+while x0-prediction only has to emit one glyph template per patch. Using SD3's
 own transformer class means LoRA targets, attention processors and the SD3 adapter code paths are
 exercised by the embedded default exactly as they are on the real model.
 """
@@ -23,13 +29,14 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 @dataclass
 class ShapesModelConfig:
     image_size: int = 32
-    patch_size: int = 4
+    patch_size: int = 8
     num_layers: int = 6
     attention_head_dim: int = 32
     num_attention_heads: int = 4
     text_dim: int = 64
     text_layers: int = 2
     max_tokens: int = 12
+    prediction: str = "x0"  # what the transformer outputs: "x0" (clean image) or "v" (velocity)
 
 
 class WordTokenizer:
@@ -111,11 +118,20 @@ class ShapesFlowModel(nn.Module):
         ids, mask = self.tokenizer(prompts)
         return self.text_encoder(ids.to(device), mask.to(device))
 
-    def forward(self, x: Tensor, sigma: Tensor, hidden: Tensor, pooled: Tensor) -> Tensor:
-        """Velocity v = eps - x0 for x [B, 3, H, W] at noise level sigma [B] in [0, 1]."""
+    def predict(self, x: Tensor, sigma: Tensor, hidden: Tensor, pooled: Tensor) -> Tensor:
+        """The transformer's raw output for x [B, 3, H, W] at noise level sigma [B] (x0 or v, per config)."""
         return self.transformer(
             hidden_states=x, encoder_hidden_states=hidden, pooled_projections=pooled, timestep=sigma * 1000.0
         ).sample
+
+    def forward(self, x: Tensor, sigma: Tensor, hidden: Tensor, pooled: Tensor) -> Tensor:
+        """Velocity v = eps - x0 for x [B, 3, H, W] at noise level sigma [B] in (0, 1]."""
+        out = self.predict(x, sigma, hidden, pooled)
+        if self.cfg.prediction == "v":
+            return out
+        # x = (1 - sigma) x0 + sigma eps  =>  v = eps - x0 = (x - x0) / sigma; samplers never ask at sigma = 0
+        s = sigma.to(out.dtype).clamp_min(1e-4).view(-1, *([1] * (x.ndim - 1)))
+        return (x.to(out.dtype) - out) / s
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: str | Path, extra: dict | None = None) -> None:

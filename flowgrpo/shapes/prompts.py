@@ -1,20 +1,28 @@
-"""Prompt sources of the shapes world: random training prompts, the fixed held-out set, prompt files.
+"""Prompt sources of the shapes world: the train/held-out split, the fixed evaluation sets, prompt files.
 
 Every shapes prompt parses back into its :class:`SceneSpec` (:func:`parse_prompt`), so the
 verifiable reward needs nothing but the prompt string and the image.
+
+The grammar is closed, so "held-out" means *prompts never trained on*: a fixed quarter of every
+tag's prompts (combinations of count, colour, shape and relation) is set aside, and neither
+pretraining nor GRPO ever sees them. ``single_object`` has only three prompts, too few to split:
+its held-out samples use seen prompts with new seeds (reported apart as ``unseen`` = False).
 """
 
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import UserError
-from .world import COLORS, NUMBERS, RELATIONS, SHAPES, TAGS, ObjectSpec, SceneSpec, sample_spec
+from .world import COLORS, NUMBERS, RELATIONS, SHAPES, TAGS, ObjectSpec, SceneSpec, all_specs
 
 HELDOUT_SEED = 20261122
+HELDOUT_FRACTION = 0.25
+UNSPLIT_TAGS = ("single_object",)  # too few prompts to hold any out
 _WORD_TO_NUMBER = {w: n for n, w in NUMBERS.items()}
 
 
@@ -60,10 +68,51 @@ def parse_prompt(prompt: str) -> SceneSpec:
     return SceneSpec(tag, objs)
 
 
+@lru_cache(maxsize=None)
+def split_specs(tag: str) -> tuple[tuple[SceneSpec, ...], tuple[SceneSpec, ...]]:
+    """(train, held-out) prompt pools of one tag: a fixed shuffle, the first quarter held out.
+
+    Tags in :data:`UNSPLIT_TAGS` return the full pool as both (nothing can be held out)."""
+    specs = all_specs(tag)
+    if tag in UNSPLIT_TAGS:
+        return specs, specs
+    order = np.random.default_rng([HELDOUT_SEED, TAGS.index(tag)]).permutation(len(specs))
+    k = max(1, int(round(len(specs) * HELDOUT_FRACTION)))
+    held = tuple(specs[i] for i in sorted(order[:k]))
+    train = tuple(specs[i] for i in sorted(order[k:]))
+    return train, held
+
+
+def is_heldout(spec: SceneSpec) -> bool:
+    """Whether ``spec``'s prompt is never trained on (always False for unsplit tags)."""
+    return spec.tag not in UNSPLIT_TAGS and spec in split_specs(spec.tag)[1]
+
+
+def sample_train_spec(rng: np.random.Generator, tag: str | None = None) -> SceneSpec:
+    """A random *training* scene (uniform over tags, then over the tag's training pool)."""
+    tag = tag or TAGS[rng.integers(len(TAGS))]
+    pool = split_specs(tag)[0]
+    return pool[rng.integers(len(pool))]
+
+
+def _eval_specs(num_prompts: int, which: int, salt: int) -> list[SceneSpec]:
+    rng = np.random.default_rng([HELDOUT_SEED, salt])
+    out = []
+    for i in range(num_prompts):
+        pool = split_specs(TAGS[i % len(TAGS)])[which]
+        out.append(pool[rng.integers(len(pool))])
+    return out
+
+
 def heldout_specs(num_prompts: int = 64) -> list[SceneSpec]:
-    """The fixed held-out prompt set: ``num_prompts`` scenes balanced over the six tags."""
-    rng = np.random.default_rng(HELDOUT_SEED)
-    return [sample_spec(rng, TAGS[i % len(TAGS)]) for i in range(num_prompts)]
+    """The fixed held-out evaluation set: ``num_prompts`` scenes balanced over the six tags, drawn
+    from the held-out pools (prompts never trained on wherever the grammar allows)."""
+    return _eval_specs(num_prompts, 1, 1)
+
+
+def seen_specs(num_prompts: int = 64) -> list[SceneSpec]:
+    """The fixed *seen* evaluation set: like :func:`heldout_specs` but from the training pools."""
+    return _eval_specs(num_prompts, 0, 2)
 
 
 def load_prompt_file(path: str | Path) -> list[dict]:

@@ -1,9 +1,18 @@
 """The shapes world: scene specifications, GenEval-style prompts and a procedural renderer.
 
-A scene is a handful of flat-coloured shapes (circle, square, triangle) on a black background.
+A scene is a handful of flat-coloured glyphs (circle, square, triangle) on a black 32x32 canvas
+divided into a 4x4 grid of 8x8 cells. Every object fills exactly one cell with the fixed glyph of
+its shape in its colour, and one cell is exactly one transformer patch of the shapes model
+(patch size 8, so 16 image tokens). Drawing is therefore trivial for the model: its failures are
+*choices* (which cells, which glyph, which colour), the way real text-to-image models draw well
+and fail on composition. The verifier reads each cell against the glyph templates without
+ambiguity.
+
 Prompts follow GenEval's six task families, tagged ``single_object``, ``two_object``,
 ``counting``, ``colors``, ``position`` and ``color_attr``. Every prompt is generated from a
 :class:`SceneSpec`, which is also what the verifiable reward checks a generated image against.
+Relations are read on the grid: "A left of B" means A's column is smaller than B's (any rows),
+"A above B" means A's row is smaller.
 
 The whole vocabulary is closed (see :data:`VOCAB`), so the tiny text encoder of the shapes
 model is a word-level embedding table and no tokenizer download is ever needed.
@@ -11,7 +20,8 @@ model is a word-level embedding table and no tokenizer download is ever needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -24,7 +34,12 @@ COLORS: dict[str, tuple[int, int, int]] = {
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 NUMBERS: dict[int, str] = {2: "two", 3: "three", 4: "four"}
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
+FLIPPED: dict[str, str] = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 TAGS: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+
+GRID = 4  # cells per side
+CELL = 8  # pixels per cell side (= the shapes model's patch size)
+IMAGE_SIZE = GRID * CELL
 
 VOCAB: tuple[str, ...] = (
     ("<pad>", "<bos>", "<eos>", "a", "and", "left", "right", "of", "above", "below")
@@ -71,99 +86,135 @@ def spec_to_prompt(spec: SceneSpec) -> str:
     return " and ".join(_noun(o) for o in spec.objects)
 
 
-def sample_spec(rng: np.random.Generator, tag: str | None = None) -> SceneSpec:
-    """Draw a random scene spec (uniform over tags unless ``tag`` is given)."""
-    tag = tag or TAGS[rng.integers(len(TAGS))]
-    colors, shapes = list(COLORS), list(SHAPES)
-
-    def pick(seq):
-        return seq[rng.integers(len(seq))]
-
-    def two_distinct(seq):
-        i, j = rng.choice(len(seq), size=2, replace=False)
-        return seq[i], seq[j]
-
+@lru_cache(maxsize=None)
+def all_specs(tag: str) -> tuple[SceneSpec, ...]:
+    """Every scene spec of one tag, in a fixed order (the grammar is closed, so this is finite)."""
+    cols, shapes = list(COLORS), list(SHAPES)
     if tag == "single_object":
-        return SceneSpec(tag, (ObjectSpec(pick(shapes)),))
+        return tuple(SceneSpec(tag, (ObjectSpec(s),)) for s in shapes)
     if tag == "two_object":
-        a, b = two_distinct(shapes)
-        return SceneSpec(tag, (ObjectSpec(a), ObjectSpec(b)))
+        return tuple(SceneSpec(tag, (ObjectSpec(a), ObjectSpec(b))) for a in shapes for b in shapes if a != b)
     if tag == "counting":
-        n = int(pick(list(NUMBERS)))
-        return SceneSpec(tag, (ObjectSpec(pick(shapes), pick(colors), n),))
+        return tuple(SceneSpec(tag, (ObjectSpec(s, c, n),)) for n in NUMBERS for c in cols for s in shapes)
     if tag == "colors":
-        return SceneSpec(tag, (ObjectSpec(pick(shapes), pick(colors)),))
+        return tuple(SceneSpec(tag, (ObjectSpec(s, c),)) for c in cols for s in shapes)
     if tag in ("position", "color_attr"):
-        # two objects that differ in colour or in shape, so each is identifiable
-        while True:
-            o1 = ObjectSpec(pick(shapes), pick(colors))
-            o2 = ObjectSpec(pick(shapes), pick(colors))
-            if (o1.shape, o1.color) != (o2.shape, o2.color):
-                break
-        relation = pick(list(RELATIONS)) if tag == "position" else None
-        return SceneSpec(tag, (o1, o2), relation)
+        objs = [ObjectSpec(s, c) for c in cols for s in shapes]
+        pairs = [(a, b) for a in objs for b in objs if a != b]  # differ in colour or shape: identifiable
+        if tag == "color_attr":
+            return tuple(SceneSpec(tag, p) for p in pairs)
+        return tuple(SceneSpec(tag, p, r) for p in pairs for r in RELATIONS)
+    raise ValueError(f"unknown tag {tag!r}; valid tags: {', '.join(TAGS)}")
+
+
+def sample_spec(rng: np.random.Generator, tag: str | None = None) -> SceneSpec:
+    """Draw a random scene spec (uniform over tags unless ``tag`` is given, then uniform in the tag)."""
+    tag = tag or TAGS[rng.integers(len(TAGS))]
+    specs = all_specs(tag)
+    return specs[rng.integers(len(specs))]
+
+
+# --------------------------------------------------------------------------- caption noise
+
+
+def wrong_scene(spec: SceneSpec, rng: np.random.Generator) -> SceneSpec:
+    """A scene that violates ``spec`` the way a mis-captioned training image does.
+
+    Used by pretraining to make the base model *misaligned* like a web-caption-trained model: it
+    draws crisply but follows the prompt only part of the time. Per tag: another shape
+    (single_object), one object dropped or replaced (two_object), a count off by one (counting),
+    another colour (colors), the opposite relation (position), the two colours swapped, or one
+    changed when both are equal (color_attr). The returned spec never satisfies ``spec`` under the
+    verifier (its tag is kept only for bookkeeping; it is rendered, never shown as a prompt).
+    """
+    tag = spec.tag
+
+    def other(seq, value):
+        rest = [s for s in seq if s != value]
+        return rest[rng.integers(len(rest))]
+
+    if tag in ("single_object", "colors"):
+        o = spec.objects[0]
+        if tag == "single_object":
+            return replace(spec, objects=(replace(o, shape=other(SHAPES, o.shape)),))
+        return replace(spec, objects=(replace(o, color=other(list(COLORS), o.color)),))
+    if tag == "two_object":
+        a, b = spec.objects
+        if rng.random() < 0.5:  # dropped object
+            return replace(spec, objects=((a,) if rng.random() < 0.5 else (b,)))
+        third = [s for s in SHAPES if s not in (a.shape, b.shape)][0]
+        return replace(spec, objects=((replace(a, shape=third), b) if rng.random() < 0.5 else (a, replace(b, shape=third))))
+    if tag == "counting":
+        o = spec.objects[0]
+        n = o.count + (1 if o.count == 2 or (o.count < 4 and rng.random() < 0.5) else -1)
+        return replace(spec, objects=(replace(o, count=n),))
+    if tag == "position":
+        return replace(spec, relation=FLIPPED[spec.relation])
+    if tag == "color_attr":
+        a, b = spec.objects
+        if a.color != b.color and a.shape != b.shape:
+            return replace(spec, objects=(replace(a, color=b.color), replace(b, color=a.color)))
+        # same colour or same shape: swapping would change nothing, so recolour one object
+        if rng.random() < 0.5:
+            return replace(spec, objects=(replace(a, color=other(list(COLORS), a.color)), b))
+        return replace(spec, objects=(a, replace(b, color=other(list(COLORS), b.color))))
     raise ValueError(f"unknown tag {tag!r}; valid tags: {', '.join(TAGS)}")
 
 
 # --------------------------------------------------------------------------- rendering
 
 
-def _shape_mask(shape: str, cx: float, cy: float, r: float, size: int) -> np.ndarray:
-    """Boolean [size, size] mask of one shape of half-extent ``r`` pixels centred at (cx, cy)."""
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) + 0.5
-    if shape == "circle":
-        return (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
-    if shape == "square":
-        return (np.abs(xx - cx) <= r) & (np.abs(yy - cy) <= r)
-    if shape == "triangle":  # upright isosceles triangle, base 2r, height 2r: fill ratio 1/2
-        top, bottom = cy - r, cy + r
-        half_width = (yy - top) / (2 * r) * r
-        return (yy >= top) & (yy <= bottom) & (np.abs(xx - cx) <= half_width)
-    raise ValueError(f"unknown shape {shape!r}; valid shapes: {', '.join(SHAPES)}")
+def _glyph_masks() -> dict[str, np.ndarray]:
+    """Boolean [CELL, CELL] mask of each shape's fixed glyph (a 1-pixel margin around a 6x6 body)."""
+    yy, xx = np.mgrid[0:CELL, 0:CELL].astype(np.float32) + 0.5
+    c = CELL / 2.0
+    r = CELL / 2.0 - 1.0
+    square = (np.abs(xx - c) <= r) & (np.abs(yy - c) <= r)
+    circle = (xx - c) ** 2 + (yy - c) ** 2 <= (r + 0.3) ** 2
+    circle &= ~square | ((xx - c) ** 2 + (yy - c) ** 2 <= r * r + 1.0)  # round off the corners
+    top = c - r
+    triangle = (yy >= top) & (yy <= c + r) & (np.abs(xx - c) <= (yy - top) / 2.0 + 0.5)
+    return {"circle": circle, "square": square, "triangle": triangle}
 
 
-def _relation_holds(relation: str, a: tuple[float, float], b: tuple[float, float], margin: float) -> bool:
-    (ax, ay), (bx, by) = a, b
-    return {
-        "left of": ax < bx - margin,
-        "right of": ax > bx + margin,
-        "above": ay < by - margin,
-        "below": ay > by + margin,
-    }[relation]
+GLYPHS: dict[str, np.ndarray] = _glyph_masks()
 
 
-def render(spec: SceneSpec, rng: np.random.Generator, size: int = 32, max_tries: int = 200) -> np.ndarray:
-    """Render a scene satisfying ``spec``.
+def relation_holds(relation: str, a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether the object in cell ``a = (row, col)`` stands in ``relation`` to the one in cell ``b``."""
+    (ar, ac), (br, bc) = a, b
+    return {"left of": ac < bc, "right of": ac > bc, "above": ar < br, "below": ar > br}[relation]
 
-    Returns: uint8 image [size, size, 3]. Objects do not touch (a 2-pixel gap), so connected
-    components recover them exactly; unconstrained colours are drawn at random.
+
+def place(spec: SceneSpec, rng: np.random.Generator) -> list[tuple[str, str, int, int]]:
+    """Random cells for the objects of ``spec``: ``[(shape, colour, row, col)]``, one object a cell.
+
+    Free colours are drawn at random; a relation, when given, holds between the first object of
+    group 0 and the first object of group 1.
     """
-    scale = size / 32.0
     objs = []
     for o in spec.objects:
         for _ in range(o.count):
-            color = o.color or list(COLORS)[rng.integers(len(COLORS))]
-            objs.append((o.shape, color))
-    for _ in range(max_tries):
-        placed: list[tuple[float, float, float]] = []
-        ok = True
-        for _shape in objs:
-            r = float(rng.uniform(4.0, 5.5)) * scale
-            for _ in range(50):
-                cx, cy = rng.uniform(r + 1, size - r - 1, size=2)
-                if all(max(abs(cx - px), abs(cy - py)) > r + pr + 2 * scale for px, py, pr in placed):
-                    placed.append((float(cx), float(cy), r))
-                    break
-            else:
-                ok = False
-                break
-        if ok and spec.relation is not None:
-            ok = _relation_holds(spec.relation, placed[0][:2], placed[1][:2], margin=4 * scale)
-        if ok:
-            break
-    else:
-        raise RuntimeError(f"could not place the objects of {spec.prompt!r} in {size}x{size}")
-    img = np.zeros((size, size, 3), dtype=np.uint8)
-    for (shape, color), (cx, cy, r) in zip(objs, placed):
-        img[_shape_mask(shape, cx, cy, r, size)] = COLORS[color]
+            objs.append((o.shape, o.color or list(COLORS)[rng.integers(len(COLORS))]))
+    for _ in range(1000):
+        cells = rng.choice(GRID * GRID, size=len(objs), replace=False)
+        rc = [divmod(int(c), GRID) for c in cells]
+        if spec.relation is None or relation_holds(spec.relation, rc[0], rc[spec.objects[0].count]):
+            return [(s, col, r, c) for (s, col), (r, c) in zip(objs, rc)]
+    raise RuntimeError(f"could not place the objects of {spec.prompt!r}")  # unreachable for this grammar
+
+
+def draw(objects: list[tuple[str, str, int, int]]) -> np.ndarray:
+    """Paint ``[(shape, colour, row, col)]`` glyphs. Returns uint8 [IMAGE_SIZE, IMAGE_SIZE, 3]."""
+    img = np.zeros((IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    for shape, color, r, c in objects:
+        cell = img[r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL]
+        cell[GLYPHS[shape]] = COLORS[color]
     return img
+
+
+def render(spec: SceneSpec, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
+    """Render a scene satisfying ``spec``. Returns uint8 [32, 32, 3]; ``size`` must be 32 (the grid)."""
+    if size != IMAGE_SIZE:
+        raise ValueError(f"the shapes world is {IMAGE_SIZE}x{IMAGE_SIZE} ({GRID}x{GRID} cells of {CELL} px), got size={size}")
+    return draw(place(spec, rng))

@@ -9,7 +9,9 @@ RUN_DIR/
   eval_before.json     held-out evaluation of the base model
   before_after.png     held-out samples before (top) and after (bottom) training
   reward_curve.png     reward against iteration with held-out accuracy points
-  summary.json         eval_before, eval_after, iterations, train_seconds, ...
+  accuracy_curve.png   held-out accuracy against training minutes (+-1 s.e. band)
+  summary.json         eval_before/after (held-out), eval_*_seen, accuracy_gain, gain_se,
+                       eval_curve, iterations, train_seconds, ...
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import yaml
 
 from ..config import RunConfig, apply_dict, to_dict, validate
 from ..errors import UserError
-from ..evaluate import evaluate_policy
-from ..plots import save_grid, save_labeled_grid, save_reward_curve
+from ..evaluate import evaluate_policy, paired_gain
+from ..plots import save_accuracy_curve, save_grid, save_labeled_grid, save_reward_curve
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsLogger, read_metrics
 from .trainer import GRPOTrainer
@@ -58,12 +60,12 @@ def load_run_config(run_dir: Path) -> RunConfig:
     return cfg
 
 
-def _eval(trainer: GRPOTrainer, use_ema: bool) -> dict:
+def _eval(trainer: GRPOTrainer, use_ema: bool, split: str = "heldout") -> dict:
     cfg = trainer.cfg
     ctx = trainer.ema_weights() if use_ema else _null()
     with ctx:
         res = evaluate_policy(trainer.policy, cfg.eval.num_prompts, cfg.eval.seeds_per_prompt, cfg.eval.num_steps,
-                              cfg.sampler.shift, return_images=True)
+                              cfg.sampler.shift, return_images=True, split=split)
     return res
 
 
@@ -80,8 +82,9 @@ def _grid_subset(res: dict, seeds_per_prompt: int) -> tuple[torch.Tensor, list[s
     return res["images"][idx], [res["prompts"][i] for i in idx], [res["correct"][i] for i in idx]
 
 
-def _public(res: dict) -> dict:
-    return {k: v for k, v in res.items() if k not in ("images", "prompts", "correct")}
+def _public(res: dict, keep_correct: bool = False) -> dict:
+    drop = ("images", "prompts") if keep_correct else ("images", "prompts", "correct")
+    return {k: v for k, v in res.items() if k not in drop}
 
 
 def _progress(enabled: bool, total: int):
@@ -118,7 +121,9 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
         before_images = None
     else:
         res = _eval(trainer, use_ema=False)
-        eval_before = _public(res)
+        eval_before = _public(res, keep_correct=True)
+        if cfg.eval.seen:
+            eval_before["seen"] = _public(_eval(trainer, use_ema=False, split="seen"))
         _write_json(before_path, eval_before)
         before_images = _grid_subset(res, cfg.eval.seeds_per_prompt)
         torch.save(before_images, run_dir / "eval_before_grid.pt")
@@ -126,6 +131,11 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
 
     eval_points = [(0, eval_before["accuracy"])] + [
         (r["iteration"] + 1, r["eval_accuracy"]) for r in read_metrics(run_dir) if "eval_accuracy" in r]
+    curve = [{"iteration": 0, "train_seconds": 0.0, "accuracy": eval_before["accuracy"],
+              "accuracy_unseen": eval_before.get("accuracy_unseen")}] + [
+        {"iteration": r["iteration"] + 1, "train_seconds": r["train_seconds"], "accuracy": r["eval_accuracy"],
+         "accuracy_unseen": r.get("eval_accuracy_unseen")} for r in read_metrics(run_dir) if "eval_accuracy" in r]
+    next_eval_s = (len(curve)) * cfg.eval.every_minutes * 60 if cfg.eval.every_minutes else float("inf")
     total = cfg.train.iterations
     with _progress(cfg.log.progress, total) as bar:
         task = bar.add_task("train", total=total, completed=start_iter, info="")
@@ -140,12 +150,18 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             if cfg.log.grid_every and (it % cfg.log.grid_every == 0):
                 n = min(len(out.images), 8 * min(8, cfg.data.group_size))
                 save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:n], ncol=min(8, cfg.data.group_size), scale=2)
-            if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < total:
-                res = _eval(trainer, use_ema=cfg.train.ema)
-                m["eval_accuracy"] = res["accuracy"]
-                eval_points.append((it + 1, res["accuracy"]))
             train_seconds += time.perf_counter() - t0
             m["train_seconds"] = train_seconds
+            budget_left = not cfg.train.max_minutes or train_seconds < cfg.train.max_minutes * 60
+            due = (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or train_seconds >= next_eval_s
+            if due and it + 1 < total and budget_left:  # the clock is paused: evaluation is not training
+                res = _eval(trainer, use_ema=cfg.train.ema)
+                m["eval_accuracy"], m["eval_accuracy_unseen"] = res["accuracy"], res["accuracy_unseen"]
+                eval_points.append((it + 1, res["accuracy"]))
+                curve.append({"iteration": it + 1, "train_seconds": train_seconds, "accuracy": res["accuracy"],
+                              "accuracy_unseen": res["accuracy_unseen"]})
+                while train_seconds >= next_eval_s:
+                    next_eval_s += cfg.eval.every_minutes * 60
             logger.log(m)
             done = trainer.iteration
             if done % cfg.log.checkpoint_every == 0 or done == total:
@@ -161,23 +177,42 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
 
     res = _eval(trainer, use_ema=cfg.train.ema)
     eval_after = _public(res)
-    print(f"held-out accuracy after:  {eval_after['accuracy']:.3f}")
+    gain, gain_se = paired_gain(eval_before["correct"], res["correct"]) if "correct" in eval_before else (
+        eval_after["accuracy"] - eval_before["accuracy"], float("nan"))
+    eval_after_seen = _public(_eval(trainer, use_ema=cfg.train.ema, split="seen")) if cfg.eval.seen else None
+    print(f"held-out accuracy after:  {eval_after['accuracy']:.3f}  (gain {gain:+.3f} +- {gain_se:.3f} s.e., paired)")
     eval_points.append((trainer.iteration, eval_after["accuracy"]))
+    curve.append({"iteration": trainer.iteration, "train_seconds": train_seconds, "accuracy": eval_after["accuracy"],
+                  "accuracy_unseen": eval_after.get("accuracy_unseen")})
+    save_accuracy_curve(run_dir / "accuracy_curve.png", curve, eval_after["num_samples"])
     records = read_metrics(run_dir)
     save_reward_curve(run_dir / "reward_curve.png", records, eval_points)
     if before_images is None and (run_dir / "eval_before_grid.pt").exists():
         before_images = torch.load(run_dir / "eval_before_grid.pt", weights_only=False)
     if before_images is not None:
         after = _grid_subset(res, cfg.eval.seeds_per_prompt)
-        imgs = torch.cat([before_images[0], after[0]])
-        save_labeled_grid(run_dir / "before_after.png", imgs, before_images[1] + after[1], before_images[2] + after[2],
-                          ncol=8, title="held-out samples: top two rows before, bottom two rows after GRPO "
-                                         "(green frame = verifier says correct)")
+        # rows alternate before / after, so each prompt's two images stand one above the other
+        order, n = [], len(after[1])
+        for start in range(0, n, 8):
+            order += [("b", i) for i in range(start, min(n, start + 8))]
+            order += [("a", i) for i in range(start, min(n, start + 8))]
+        src = {"b": before_images, "a": after}
+        imgs = torch.stack([src[k][0][i] for k, i in order])
+        labels = [("before: " if k == "b" else "after: ") + src[k][1][i] for k, i in order]
+        verdicts = [src[k][2][i] for k, i in order]
+        save_labeled_grid(run_dir / "before_after.png", imgs, labels, verdicts, ncol=8,
+                          title=f"held-out prompts, same seeds: rows alternate before / after GRPO; accuracy "
+                                f"{eval_before['accuracy']:.2f} -> {eval_after['accuracy']:.2f} "
+                                "(green frame = verifier says correct, red = wrong)")
     summary = {
         "preset": cfg.preset,
-        "eval_before": eval_before,
+        "eval_before": {k: v for k, v in eval_before.items() if k not in ("correct", "seen")},
         "eval_after": eval_after,
-        "accuracy_gain": eval_after["accuracy"] - eval_before["accuracy"],
+        "accuracy_gain": gain,
+        "gain_se": gain_se,
+        "eval_before_seen": eval_before.get("seen"),
+        "eval_after_seen": eval_after_seen,
+        "eval_curve": curve,
         "iterations": trainer.iteration,
         "train_seconds": train_seconds,
         "nan_rewards_dropped": int(sum(r.get("nan_rewards_dropped", 0) for r in records)),

@@ -83,6 +83,12 @@ class GRPOTrainer:
             self.loss_fn = functools.partial(grpo_loss, backend="fused")
         else:  # auto: the fused op where a kernel is built, else the reference (one warning)
             self.loss_fn = grpo_loss
+        if cfg.loss.backend != "reference":
+            # build/load the extension now, not inside the first (timed) iteration: a first JIT build
+            # takes ~20 s, which would otherwise be charged to the training clock
+            from ..ops import fused_available
+
+            fused_available(self.accelerator.device)
         self.iteration = 0
 
     # ------------------------------------------------------------------ state
