@@ -41,9 +41,10 @@ def _accuracy(trainer: GRPOTrainer, num_prompts: int, seeds: int) -> float:
 
 
 def train_curve(preset: str, minutes: float, eval_every_s: float, num_prompts: int, seeds: int,
-                overrides: list[str] = (), base_accuracy: float | None = None) -> list[tuple[float, float]]:
+                overrides: list[str] = (), base_accuracy: float | None = None) -> tuple[list[tuple[float, float]], int]:
     """(training seconds, held-out accuracy) points for one preset, starting with the base model
-    (``base_accuracy`` when the caller already measured it, else evaluated here)."""
+    (``base_accuracy`` when the caller already measured it, else evaluated here), and the number of
+    iterations run."""
     cfg = load_config(preset, None, ["train.iterations=100000", *overrides])
     trainer = GRPOTrainer(cfg)
     if base_accuracy is None:
@@ -58,7 +59,7 @@ def train_curve(preset: str, minutes: float, eval_every_s: float, num_prompts: i
             points.append((spent, _accuracy(trainer, num_prompts, seeds)))
             next_eval += eval_every_s
             print(f"  {preset}: {spent:7.1f} s  iteration {trainer.iteration}  accuracy {points[-1][1]:.3f}", flush=True)
-    return points
+    return points, trainer.iteration
 
 
 def target_preset(presets) -> str:
@@ -113,17 +114,27 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
     Writes ``e2e.csv`` (preset, train_seconds, accuracy per evaluation) and ``e2e.png`` under
     ``out_dir`` (default benchmarks/results) and returns the JSON-able result.
     """
-    from rich.console import Console
-    from rich.table import Table
-
-    results = Path(out_dir) if out_dir is not None else RESULTS
-    results.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[tuple[float, float]]] = {}
+    iterations: dict[str, int] = {}
     base_acc = None
     for p in presets:
         print(f"[e2e] {p}: {minutes} min of training", flush=True)
-        curves[p] = train_curve(p, minutes, eval_every_s, num_prompts, seeds, overrides, base_acc)
+        curves[p], iterations[p] = train_curve(p, minutes, eval_every_s, num_prompts, seeds, overrides, base_acc)
         base_acc = curves[p][0][1]
+    results = Path(out_dir) if out_dir is not None else RESULTS
+    return summarize(curves, iterations, minutes, num_prompts * seeds, results, json_path, quiet)
+
+
+def summarize(curves: dict, iterations: dict, minutes: float, samples: int, results: Path,
+              json_path: str | None = None, quiet: bool = False) -> dict:
+    """Rows (final accuracy, time to the target and its ratio to the target preset's), CSV, PNG,
+    table and JSON from per-preset curves (from one run or merged from several)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    results = Path(results)
+    results.mkdir(parents=True, exist_ok=True)
+    base_acc = next(iter(curves.values()))[0][1]
     base = target_preset(curves)
     target = curves[base][-1][1]
     t_ref = seconds_to(curves[base], target)
@@ -138,24 +149,42 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
         for p, c in curves.items():
             for s, a in c:
                 w.writerow([p, f"{s:.1f}", f"{a:.4f}"])
-    plot_e2e(curves, target, base, minutes, num_prompts * seeds, results / "e2e.png")
+    plot_e2e(curves, target, base, minutes, samples, results / "e2e.png")
     table = Table(title=f"bench e2e (target = {base} final accuracy {target:.3f})")
-    for col in ("preset", "base acc", "final acc", "s to target", f"x {base}"):
+    for col in ("preset", "iterations", "base acc", "final acc", "s to target", f"x {base}"):
         table.add_column(col, justify="right")
     for r in rows:
         s, ratio = r["seconds_to_target"], r["time_ratio"]
-        table.add_row(r["preset"], f"{curves[r['preset']][0][1]:.3f}", f"{r['final_accuracy']:.3f}",
-                      "-" if s is None else f"{s:.0f}", "-" if ratio is None else f"{ratio:.2f}")
+        table.add_row(r["preset"], str(iterations.get(r["preset"], "?")), f"{curves[r['preset']][0][1]:.3f}",
+                      f"{r['final_accuracy']:.3f}", "-" if s is None else f"{s:.0f}",
+                      "-" if ratio is None else f"{ratio:.2f}")
     if not quiet:
         Console().print(table)
     out = {"rows": rows, "target": target, "base_accuracy": base_acc, "target_preset": base,
            "target_above_base": target > base_acc,
            "mix_grpo_within_claim": next((r["time_ratio"] is not None and r["time_ratio"] <= MIX_CLAIM
                                           for r in rows if r["preset"] == "mix-grpo"), None),
-           "minutes": minutes, "samples": num_prompts * seeds, "curves": {p: c for p, c in curves.items()}}
+           "minutes": minutes, "samples": samples, "iterations": iterations,
+           "curves": {p: c for p, c in curves.items()}}
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2))
     return out
+
+
+def merge(json_paths: list[str], out_json: str | None, results: Path) -> dict:
+    """Combine results of ``bench e2e`` runs over disjoint presets (e.g. run side by side on two
+    cores) into one table, CSV, PNG and JSON. The runs must share the budget and evaluation set."""
+    parts = [json.loads(Path(p).read_text()) for p in json_paths]
+    if len({(d["minutes"], d["samples"], d["base_accuracy"]) for d in parts}) != 1:
+        raise SystemExit("bench e2e --merge: the runs differ in minutes, evaluation samples or base accuracy")
+    curves, iterations = {}, {}
+    for d in parts:
+        for p, c in d["curves"].items():
+            curves[p] = [tuple(x) for x in c]
+            iterations[p] = d.get("iterations", {}).get(p, "?")
+    order = [p for p in PRESETS if p in curves] + [p for p in curves if p not in PRESETS]
+    curves = {p: curves[p] for p in order}
+    return summarize(curves, iterations, parts[0]["minutes"], parts[0]["samples"], results, out_json)
 
 
 def main(argv=None) -> None:
@@ -166,6 +195,9 @@ def main(argv=None) -> None:
     ap.add_argument("--presets", nargs="*", default=list(PRESETS))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw e2e.png from a saved result JSON")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="combine result JSONs of runs over disjoint presets (written to --json and beside it)")
+    ap.add_argument("--out-dir", default=None, help="where e2e.csv / e2e.png go (default: benchmarks/results)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every preset")
     args = ap.parse_args(argv)
     if args.replot:
@@ -174,9 +206,13 @@ def main(argv=None) -> None:
                  data["minutes"], data.get("samples", 256),
                  Path(args.replot).with_name("e2e.png"))
         return
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS
+    if args.merge:
+        merge(args.merge, args.json, out_dir)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
-    run_bench_e2e(args.json, args.presets, args.minutes, args.eval_every, overrides=args.overrides)
+    run_bench_e2e(args.json, args.presets, args.minutes, args.eval_every, overrides=args.overrides, out_dir=out_dir)
 
 
 if __name__ == "__main__":

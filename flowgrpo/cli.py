@@ -78,6 +78,8 @@ def _cmd_eval(args) -> int:
     for tag, acc in res["per_tag"].items():
         table.add_row(tag, f"{acc:.3f}")
     table.add_row("[bold]overall", f"[bold]{res['accuracy']:.3f}")
+    if res.get("num_unseen"):
+        table.add_row(f"never-trained prompts ({res['num_unseen']} samples)", f"{res['accuracy_unseen']:.3f}")
     Console().print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

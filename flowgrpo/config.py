@@ -80,6 +80,8 @@ class LossConfig:
     guard: bool = _f(False, "GRPO-Guard ratio normalisation")
     guard_reweight: bool = _f(False, "GRPO-Guard per-step gradient reweighting (weight proportional to 1/|dt|, mean 1)")
     tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to sigma_t*sqrt(-dt), mean 1)")
+    anchor_weight: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.anchor)")
+    anchor_steps: int = _f(2, "ODE depths per update on which the anchor term is evaluated")
     backend: str = _f("auto", "auto (fused op where built, else reference) | reference | fused")
 
 

@@ -44,3 +44,20 @@ def test_bench_e2e_outputs(tmp_path):
     assert rows[0] == ["preset", "train_seconds", "accuracy"]
     assert len(rows) - 1 == sum(len(c) for c in curves.values())
     assert (tmp_path / "e2e.png").stat().st_size > 1000
+
+
+def test_merge_recomputes_rows_across_runs(tmp_path):
+    from benchmarks.bench_e2e import merge
+
+    base = {"minutes": 1.0, "samples": 256, "base_accuracy": 0.4}
+    a = {**base, "curves": {"flow-grpo": [[0.0, 0.4], [30.0, 0.45], [60.0, 0.5]]}, "iterations": {"flow-grpo": 10}}
+    b = {**base, "curves": {"mix-grpo": [[0.0, 0.4], [20.0, 0.5], [60.0, 0.6]]}, "iterations": {"mix-grpo": 20}}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    out = merge([str(tmp_path / "b.json"), str(tmp_path / "a.json")], str(tmp_path / "m.json"), tmp_path)
+    assert [r["preset"] for r in out["rows"]] == ["flow-grpo", "mix-grpo"]  # canonical order, target first
+    assert out["target"] == 0.5 and out["iterations"] == {"flow-grpo": 10, "mix-grpo": 20}
+    mix = out["rows"][1]
+    assert mix["seconds_to_target"] == 20.0 and mix["time_ratio"] == 20.0 / 60.0
+    assert out["mix_grpo_within_claim"] is True
+    assert (tmp_path / "e2e.png").is_file() and json.loads((tmp_path / "m.json").read_text())["rows"] == out["rows"]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..advantages import estimate_advantages
+from ..anchor import ode_anchor_loss
 from ..config import RunConfig
 from ..data import PromptSource
 from ..ops import grpo_loss, grpo_loss_ref
@@ -63,7 +64,7 @@ class GRPOTrainer:
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         torch.manual_seed(tc.seed)  # adapter initialisation
         self.policy = build_policy(cfg.model).to(self.accelerator.device)
-        if cfg.loss.beta > 0 and hasattr(self.policy, "snapshot_reference"):
+        if (cfg.loss.beta > 0 or cfg.loss.anchor_weight > 0) and hasattr(self.policy, "snapshot_reference"):
             self.policy.snapshot_reference()
         params = self.policy.trainable_parameters()
         if not params:
@@ -232,7 +233,7 @@ class GRPOTrainer:
         cfg, tc = self.cfg, self.cfg.train
         trees = batch.tree.unique()
         rng = np.random.default_rng([tc.seed, iteration, 31])
-        stats = {"ratio": [], "logp_diff": [], "clip_high": [], "clip_low": [], "kl": [], "loss": []}
+        stats = {"ratio": [], "logp_diff": [], "clip_high": [], "clip_low": [], "kl": [], "loss": [], "anchor": []}
         grad_norms = []
         first_dev = None
         weights_all = transition_weights(batch, plan, cfg.loss)
@@ -271,6 +272,12 @@ class GRPOTrainer:
                     stats["loss"].append(loss.detach().reshape(1))
                     if first_dev is None:
                         first_dev = float((st["ratio"] - 1).abs().max())
+                if rollout is not None and cfg.loss.anchor_weight > 0:
+                    anchor = ode_anchor_loss(self.policy, rollout, plan, cond, cfg.loss.anchor_weight,
+                                             cfg.loss.anchor_steps, rng)
+                    if anchor is not None:
+                        self.accelerator.backward(anchor)
+                        stats["anchor"].append(anchor.detach().reshape(1))
                 gn = self.accelerator.clip_grad_norm_(self.policy.trainable_parameters(), tc.max_grad_norm)
                 grad_norms.append(float(gn))
                 self.optimizer.step()
@@ -287,4 +294,5 @@ class GRPOTrainer:
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
             "onpolicy_ratio_maxdev": first_dev if first_dev is not None else 0.0,
             "transitions": len(batch),
+            **({"anchor_loss": float(torch.cat(stats["anchor"]).mean())} if stats["anchor"] else {}),
         }
