@@ -145,3 +145,19 @@ def test_cps_kind_is_on_policy_too(tiny_config):
     m = GRPOTrainer(cfg).iteration_step().metrics
     assert m["onpolicy_ratio_maxdev"] < 1e-6
     assert np.isfinite(m["loss"])
+
+
+def test_time_budget_is_never_exceeded(tiny_config, tmp_path):
+    """The run stops before an iteration that would end past train.max_minutes, so train_seconds
+    (evaluation excluded) stays within the budget while still using most of it."""
+    from flowgrpo.trainer.run import train
+
+    budget_s = 4.0
+    cfg = brightness_cfg(tiny_config, **{"train.iterations": 10000, "train.max_minutes": budget_s / 60,
+                                         "log.tensorboard": "false", "log.checkpoint_every": 1000})
+    summary = train(cfg, tmp_path / "run")
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["iterations"] == len(rows) >= 2
+    assert summary["train_seconds"] <= budget_s
+    longest = max(r["iter_s"] for r in rows)
+    assert summary["train_seconds"] > budget_s - 3 * longest  # it did not stop early either

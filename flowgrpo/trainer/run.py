@@ -139,10 +139,15 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     total = cfg.train.iterations
     with _progress(cfg.log.progress, total) as bar:
         task = bar.add_task("train", total=total, completed=start_iter, info="")
+        recent: list[float] = []  # seconds of the latest iterations, checkpoint writes included
         while trainer.iteration < total:
-            if cfg.train.max_minutes and train_seconds >= cfg.train.max_minutes * 60:
+            # stop before an iteration that would likely end past the budget, so that train_seconds
+            # stays within it (the longest of the last 5 iterations, with a 25 % margin)
+            expected = 1.25 * max(recent[-5:]) if recent else 0.0
+            if cfg.train.max_minutes and train_seconds + expected > cfg.train.max_minutes * 60:
                 print(f"time budget of {cfg.train.max_minutes} min reached at iteration {trainer.iteration}")
                 break
+            spent_before = train_seconds
             t0 = time.perf_counter()
             out = trainer.iteration_step()
             m = out.metrics
@@ -152,7 +157,9 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                 save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:n], ncol=min(8, cfg.data.group_size), scale=2)
             train_seconds += time.perf_counter() - t0
             m["train_seconds"] = train_seconds
-            budget_left = not cfg.train.max_minutes or train_seconds < cfg.train.max_minutes * 60
+            this_iter = train_seconds - spent_before
+            next_end = train_seconds + 1.25 * max(recent[-4:] + [this_iter])
+            budget_left = not cfg.train.max_minutes or next_end <= cfg.train.max_minutes * 60
             due = (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or train_seconds >= next_eval_s
             if due and it + 1 < total and budget_left:  # the clock is paused: evaluation is not training
                 res = _eval(trainer, use_ema=cfg.train.ema)
@@ -168,6 +175,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                 t1 = time.perf_counter()
                 save_checkpoint(run_dir, done, {"trainer": trainer.state_dict(), "train_seconds": train_seconds})
                 train_seconds += time.perf_counter() - t1
+            recent.append(train_seconds - spent_before)
             info = (f"reward {m.get('reward_mean', float('nan')):.3f}  kl {m.get('approx_kl', 0):.2e}  "
                     f"clip {m.get('clipfrac_high', 0) + m.get('clipfrac_low', 0):.2f}")
             bar.update(task, completed=done, info=info)
