@@ -58,7 +58,7 @@ def score_shapes(prompts: list[str], images: Tensor) -> dict:
             unseen.append(r["correct"])
     return {
         "accuracy": float(np.mean(correct)),
-        "accuracy_unseen": float(np.mean(unseen)) if unseen else float("nan"),
+        "accuracy_unseen": float(np.mean(unseen)) if unseen else None,  # null in JSON, never NaN
         "num_unseen": len(unseen),
         "score": float(np.mean(scores)),
         "per_tag": {t: float(np.mean(v)) for t, v in sorted(per_tag.items())},

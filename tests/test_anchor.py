@@ -32,7 +32,7 @@ def test_anchor_covers_the_ode_steps_and_is_zero_on_the_base_model(shapes_model_
     # window of 2 SDE steps at the start of 6: depths 2..5 take ODE steps, depth 6 is the leaf
     assert ode_depths(ro, plan) == [2, 3, 4, 5]
     loss = ode_anchor_loss(trainer.policy, ro, plan, cond, 1.0, 2, np.random.default_rng(0))
-    assert loss is not None and float(loss) == 0.0
+    assert loss is not None and float(loss.detach()) == 0.0
 
 
 def test_anchor_pulls_a_drifted_policy_back(shapes_model_dir):
@@ -44,7 +44,7 @@ def test_anchor_pulls_a_drifted_policy_back(shapes_model_dir):
             p.add_(torch.randn_like(p) * 1e-3)
     rng = np.random.default_rng(0)
     loss = ode_anchor_loss(trainer.policy, ro, plan, cond, 1.0, 4, rng)
-    assert float(loss) > 0
+    assert float(loss.detach()) > 0
     loss.backward()
     # one small gradient step against the anchor brings the policy closer to the base model
     with torch.no_grad():
@@ -52,7 +52,7 @@ def test_anchor_pulls_a_drifted_policy_back(shapes_model_dir):
             p.sub_(1e-2 * p.grad)
             p.grad = None
     again = ode_anchor_loss(trainer.policy, ro, plan, cond, 1.0, 4, np.random.default_rng(0))
-    assert float(again) < float(loss)
+    assert float(again.detach()) < float(loss.detach())
     # frozen text encoder and reference copy get no gradient
     assert all(p.grad is None for p in trainer.policy.model.text_encoder.parameters())
 
