@@ -87,6 +87,11 @@ def _public(res: dict, keep_correct: bool = False) -> dict:
     return {k: v for k, v in res.items() if k not in drop}
 
 
+def _next_end(train_seconds: float, recent: list[float]) -> float:
+    """When the next iteration would likely end: the longest of the last 5 iterations, +25 %."""
+    return train_seconds + (1.25 * max(recent[-5:]) if recent else 0.0)
+
+
 def _progress(enabled: bool, total: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -143,8 +148,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
         while trainer.iteration < total:
             # stop before an iteration that would likely end past the budget, so that train_seconds
             # stays within it (the longest of the last 5 iterations, with a 25 % margin)
-            expected = 1.25 * max(recent[-5:]) if recent else 0.0
-            if cfg.train.max_minutes and train_seconds + expected > cfg.train.max_minutes * 60:
+            if cfg.train.max_minutes and _next_end(train_seconds, recent) > cfg.train.max_minutes * 60:
                 print(f"time budget of {cfg.train.max_minutes} min reached at iteration {trainer.iteration}")
                 break
             spent_before = train_seconds
@@ -157,8 +161,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                 save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:n], ncol=min(8, cfg.data.group_size), scale=2)
             train_seconds += time.perf_counter() - t0
             m["train_seconds"] = train_seconds
-            this_iter = train_seconds - spent_before
-            next_end = train_seconds + 1.25 * max(recent[-4:] + [this_iter])
+            next_end = _next_end(train_seconds, recent + [train_seconds - spent_before])
             budget_left = not cfg.train.max_minutes or next_end <= cfg.train.max_minutes * 60
             due = (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or train_seconds >= next_eval_s
             if due and it + 1 < total and budget_left:  # the clock is paused: evaluation is not training
