@@ -1,5 +1,6 @@
 """SD3 policy adapter over a tiny random SD3 built offline (no hub, no GPU)."""
 
+import math
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -153,13 +154,39 @@ def test_only_lora_is_trainable_and_gets_gradients():
     assert make_policy(train_mode="frozen").trainable_parameters() == []
 
 
-def test_decode_range_and_shape():
-    policy = make_policy(train_mode="frozen")
-    x, _ = inputs(policy, b=3)
+def test_decode_is_the_stock_pipelines_decode():
+    """decode(z) = the pipeline's own tail: vae.decode(z / scaling + shift) then image_processor.postprocess,
+    whatever the decode chunking."""
+    pipe = tiny_sd3_pipeline(seed=0)
+    cfg = pipe.vae.config
+    assert cfg.shift_factor != 0.0 and cfg.scaling_factor != 1.0  # both factors are exercised
+    x, _ = inputs(make_policy(train_mode="frozen"), b=5, seed=3)
+    x = 3.0 * x  # large latents: the decoded values leave [-1, 1], so the clamp is exercised too
     with torch.no_grad():
-        img = policy.decode(x)
-    assert img.shape == (3, 3, 64, 64) and img.dtype == torch.float32
-    assert img.min() >= 0.0 and img.max() <= 1.0
+        raw = pipe.vae.decode(x / cfg.scaling_factor + cfg.shift_factor, return_dict=False)[0]
+        expected = pipe.image_processor.postprocess(raw, output_type="pt")
+        chunked = make_policy(train_mode="frozen", decode_batch=2).decode(x)  # chunks of 2, 2, 1
+        whole = make_policy(train_mode="frozen", decode_batch=8).decode(x)
+    assert chunked.shape == (5, 3, 64, 64) and chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(whole, expected, rtol=0, atol=1e-5)
+    assert (raw.abs() > 1).any()
+    assert (chunked[0] - chunked[1]).abs().max() > 1e-3  # different latents, different images
+
+
+def test_velocity_deterministic_across_builds():
+    """Same seed, same components: two policies give bitwise-equal encodings and velocities; another seed differs."""
+    a, b = make_policy(), make_policy()
+    other = SD3Policy.from_components(tiny_sd3_components(seed=1), resolution=64, max_sequence_length=SEQ)
+    x, s = inputs(a)
+    with torch.no_grad():
+        ca, cb = a.encode_prompts(PROMPTS), b.encode_prompts(PROMPTS)
+        va, vb, vo = a.velocity(x, s, ca), b.velocity(x, s, cb), other.velocity(x, s, other.encode_prompts(PROMPTS))
+        va2 = a.velocity(x, s, ca)
+    for k in ca.tensors:
+        assert torch.equal(ca.tensors[k], cb.tensors[k]), k
+    assert torch.equal(va, vb) and torch.equal(va, va2)
+    assert (va - vo).abs().max() > 1e-3
 
 
 def test_save_lora_loads_into_stock_pipeline(tmp_path):
@@ -190,14 +217,108 @@ def test_build_from_local_folder_and_registry(tmp_path):
     with pytest.raises(UserError, match="model.path"):
         build_sd3_policy(ModelConfig(name="sd3", path=None))
 
-    tiny_sd3_pipeline(seed=0).save_pretrained(tmp_path / "pipe")
+    tiny_sd3_pipeline(seed=0, shift=2.0).save_pretrained(tmp_path / "pipe")  # a non-stock scheduler config
     cfg = ModelConfig(name="sd3", path=str(tmp_path / "pipe"), resolution=64, max_sequence_length=SEQ,
                       guidance_scale=3.0, lora_rank=4, lora_alpha=4.0)
     loaded = build_policy(cfg)
     tiny = build_policy(ModelConfig(name="sd3-tiny", resolution=64, max_sequence_length=SEQ, guidance_scale=3.0))
     assert isinstance(loaded, SD3Policy) and isinstance(tiny, SD3Policy)
     assert loaded.latent_shape == tiny.latent_shape == (16, 8, 8)
+    # the folder's scheduler_config.json sets the loaded policy's grid; the registry's tiny one is SD3's stock
+    torch.testing.assert_close(loaded.sigma_grid(5).double(), torch.tensor(diffusers_sigmas(5, 2.0), dtype=torch.float64),
+                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(tiny.sigma_grid(5).double(), torch.tensor(diffusers_sigmas(5, 3.0), dtype=torch.float64),
+                               rtol=1e-6, atol=1e-7)
     x, s = inputs(tiny)
     with torch.no_grad():
         torch.testing.assert_close(loaded.velocity(x, s, loaded.encode_prompts(PROMPTS)),
                                    tiny.velocity(x, s, tiny.encode_prompts(PROMPTS)), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- sigma grid
+def diffusers_sigmas(num_steps: int, shift: float = 1.0, num_train: int = 1000, mu: float | None = None) -> list[float]:
+    """float64 re-derivation of ``FlowMatchEulerDiscreteScheduler`` (static or exponential dynamic shift).
+
+    The training schedule is t_k = k / N for k = N..1, shifted by ``shift`` unless the shift is
+    dynamic; its ends are sigma_max and sigma_min. ``set_timesteps(T)`` spaces T timesteps
+    uniformly from sigma_max * N to sigma_min * N, divides by N, shifts again (or applies the
+    exponential time shift e^mu / (e^mu + 1/s - 1)) and appends a terminal 0.
+    """
+    train = [k / num_train for k in range(num_train, 0, -1)]
+    if mu is None:
+        train = [shift * t / (1 + (shift - 1) * t) for t in train]
+    hi, lo = train[0] * num_train, train[-1] * num_train
+    out = []
+    for i in range(num_steps):
+        s = (hi + (lo - hi) * i / (num_steps - 1) if num_steps > 1 else hi) / num_train
+        out.append(shift * s / (1 + (shift - 1) * s) if mu is None else math.exp(mu) / (math.exp(mu) + 1 / s - 1))
+    return out + [0.0]
+
+
+@pytest.mark.parametrize("num_steps", [4, 10, 28])
+def test_sigma_grid_is_the_sd3_schedulers(num_steps):
+    from flowgrpo.samplers import sigma_grid as flux_grid
+
+    policy = make_policy(train_mode="frozen")  # tiny components: the scheduler has shift 3
+    assert policy.scheduler.config.shift == 3.0
+    grid = policy.sigma_grid(num_steps)
+    expected = torch.tensor(diffusers_sigmas(num_steps, shift=3.0), dtype=torch.float64)
+    assert grid.dtype == torch.float32 and grid.shape == (num_steps + 1,)
+    torch.testing.assert_close(grid.double(), expected, rtol=1e-6, atol=1e-7)
+    assert float(grid[0]) == 1.0 and float(grid[-1]) == 0.0
+    assert bool((grid[1:] < grid[:-1]).all())
+    # the last non-zero sigma is the doubly shifted training sigma_min, well above the FLUX grid's
+    assert float(grid[-2]) > 0.0
+    # not the FLUX-style grid (linspace(1, 1/T, T) shifted once): the test fails on that fallback
+    flux = flux_grid(num_steps, 3.0)
+    assert (grid - flux).abs().max() > 1e-2
+    # the shift argument is ignored: the scheduler config owns it
+    assert torch.equal(policy.sigma_grid(num_steps, 1.0), grid) and torch.equal(policy.sigma_grid(num_steps, 5.0), grid)
+
+
+def test_sigma_grid_follows_the_scheduler_config_and_leaves_it_untouched():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    comps = tiny_sd3_components(seed=0)
+    sched = comps["scheduler"]
+    before = (sched.sigmas.clone(), sched.timesteps.clone())
+    policy = SD3Policy.from_components(comps, resolution=64, max_sequence_length=SEQ, train_mode="frozen")
+    policy.sigma_grid(7)
+    assert torch.equal(sched.sigmas, before[0]) and torch.equal(sched.timesteps, before[1])
+    assert getattr(sched, "num_inference_steps", None) is None
+
+    comps["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    plain = SD3Policy.from_components(comps, resolution=64, max_sequence_length=SEQ, train_mode="frozen")
+    torch.testing.assert_close(plain.sigma_grid(6).double(), torch.tensor(diffusers_sigmas(6, 1.0), dtype=torch.float64),
+                               rtol=1e-6, atol=1e-7)
+
+    # dynamic shifting: mu from the number of latent patches, as StableDiffusion3Pipeline computes it
+    comps["scheduler"] = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                         base_image_seq_len=256, max_image_seq_len=4096)
+    dyn = SD3Policy.from_components(comps, resolution=128, max_sequence_length=SEQ, train_mode="frozen")
+    tokens = (128 // 8 // 2) ** 2  # latent side 16, patch 2
+    mu = 0.5 + (1.15 - 0.5) * (tokens - 256) / (4096 - 256)
+    torch.testing.assert_close(dyn.sigma_grid(5).double(), torch.tensor(diffusers_sigmas(5, mu=mu), dtype=torch.float64),
+                               rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="num_steps"):
+        dyn.sigma_grid(0)
+
+
+def test_euler_on_sigma_grid_reproduces_the_stock_pipeline():
+    """Euler steps x <- x + (sigma' - sigma) * velocity over policy.sigma_grid(T), with guidance, land on the
+    latents StableDiffusion3Pipeline(output_type="latent") produces from the same initial noise."""
+    steps, g = 4, 3.0
+    pipe = tiny_sd3_pipeline(seed=0)
+    policy = make_policy(train_mode="frozen", guidance_scale=g)
+    x0, _ = inputs(policy, b=2, seed=5)
+    with torch.no_grad():
+        theirs = pipe(prompt=PROMPTS[:2], height=64, width=64, num_inference_steps=steps, guidance_scale=g,
+                      latents=x0.clone(), output_type="latent", max_sequence_length=SEQ).images
+        cond = policy.encode_prompts(PROMPTS[:2])
+        sig = policy.sigma_grid(steps)
+        x = x0.clone()
+        for i in range(steps):
+            x = x + (sig[i + 1] - sig[i]) * policy.velocity(x, sig[i].expand(2), cond).float()
+    torch.testing.assert_close(pipe.scheduler.sigmas, sig, rtol=0, atol=0)  # the pipeline ran on this grid
+    assert (x - x0).abs().max() > 1e-2
+    torch.testing.assert_close(x, theirs, rtol=1e-4, atol=1e-4)

@@ -13,6 +13,11 @@ encoded with SD3's recipe (the same tensors as ``StableDiffusion3Pipeline.encode
 
 The transformer is called with ``timestep = 1000 * sigma``. Text encoders and VAE are frozen; the
 trainable part is a peft LoRA adapter on the transformer (or the whole transformer).
+
+Sigma grid: rollouts use the grid the pipeline's own scheduler would use (:meth:`SD3Policy.sigma_grid`,
+``FlowMatchEulerDiscreteScheduler.set_timesteps``), not FLUX's ``samplers.sigma_grid``. With SD3's
+config (shift 3, 1000 training timesteps) the two differ: diffusers spaces the timesteps between
+the *already shifted* training sigma_max and sigma_min and then shifts them again.
 """
 
 from __future__ import annotations
@@ -47,6 +52,14 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
         raise UserError(f"unknown model dtype {name!r}; valid: float32, bfloat16, float16") from None
 
 
+def default_sd3_scheduler():
+    """The scheduler of the stock SD3 / SD3.5 pipelines (``scheduler_config.json``): flow-matching Euler,
+    1000 training timesteps, static shift 3."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+
+
 def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``module.to(dtype)`` only where some floating parameter differs (diffusers warns on every cast)."""
     if any(p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
@@ -70,6 +83,8 @@ class SD3Policy(Policy):
             are kept in float32). Velocities are returned in this dtype; callers cast.
         decode_batch: largest VAE decode batch.
         gradient_checkpointing: recompute transformer blocks in backward (memory for real SD3).
+        scheduler: the pipeline's scheduler; it defines the rollout sigma grid (:meth:`sigma_grid`)
+            and is never stepped or modified. None: SD3's stock one (:func:`default_sd3_scheduler`).
     """
 
     adapter_name = "default"
@@ -78,7 +93,7 @@ class SD3Policy(Policy):
                  tokenizer_3=None, *, resolution: int = 512, guidance_scale: float = 1.0, train_mode: str = "lora",
                  lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None,
                  max_sequence_length: int = 256, dtype: torch.dtype | str = torch.float32, decode_batch: int = 8,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, scheduler=None):
         super().__init__(guidance_scale)
         if train_mode not in ("lora", "full", "frozen"):
             raise ValueError(f"unknown train_mode {train_mode!r}; valid: lora, full, frozen")
@@ -98,6 +113,7 @@ class SD3Policy(Policy):
         self.decode_batch = int(decode_batch)
         self.train_mode = train_mode
         self._frozen: nn.Module | None = None
+        self.scheduler = scheduler if scheduler is not None else default_sd3_scheduler()
 
         # latent geometry
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
@@ -126,9 +142,9 @@ class SD3Policy(Policy):
 
     @classmethod
     def from_components(cls, components: dict, **kwargs) -> "SD3Policy":
-        """From a ``pipeline.components``-style dict (scheduler and unused entries are ignored)."""
+        """From a ``pipeline.components``-style dict (unused entries are ignored; the scheduler sets the grid)."""
         names = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
-                 "text_encoder_3", "tokenizer_3"]
+                 "text_encoder_3", "tokenizer_3", "scheduler"]
         return cls(**{n: components.get(n) for n in names}, **kwargs)
 
     def train(self, mode: bool = True) -> "SD3Policy":
@@ -170,6 +186,41 @@ class SD3Policy(Policy):
             "prompt_embeds": torch.cat([clip, t5], dim=-2).to(self.dtype),
             "pooled_prompt_embeds": torch.cat([pooled_1, pooled_2], dim=-1).to(self.dtype),
         }
+
+    # ------------------------------------------------------------------ schedule
+    def sigma_grid(self, num_steps: int, shift: float | None = None) -> Tensor:
+        """The float32 [num_steps + 1] sigma grid (1 -> ... -> 0, CPU) of this pipeline's scheduler.
+
+        Exactly ``scheduler.sigmas`` after ``scheduler.set_timesteps(num_steps)`` on a copy of the
+        pipeline's scheduler (the scheduler itself is untouched), i.e. what
+        ``StableDiffusion3Pipeline.__call__`` denoises on: its config owns the shift, sigma_min/max
+        (from the training timesteps), shift_terminal, Karras/exponential/beta spacing and dynamic
+        shifting (``mu`` computed from this policy's latent size as the pipeline does).
+
+        ``shift`` is **ignored**: for SD3 the scheduler config owns the shift (3.0 in the stock
+        pipelines), so ``sampler.shift`` has no effect on an SD3 policy's grid. To change it, change
+        the pipeline's ``scheduler_config.json`` (or pass another ``scheduler``).
+        """
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        sched = copy.deepcopy(self.scheduler)
+        config = sched.config
+        kwargs = {}
+        if config.get("use_dynamic_shifting", False):
+            # StableDiffusion3Pipeline.__call__: mu from the number of image tokens (latent patches)
+            patch = self.transformer.config.patch_size
+            seq_len = (self.latent_shape[-2] // patch) * (self.latent_shape[-1] // patch)
+            base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+            base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.16)
+            slope = (max_shift - base_shift) / (max_len - base_len)
+            kwargs["mu"] = seq_len * slope + base_shift - slope * base_len
+        sched.set_timesteps(num_steps, device="cpu", **kwargs)
+        sigmas = torch.as_tensor(sched.sigmas, dtype=torch.float32).detach().cpu().reshape(-1)
+        if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0 or not bool((sigmas[1:] < sigmas[:-1]).all()):
+            raise ValueError(f"{type(sched).__name__} gives {len(sigmas)} sigmas for {num_steps} steps "
+                             f"({sigmas.tolist()[:4]}...): a flow-matching Euler-type scheduler with "
+                             "num_steps + 1 decreasing sigmas ending at 0 is required")
+        return sigmas
 
     # ------------------------------------------------------------------ model
     def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:

@@ -89,12 +89,13 @@ def tiny_t5_tokenizer(max_length: int = 256):
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
-def tiny_sd3_components(seed: int = 0, clip_max_length: int = CLIP_MAX_LENGTH) -> dict:
-    """Random tiny SD3 components keyed as ``StableDiffusion3Pipeline`` expects (no scheduler).
+def tiny_sd3_components(seed: int = 0, clip_max_length: int = CLIP_MAX_LENGTH, shift: float = 3.0) -> dict:
+    """Random tiny SD3 components keyed as ``StableDiffusion3Pipeline`` expects, scheduler included
+    (SD3's ``FlowMatchEulerDiscreteScheduler`` with timestep shift ``shift``; the stock value is 3).
 
     Deterministic in ``seed``; the caller's global RNG state is left untouched.
     """
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     tokenizer = tiny_clip_tokenizer(max_length=clip_max_length)
@@ -133,6 +134,7 @@ def tiny_sd3_components(seed: int = 0, clip_max_length: int = CLIP_MAX_LENGTH) -
             scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
         ).eval()
     return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
         "transformer": transformer, "vae": vae,
         "text_encoder": text_encoder, "tokenizer": tokenizer,
         "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2,
@@ -142,9 +144,9 @@ def tiny_sd3_components(seed: int = 0, clip_max_length: int = CLIP_MAX_LENGTH) -
 
 def tiny_sd3_pipeline(seed: int = 0, shift: float = 3.0):
     """A stock ``StableDiffusion3Pipeline`` around :func:`tiny_sd3_components` (same seed, same weights)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from diffusers import StableDiffusion3Pipeline
 
-    return StableDiffusion3Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), **tiny_sd3_components(seed))
+    return StableDiffusion3Pipeline(**tiny_sd3_components(seed, shift=shift))
 
 
 def build_tiny_sd3_policy(cfg):
