@@ -1,5 +1,14 @@
-"""GRPO-Guard (ratio normalisation, per-step reweighting) and TempFlow noise-aware weights."""
+"""GRPO-Guard (ratio normalisation, per-step reweighting) and TempFlow noise-aware weights (DESIGN §5).
 
+The per-step weights are checked against float64 references written here from the DESIGN formulas
+on hand-written grids and plans, and against properties that follow from those formulas:
+
+* Guard: delta_t proportional to 1 / |Delta_t|, mean 1 over the trained steps (0 elsewhere);
+* TempFlow: w_t proportional to sigma_t * sqrt(-Delta_t) (the transition std, DESIGN §3), mean 1 over
+  all steps of the schedule; ODE steps of the plan are weighed like its SDE steps.
+"""
+
+import math
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -8,7 +17,7 @@ import pytest
 import torch
 
 from flowgrpo.config import LossConfig
-from flowgrpo.loss_weights import guard_step_weights, step_sigma_t, tempflow_step_weights, transition_weights
+from flowgrpo.loss_weights import guard_step_weights, tempflow_step_weights, transition_weights
 from flowgrpo.ops import grpo_loss_ref
 from flowgrpo.samplers.plan import SamplingPlan, StepSpec
 from flowgrpo.samplers.schedule import sigma_grid
@@ -36,10 +45,8 @@ def synthetic_rollout(shift=1.0, a=0.7, dv_scale=0.05, seed=0):
         ones = torch.ones(N, dtype=torch.float64)
         common = (old.prev_sample.double(), new.mean.double(), old.mean.double(), old.std.double(),
                   old.log_prob.double(), ones, ones)
-        _, st_raw = grpo_loss_ref(*common, clip_range=1e-4, guard=False)
-        _, st_guard = grpo_loss_ref(*common, clip_range=1e-4, guard=True)
-        raw.append(torch.log(st_raw["ratio"]))
-        guard.append(torch.log(st_guard["ratio"]))
+        raw.append(torch.log(grpo_loss_ref(*common, clip_range=1e-4, guard=False).ratio))
+        guard.append(torch.log(grpo_loss_ref(*common, clip_range=1e-4, guard=True).ratio))
         mse.append(((new.mean - old.mean) ** 2).flatten(1).mean(1).double())
     return raw, guard, mse, plan
 
@@ -83,56 +90,162 @@ def test_guard_spread_scales_with_dt_and_reweighting_equalises_it():
     assert float(flat.max() / flat.min()) < 1.15
 
 
-def test_guard_weights():
-    plan = SamplingPlan(sigma_grid(T, 3.0), [StepSpec() for _ in range(T)])
-    steps = [1, 4, 7]
-    w = guard_step_weights(plan, steps)
-    dt = (plan.sigmas[:-1] - plan.sigmas[1:]).double()
-    assert float(w[steps].mean()) == pytest.approx(1.0)
-    torch.testing.assert_close(w[steps].double(), (1 / dt[steps]) / (1 / dt[steps]).mean(), rtol=1e-6, atol=0)
-    assert float(w[[0, 2, 3, 5, 6, 8, 9]].abs().sum()) == 0.0
-    # per transition: rows take their step's weight, mean 1 over the distinct trained steps
-    batch = _Batch(torch.tensor([1, 1, 1, 4, 7, 7]))
-    rows = transition_weights(batch, plan, LossConfig(guard_reweight=True))
-    torch.testing.assert_close(rows, w[batch.step])
-    assert float(rows.unique().mean()) == pytest.approx(1.0)
+# ---------------------------------------------------------------------------- float64 references
+#: a hand-written non-uniform grid (T = 8): |Delta| = .05 .10 .15 .20 .20 .15 .10 .05
+GRID = [1.0, 0.95, 0.85, 0.7, 0.5, 0.3, 0.15, 0.05, 0.0]
+UNIFORM = [1 - i / 8 for i in range(9)]
+
+
+def plan_of(grid, specs):
+    return SamplingPlan(torch.tensor(grid, dtype=torch.float32), list(specs))
+
+
+def sde(kind="flow_grpo", a=0.7, **kw):
+    return StepSpec(sde=True, sde_kind=kind, noise_level=a, **kw)
+
+
+def ode():
+    return StepSpec(sde=False)
+
+
+def ref_guard(grid, steps):
+    """delta_t = (1 / |Delta_t|) / mean_{trained}(1 / |Delta|) on the distinct trained steps, 0 elsewhere."""
+    trained = sorted(set(steps))
+    inv = {i: 1.0 / abs(grid[i + 1] - grid[i]) for i in trained}
+    mean = sum(inv.values()) / len(inv)
+    return [inv[i] / mean if i in inv else 0.0 for i in range(len(grid) - 1)]
+
+
+def ref_sigma_t(kind, a, grid, i):
+    """DESIGN §3: flow_grpo a * sqrt(s / (1 - s)) (at s = 1 the next grid point in the denominator);
+    dance the constant eta."""
+    if kind == "dance":
+        return a
+    s = grid[i]
+    return a * math.sqrt(s / (1 - (grid[1] if s >= 1 else s)))
+
+
+def ref_tempflow(grid, kinds):
+    """w_t = sigma_t sqrt(-Delta_t) / mean over all T steps; ``kinds`` [(kind, a)] per step."""
+    raw = [ref_sigma_t(k, a, grid, i) * math.sqrt(grid[i] - grid[i + 1]) for i, (k, a) in enumerate(kinds)]
+    mean = sum(raw) / len(raw)
+    return [r / mean for r in raw]
+
+
+def close(actual, expected, rtol=2e-6):
+    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), rtol=rtol, atol=1e-7)
 
 
 class _Batch:
+    """The part of a TransitionBatch that weighting reads: the plan step of each row."""
+
     def __init__(self, step):
-        self.step = step
+        self.step = torch.as_tensor(step)
 
     def __len__(self):
         return len(self.step)
 
 
-def test_tempflow_weights():
-    a = 0.7
-    sig = sigma_grid(T, 3.0)
-    # TempFlow-style plan: ODE main chain with SDE branch steps at 2 and 5
-    steps = [StepSpec(sde=i in (2, 5), noise_level=a) if i in (2, 5) else StepSpec(sde=False) for i in range(T)]
-    plan = SamplingPlan(sig, steps)
-    w = tempflow_step_weights(plan)
-    assert float(w.mean()) == pytest.approx(1.0, abs=1e-6)  # over all steps of the schedule
-    # proportional to the SDE transition std sigma_t * sqrt(-dt)
-    std = torch.stack([sde_step(torch.zeros(1, 2), torch.zeros(1, 2), sig[i], sig[i + 1], noise_level=a,
-                                sigma_max=sig[1]).std[0] for i in range(T)]).double()
-    torch.testing.assert_close(w.double(), std / std.mean(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(step_sigma_t(plan)[3], torch.tensor(a * (float(sig[3]) / (1 - float(sig[3]))) ** 0.5,
-                                                                    dtype=torch.float64), rtol=1e-5, atol=0)
-    rows = transition_weights(_Batch(torch.tensor([2, 2, 5])), plan, LossConfig(tempflow_weight=True))
-    torch.testing.assert_close(rows, w[[2, 2, 5]])
-    # dance kind: sigma_t = eta constant -> w proportional to sqrt(-dt)
-    dplan = SamplingPlan(sig, [StepSpec(sde=True, noise_level=0.3, sde_kind="dance") for _ in range(T)])
-    dt = (sig[:-1] - sig[1:]).double()
-    torch.testing.assert_close(tempflow_step_weights(dplan).double(), dt.sqrt() / dt.sqrt().mean(), rtol=1e-5, atol=0)
+# ---------------------------------------------------------------------------- GRPO-Guard reweighting
+@pytest.mark.parametrize("steps", [list(range(8)), [1, 4, 6], [3], [6, 1, 4, 4]])
+def test_guard_weights_match_the_formula(steps):
+    plan = plan_of(GRID, [sde() for _ in range(8)])
+    w = guard_step_weights(plan, steps)
+    assert w.dtype == torch.float32 and w.shape == (8,)
+    close(w, ref_guard(GRID, steps))
+    trained = sorted(set(steps))
+    assert float(w[trained].double().mean()) == pytest.approx(1.0, abs=1e-6)
+    assert all(float(w[i]) == 0.0 for i in range(8) if i not in trained)
 
 
-def test_weights_default_and_combined():
-    plan = SamplingPlan(sigma_grid(T, 3.0), [StepSpec() for _ in range(T)])
-    b = _Batch(torch.tensor([0, 3, 3, 9]))
-    assert torch.equal(transition_weights(b, plan, LossConfig()), torch.ones(4))
-    both = transition_weights(b, plan, LossConfig(guard_reweight=True, tempflow_weight=True))
-    g = transition_weights(b, plan, LossConfig(guard_reweight=True))
-    t = transition_weights(b, plan, LossConfig(tempflow_weight=True))
-    torch.testing.assert_close(both, g * t)
+def test_guard_weights_properties():
+    all_steps = list(range(8))
+    plan = plan_of(GRID, [sde() for _ in range(8)])
+    w = guard_step_weights(plan, all_steps).double()
+    dt = [GRID[i] - GRID[i + 1] for i in all_steps]
+    # larger at small |Delta|, equal at equal |Delta| (steps 0/7, 1/6, 2/5, 3/4 of GRID pair up)
+    for i in all_steps:
+        for j in all_steps:
+            if dt[i] < dt[j] - 1e-9:
+                assert w[i] > w[j], (i, j)
+    for i, j in [(0, 7), (1, 6), (2, 5), (3, 4)]:
+        assert float(w[i]) == pytest.approx(float(w[j]), rel=1e-6)
+    # the equalisation: delta_t |Delta_t| (the weighted scale of the Euler part x + Delta v of the SDE
+    # mean, whose gradient in v is Delta_t) is one constant over the trained steps, 1 / mean(1 / |Delta|)
+    scaled = w * torch.tensor(dt, dtype=torch.float64)
+    const = 1.0 / (sum(1.0 / d for d in dt) / len(dt))
+    torch.testing.assert_close(scaled, torch.full((8,), const, dtype=torch.float64), rtol=2e-6, atol=0)
+    # a global rescale of the grid (every Delta times c) is removed by the normalisation
+    scaled_plan = plan_of([0.6 * s for s in GRID], [sde() for _ in range(8)])
+    torch.testing.assert_close(guard_step_weights(scaled_plan, all_steps), w.float(), rtol=1e-5, atol=0)
+    # only |Delta| matters: not the SDE kind nor the noise level
+    dance = plan_of(GRID, [sde("dance", 0.3) for _ in range(8)])
+    torch.testing.assert_close(guard_step_weights(dance, [1, 4, 6]), guard_step_weights(plan, [1, 4, 6]))
+    # uniform grid: every trained step weighs 1
+    uni = plan_of(UNIFORM, [sde() for _ in range(8)])
+    close(guard_step_weights(uni, [0, 2, 5]), [1.0, 0, 1.0, 0, 0, 1.0, 0, 0])
+
+
+# ---------------------------------------------------------------------------- TempFlow weighting
+def test_tempflow_weights_match_the_formula():
+    # every step SDE, Flow-GRPO kind
+    flow = plan_of(GRID, [sde() for _ in range(8)])
+    w = tempflow_step_weights(flow)
+    assert w.dtype == torch.float32 and w.shape == (8,)
+    close(w, ref_tempflow(GRID, [("flow_grpo", 0.7)] * 8))
+    assert float(w.double().mean()) == pytest.approx(1.0, abs=1e-6)
+    # per-step noise levels: each SDE step with its own a
+    levels = [0.7 if i % 2 else 0.35 for i in range(8)]
+    mixed = plan_of(GRID, [sde(a=a) for a in levels])
+    close(tempflow_step_weights(mixed), ref_tempflow(GRID, [("flow_grpo", a) for a in levels]))
+    # TempFlow-style plan: an ODE main chain with SDE branch steps at 2 and 5; the ODE steps are weighed
+    # with the SDE steps' kind and level, so the weights are those of the all-SDE plan
+    branchy = plan_of(GRID, [sde() if i in (2, 5) else ode() for i in range(8)])
+    close(tempflow_step_weights(branchy), ref_tempflow(GRID, [("flow_grpo", 0.7)] * 8))
+    # a dance SDE step among ODE steps: sigma_t = eta everywhere -> w proportional to sqrt(-Delta)
+    dancy = plan_of(GRID, [sde("dance", 0.3) if i == 3 else ode() for i in range(8)])
+    close(tempflow_step_weights(dancy), ref_tempflow(GRID, [("dance", 0.3)] * 8))
+    # CPS: the transition std is sigma' sin(a pi / 2) (DESIGN §3), so w_t = sigma_{t+1} / mean(sigma_{1..T});
+    # its last step (into sigma' = 0) is deterministic and weighs 0
+    cps = plan_of(GRID, [sde("cps", 0.5) for _ in range(8)])
+    nxt = GRID[1:]
+    close(tempflow_step_weights(cps), [s / (sum(nxt) / len(nxt)) for s in nxt])
+
+
+def test_tempflow_weights_properties():
+    # uniform grid, dance kind: sigma_t sqrt(-Delta) is the same at every step -> exactly 1
+    uni_dance = plan_of(UNIFORM, [sde("dance", 0.3) for _ in range(8)])
+    torch.testing.assert_close(tempflow_step_weights(uni_dance), torch.ones(8), rtol=0, atol=1e-6)
+    # the noise level multiplies every sigma_t, and the normalisation removes it
+    for kind, (a1, a2) in (("flow_grpo", (0.3, 0.9)), ("dance", (0.1, 0.5))):
+        w1 = tempflow_step_weights(plan_of(GRID, [sde(kind, a1) for _ in range(8)]))
+        w2 = tempflow_step_weights(plan_of(GRID, [sde(kind, a2) for _ in range(8)]))
+        torch.testing.assert_close(w1, w2, rtol=1e-6, atol=0)
+    # uniform grid, flow_grpo: sigma_t grows with sigma, so the weights fall along the chain; steps 0 and 1
+    # share the denominator 1 - sigma_1 (the sigma = 1 rule) and Delta, so w_0 / w_1 = sqrt(1 / sigma_1)
+    w = tempflow_step_weights(plan_of(UNIFORM, [sde() for _ in range(8)])).double()
+    assert bool((w[1:] < w[:-1]).all())
+    assert float(w[0] / w[1]) == pytest.approx(math.sqrt(1 / UNIFORM[1]), rel=1e-6)
+    # normalised over the whole schedule: which steps are trained does not change the weights
+    some = plan_of(GRID, [sde(train=i in (1, 2)) for i in range(8)])
+    torch.testing.assert_close(tempflow_step_weights(some), tempflow_step_weights(plan_of(GRID, [sde()] * 8)))
+
+
+# ---------------------------------------------------------------------------- per transition
+def test_transition_weights_gather_step_weights():
+    plan = plan_of(GRID, [sde() for _ in range(8)])
+    step = [1, 1, 1, 4, 6, 6]
+    batch = _Batch(step)
+    assert torch.equal(transition_weights(batch, plan, LossConfig()), torch.ones(6))
+    guard = ref_guard(GRID, step)  # normalised over the distinct steps present in this update: 1, 4, 6
+    temp = ref_tempflow(GRID, [("flow_grpo", 0.7)] * 8)
+    g = transition_weights(batch, plan, LossConfig(guard_reweight=True))
+    t = transition_weights(batch, plan, LossConfig(tempflow_weight=True))
+    both = transition_weights(batch, plan, LossConfig(guard_reweight=True, tempflow_weight=True))
+    assert g.shape == t.shape == both.shape == (6,)
+    close(g, [guard[i] for i in step])
+    close(t, [temp[i] for i in step])
+    close(both, [guard[i] * temp[i] for i in step], rtol=5e-6)
+    # the mean is 1 over the distinct trained steps (rows 0, 3, 4), not over the rows (step 1 is thrice)
+    assert float(g[[0, 3, 4]].double().mean()) == pytest.approx(1.0, abs=1e-6)
+    assert abs(float(g.double().mean()) - 1.0) > 0.05

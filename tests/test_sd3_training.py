@@ -22,7 +22,7 @@ def test_tiny_sd3_trains_two_iterations(prompt_file):
     cfg = load_config("shapes", None, [
         "model.name=sd3-tiny", "model.train_mode=lora", "model.resolution=64", "model.max_sequence_length=16", "model.lora_rank=4",
         "model.lora_alpha=8", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompt_file}",
-        "data.prompts_per_iteration=2", "data.group_size=2", "sampler.num_steps=3", "sampler.strategy=flow_grpo", "sampler.shift=3.0",
+        "data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3", "sampler.strategy=flow_grpo", "sampler.shift=3.0",
         "train.iterations=2", "train.threads=1", "train.lr=1e-3", "log.progress=false",
     ])
     trainer = GRPOTrainer(cfg)
