@@ -301,6 +301,32 @@ std::pair<int64_t, int64_t> check_bwd(
   return {N, D};
 }
 
+FwdOutputs alloc_fwd_outputs(const Prepared& p, int64_t chunks) {
+  const auto opts = p.x.options().dtype(p.acc);
+  return {at::empty({p.N * chunks * 3}, opts), at::empty({}, opts), at::empty({p.N}, opts),
+          at::empty({p.N}, opts), at::empty({p.N}, opts), at::empty({p.N, kCoefCols}, opts)};
+}
+
+BwdOperands prepare_bwd(
+    const at::Tensor& grad_loss, const at::Tensor& prev_sample, const at::Tensor& mean,
+    const std::optional<at::Tensor>& mean_old, const std::optional<at::Tensor>& mean_ref,
+    const at::Tensor& coef) {
+  const auto nd = check_bwd(grad_loss, prev_sample, mean, mean_old, mean_ref, coef);
+  BwdOperands b;
+  b.N = nd.first;
+  b.D = nd.second;
+  if (b.N == 0 || b.D == 0) return b;
+  const auto acc = mean.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  b.x = prev_sample.reshape({b.N, b.D}).contiguous();
+  b.mu = mean.reshape({b.N, b.D}).contiguous();
+  b.mo = mean_old.has_value() ? mean_old->reshape({b.N, b.D}).contiguous() : at::Tensor();
+  b.mr = mean_ref.has_value() ? mean_ref->reshape({b.N, b.D}).contiguous() : at::Tensor();
+  b.coef = coef.to(acc).contiguous();
+  b.guard = b.mo.defined();
+  b.kl = b.mr.defined();
+  return b;
+}
+
 namespace {
 
 template <typename acc_t>
@@ -319,21 +345,9 @@ void finalize_rows(
   // fixed-order combination, in double, of per-row terms into the loss
   double pol_sum = 0.0, kl_sum = 0.0;
   for (int64_t row = 0; row < p.N; ++row) {
-    acc_t t0 = 0, t1 = 0, t2 = 0;
-    for (int64_t c = 0; c < C; ++c) {
-      t0 += part[(row * C + c) * 3 + 0];
-      t1 += part[(row * C + c) * 3 + 1];
-      t2 += part[(row * C + c) * 3 + 2];
-    }
-    const RowResult<acc_t> o = grpo_row<acc_t>(
-        t0, t1, t2, D, s[row], lpo[row], adv[row], w[row], ks ? ks[row] : acc_t(1), lo, hi,
-        inv_n, static_cast<acc_t>(beta), guard, p.use_kl);
-    logp[row] = o.logp;
-    ratio[row] = o.ratio;
-    kl[row] = o.kl;
-    coef[row * kCoefCols + 0] = o.c_lp;
-    coef[row * kCoefCols + 1] = o.c_mo;
-    coef[row * kCoefCols + 2] = o.c_kl;
+    const RowResult<acc_t> o = finish_row<acc_t>(part, C, row, D, s, lpo, adv, w, ks, lo, hi, inv_n,
+                                                 static_cast<acc_t>(beta), guard, p.use_kl, logp, ratio,
+                                                 kl, coef);
     pol_sum += static_cast<double>(o.policy);
     kl_sum += static_cast<double>(o.kl);
   }
@@ -348,22 +362,12 @@ void finalize_rows(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grpo_loss_fwd_cpu(
-    const at::Tensor& prev_sample, const at::Tensor& mean, const at::Tensor& mean_old,
-    const at::Tensor& std, const at::Tensor& logp_old, const at::Tensor& advantages,
-    const at::Tensor& weights, const std::optional<at::Tensor>& mean_ref,
-    const std::optional<at::Tensor>& kl_sigma, double clip_range, double beta, bool guard) {
+FwdResult grpo_loss_fwd_cpu(FLOWGRPO_FWD_PARAMS) {
   Prepared p = prepare_fwd(prev_sample, mean, mean_old, std, logp_old, advantages, weights,
                            mean_ref, kl_sigma, beta, guard);
   TORCH_CHECK(p.x.device().is_cpu(), "grpo_loss_fwd_cpu: tensors must be on the CPU");
-  const auto opts = p.x.options().dtype(p.acc);
   const int64_t C = num_chunks(p.D);
-  at::Tensor part = at::empty({p.N * C * 3}, opts);
-  at::Tensor loss = at::empty({}, opts);
-  at::Tensor logp = at::empty({p.N}, opts);
-  at::Tensor ratio = at::empty({p.N}, opts);
-  at::Tensor kl = at::empty({p.N}, opts);
-  at::Tensor coef = at::empty({p.N, kCoefCols}, opts);
+  FwdOutputs out = alloc_fwd_outputs(p, C);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "grpo_loss_fwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     at::Tensor inv_s = p.s.reciprocal();
@@ -372,58 +376,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grpo_loss
     const scalar_t* mo = guard ? p.mo.data_ptr<scalar_t>() : nullptr;
     const scalar_t* mr = p.use_kl ? p.mr.data_ptr<scalar_t>() : nullptr;
     const acc_t* is = inv_s.data_ptr<acc_t>();
-    acc_t* pp = part.data_ptr<acc_t>();
-    if (guard && p.use_kl) {
-      fwd_partials<scalar_t, true, true>(x, mu, mo, mr, is, p.N, p.D, pp);
-    } else if (guard) {
-      fwd_partials<scalar_t, true, false>(x, mu, mo, mr, is, p.N, p.D, pp);
-    } else if (p.use_kl) {
-      fwd_partials<scalar_t, false, true>(x, mu, mo, mr, is, p.N, p.D, pp);
-    } else {
-      fwd_partials<scalar_t, false, false>(x, mu, mo, mr, is, p.N, p.D, pp);
-    }
-    finalize_rows<acc_t>(pp, C, p, clip_range, beta, guard, loss.data_ptr<acc_t>(),
-                         logp.data_ptr<acc_t>(), ratio.data_ptr<acc_t>(), kl.data_ptr<acc_t>(),
-                         coef.data_ptr<acc_t>());
+    acc_t* pp = out.part.data_ptr<acc_t>();
+    dispatch_variants(guard, p.use_kl, [&](auto g, auto k) {
+      fwd_partials<scalar_t, decltype(g)::value, decltype(k)::value>(x, mu, mo, mr, is, p.N, p.D, pp);
+    });
+    finalize_rows<acc_t>(pp, C, p, clip_range, beta, guard, out.loss.data_ptr<acc_t>(),
+                         out.logp.data_ptr<acc_t>(), out.ratio.data_ptr<acc_t>(), out.kl.data_ptr<acc_t>(),
+                         out.coef.data_ptr<acc_t>());
   });
-  return {loss, logp, ratio, kl, coef};
+  return {out.loss, out.logp, out.ratio, out.kl, out.coef};
 }
 
-at::Tensor grpo_loss_bwd_cpu(
-    const at::Tensor& grad_loss, const at::Tensor& prev_sample, const at::Tensor& mean,
-    const std::optional<at::Tensor>& mean_old, const std::optional<at::Tensor>& mean_ref,
-    const at::Tensor& coef) {
-  const auto nd = check_bwd(grad_loss, prev_sample, mean, mean_old, mean_ref, coef);
-  const int64_t N = nd.first, D = nd.second;
+at::Tensor grpo_loss_bwd_cpu(FLOWGRPO_BWD_PARAMS) {
+  const BwdOperands b = prepare_bwd(grad_loss, prev_sample, mean, mean_old, mean_ref, coef);
   TORCH_CHECK(mean.device().is_cpu(), "grpo_loss_bwd_cpu: tensors must be on the CPU");
-  const auto acc = mean.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  if (N == 0 || D == 0) return at::empty_like(mean, at::MemoryFormat::Contiguous);
+  if (b.N == 0 || b.D == 0) return at::empty_like(mean, at::MemoryFormat::Contiguous);
   at::Tensor grad = empty_grad_like(mean);
-  at::Tensor x = prev_sample.reshape({N, D}).contiguous();
-  at::Tensor mu = mean.reshape({N, D}).contiguous();
-  at::Tensor mo = mean_old.has_value() ? mean_old->reshape({N, D}).contiguous() : at::Tensor();
-  at::Tensor mr = mean_ref.has_value() ? mean_ref->reshape({N, D}).contiguous() : at::Tensor();
-  at::Tensor cf = coef.to(acc).contiguous();
-  const bool guard = mo.defined();
-  const bool kl = mr.defined();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mu.scalar_type(), "grpo_loss_bwd_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, b.mu.scalar_type(), "grpo_loss_bwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const acc_t gl = grad_loss.to(acc).item<acc_t>();
-    const scalar_t* px = x.data_ptr<scalar_t>();
-    const scalar_t* pm = mu.data_ptr<scalar_t>();
-    const scalar_t* po = guard ? mo.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* pr = kl ? mr.data_ptr<scalar_t>() : nullptr;
-    const acc_t* pc = cf.data_ptr<acc_t>();
-    scalar_t* pg = grad.data_ptr<scalar_t>();
-    if (guard && kl) {
-      bwd_kernel<scalar_t, true, true>(px, pm, po, pr, pc, gl, N, D, pg);
-    } else if (guard) {
-      bwd_kernel<scalar_t, true, false>(px, pm, po, pr, pc, gl, N, D, pg);
-    } else if (kl) {
-      bwd_kernel<scalar_t, false, true>(px, pm, po, pr, pc, gl, N, D, pg);
-    } else {
-      bwd_kernel<scalar_t, false, false>(px, pm, po, pr, pc, gl, N, D, pg);
-    }
+    const acc_t gl = grad_loss.to(b.coef.scalar_type()).item<acc_t>();
+    const BwdPointers<scalar_t> q = bwd_pointers<scalar_t>(b, grad);
+    dispatch_variants(b.guard, b.kl, [&](auto g, auto k) {
+      bwd_kernel<scalar_t, decltype(g)::value, decltype(k)::value>(q.x, q.mu, q.mo, q.mr, q.coef, gl, b.N, b.D, q.grad);
+    });
   });
   return grad;
 }

@@ -92,4 +92,29 @@ FLOWGRPO_HD RowResult<T> grpo_row(
   return o;
 }
 
+// Sums row ``row``'s C partial triples (part[(row * C + c) * 3 + k]), evaluates grpo_row, stores the
+// per-row outputs (logp, ratio, kl, backward coefficients) and returns the row's result, whose
+// ``policy`` and ``kl`` the caller adds into the loss in its own (fixed) order.
+template <typename T>
+FLOWGRPO_HD RowResult<T> finish_row(
+    const T* part, int64_t C, int64_t row, T D, const T* s, const T* lpo, const T* adv, const T* w,
+    const T* ks, T lo, T hi, T inv_n, T beta, bool guard, bool use_kl, T* logp, T* ratio, T* kl,
+    T* coef) {
+  T t0 = 0, t1 = 0, t2 = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    t0 += part[(row * C + c) * 3 + 0];
+    t1 += part[(row * C + c) * 3 + 1];
+    t2 += part[(row * C + c) * 3 + 2];
+  }
+  const RowResult<T> o = grpo_row<T>(t0, t1, t2, D, s[row], lpo[row], adv[row], w[row],
+                                     use_kl ? ks[row] : T(1), lo, hi, inv_n, beta, guard, use_kl);
+  logp[row] = o.logp;
+  ratio[row] = o.ratio;
+  kl[row] = o.kl;
+  coef[row * kCoefCols + 0] = o.c_lp;
+  coef[row * kCoefCols + 1] = o.c_mo;
+  coef[row * kCoefCols + 2] = o.c_kl;
+  return o;
+}
+
 }  // namespace flowgrpo

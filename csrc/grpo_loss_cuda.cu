@@ -109,21 +109,8 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(
   const acc_t inv_n = acc_t(1) / static_cast<acc_t>(N);
   double pol_sum = 0.0, kl_sum = 0.0, unused = 0.0;
   for (int64_t row = threadIdx.x; row < N; row += kThreads) {
-    acc_t t0 = 0, t1 = 0, t2 = 0;
-    for (int64_t c = 0; c < C; ++c) {
-      t0 += part[(row * C + c) * 3 + 0];
-      t1 += part[(row * C + c) * 3 + 1];
-      t2 += part[(row * C + c) * 3 + 2];
-    }
-    const RowResult<acc_t> o = grpo_row<acc_t>(
-        t0, t1, t2, static_cast<acc_t>(D), s[row], lpo[row], adv[row], w[row],
-        use_kl ? ks[row] : acc_t(1), lo, hi, inv_n, beta, guard, use_kl);
-    logp[row] = o.logp;
-    ratio[row] = o.ratio;
-    kl[row] = o.kl;
-    coef[row * kCoefCols + 0] = o.c_lp;
-    coef[row * kCoefCols + 1] = o.c_mo;
-    coef[row * kCoefCols + 2] = o.c_kl;
+    const RowResult<acc_t> o = finish_row<acc_t>(part, C, row, static_cast<acc_t>(D), s, lpo, adv, w, ks, lo,
+                                                 hi, inv_n, beta, guard, use_kl, logp, ratio, kl, coef);
     pol_sum += static_cast<double>(o.policy);
     kl_sum += static_cast<double>(o.kl);
   }
@@ -167,24 +154,14 @@ dim3 row_chunk_grid(int64_t N, int64_t D) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grpo_loss_fwd_cuda(
-    const at::Tensor& prev_sample, const at::Tensor& mean, const at::Tensor& mean_old,
-    const at::Tensor& std, const at::Tensor& logp_old, const at::Tensor& advantages,
-    const at::Tensor& weights, const std::optional<at::Tensor>& mean_ref,
-    const std::optional<at::Tensor>& kl_sigma, double clip_range, double beta, bool guard) {
+FwdResult grpo_loss_fwd_cuda(FLOWGRPO_FWD_PARAMS) {
   const c10::cuda::CUDAGuard device_guard(prev_sample.device());
   Prepared p = prepare_fwd(prev_sample, mean, mean_old, std, logp_old, advantages, weights,
                            mean_ref, kl_sigma, beta, guard);
   TORCH_CHECK(p.x.is_cuda(), "grpo_loss_fwd_cuda: tensors must be on a CUDA device");
   TORCH_CHECK(num_chunks(p.D) <= 0x7fffffff, "grpo_loss: D too large");
-  const auto opts = p.x.options().dtype(p.acc);
   const int64_t C = num_chunks(p.D);
-  at::Tensor part = at::empty({p.N * C * 3}, opts);
-  at::Tensor loss = at::empty({}, opts);
-  at::Tensor logp = at::empty({p.N}, opts);
-  at::Tensor ratio = at::empty({p.N}, opts);
-  at::Tensor kl = at::empty({p.N}, opts);
-  at::Tensor coef = at::empty({p.N, kCoefCols}, opts);
+  FwdOutputs out = alloc_fwd_outputs(p, C);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid = row_chunk_grid(p.N, p.D);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "grpo_loss_fwd_cuda", [&] {
@@ -194,68 +171,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grpo_loss
     const scalar_t* mo = guard ? p.mo.data_ptr<scalar_t>() : nullptr;
     const scalar_t* mr = p.use_kl ? p.mr.data_ptr<scalar_t>() : nullptr;
     const acc_t* s = p.s.data_ptr<acc_t>();
-    acc_t* pp = part.data_ptr<acc_t>();
-    if (guard && p.use_kl) {
-      fwd_partials_kernel<scalar_t, true, true><<<grid, kThreads, 0, stream>>>(x, mu, mo, mr, s, p.N, p.D, C, pp);
-    } else if (guard) {
-      fwd_partials_kernel<scalar_t, true, false><<<grid, kThreads, 0, stream>>>(x, mu, mo, mr, s, p.N, p.D, C, pp);
-    } else if (p.use_kl) {
-      fwd_partials_kernel<scalar_t, false, true><<<grid, kThreads, 0, stream>>>(x, mu, mo, mr, s, p.N, p.D, C, pp);
-    } else {
-      fwd_partials_kernel<scalar_t, false, false><<<grid, kThreads, 0, stream>>>(x, mu, mo, mr, s, p.N, p.D, C, pp);
-    }
+    acc_t* pp = out.part.data_ptr<acc_t>();
+    dispatch_variants(guard, p.use_kl, [&](auto g, auto k) {
+      fwd_partials_kernel<scalar_t, decltype(g)::value, decltype(k)::value>
+          <<<grid, kThreads, 0, stream>>>(x, mu, mo, mr, s, p.N, p.D, C, pp);
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         pp, C, p.N, p.D, s, p.lpo.data_ptr<acc_t>(), p.adv.data_ptr<acc_t>(),
         p.w.data_ptr<acc_t>(), p.use_kl ? p.ks.data_ptr<acc_t>() : nullptr,
         static_cast<acc_t>(1.0 - clip_range), static_cast<acc_t>(1.0 + clip_range),
-        static_cast<acc_t>(beta), guard, p.use_kl, loss.data_ptr<acc_t>(),
-        logp.data_ptr<acc_t>(), ratio.data_ptr<acc_t>(), kl.data_ptr<acc_t>(),
-        coef.data_ptr<acc_t>());
+        static_cast<acc_t>(beta), guard, p.use_kl, out.loss.data_ptr<acc_t>(),
+        out.logp.data_ptr<acc_t>(), out.ratio.data_ptr<acc_t>(), out.kl.data_ptr<acc_t>(),
+        out.coef.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {loss, logp, ratio, kl, coef};
+  return {out.loss, out.logp, out.ratio, out.kl, out.coef};
 }
 
-at::Tensor grpo_loss_bwd_cuda(
-    const at::Tensor& grad_loss, const at::Tensor& prev_sample, const at::Tensor& mean,
-    const std::optional<at::Tensor>& mean_old, const std::optional<at::Tensor>& mean_ref,
-    const at::Tensor& coef) {
+at::Tensor grpo_loss_bwd_cuda(FLOWGRPO_BWD_PARAMS) {
   const c10::cuda::CUDAGuard device_guard(mean.device());
-  const auto nd = check_bwd(grad_loss, prev_sample, mean, mean_old, mean_ref, coef);
-  const int64_t N = nd.first, D = nd.second;
+  const BwdOperands b = prepare_bwd(grad_loss, prev_sample, mean, mean_old, mean_ref, coef);
   TORCH_CHECK(mean.is_cuda(), "grpo_loss_bwd_cuda: tensors must be on a CUDA device");
-  const auto acc = mean.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor grad = at::empty_like(mean, at::MemoryFormat::Contiguous);
-  if (N == 0 || D == 0) return grad;
-  at::Tensor x = prev_sample.reshape({N, D}).contiguous();
-  at::Tensor mu = mean.reshape({N, D}).contiguous();
-  at::Tensor mo = mean_old.has_value() ? mean_old->reshape({N, D}).contiguous() : at::Tensor();
-  at::Tensor mr = mean_ref.has_value() ? mean_ref->reshape({N, D}).contiguous() : at::Tensor();
-  at::Tensor cf = coef.to(acc).contiguous();
-  at::Tensor gl = grad_loss.reshape({}).to(acc).contiguous();
-  const bool guard = mo.defined();
-  const bool kl = mr.defined();
+  if (b.N == 0 || b.D == 0) return grad;
+  at::Tensor gl = grad_loss.reshape({}).to(b.coef.scalar_type()).contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid = row_chunk_grid(N, D);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mu.scalar_type(), "grpo_loss_bwd_cuda", [&] {
+  const dim3 grid = row_chunk_grid(b.N, b.D);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, b.mu.scalar_type(), "grpo_loss_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t* pgl = gl.data_ptr<acc_t>();
-    const scalar_t* px = x.data_ptr<scalar_t>();
-    const scalar_t* pm = mu.data_ptr<scalar_t>();
-    const scalar_t* po = guard ? mo.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* pr = kl ? mr.data_ptr<scalar_t>() : nullptr;
-    const acc_t* pc = cf.data_ptr<acc_t>();
-    scalar_t* pg = grad.data_ptr<scalar_t>();
-    if (guard && kl) {
-      bwd_kernel<scalar_t, true, true><<<grid, kThreads, 0, stream>>>(pgl, px, pm, po, pr, pc, N, D, pg);
-    } else if (guard) {
-      bwd_kernel<scalar_t, true, false><<<grid, kThreads, 0, stream>>>(pgl, px, pm, po, pr, pc, N, D, pg);
-    } else if (kl) {
-      bwd_kernel<scalar_t, false, true><<<grid, kThreads, 0, stream>>>(pgl, px, pm, po, pr, pc, N, D, pg);
-    } else {
-      bwd_kernel<scalar_t, false, false><<<grid, kThreads, 0, stream>>>(pgl, px, pm, po, pr, pc, N, D, pg);
-    }
+    const BwdPointers<scalar_t> q = bwd_pointers<scalar_t>(b, grad);
+    dispatch_variants(b.guard, b.kl, [&](auto g, auto k) {
+      bwd_kernel<scalar_t, decltype(g)::value, decltype(k)::value>
+          <<<grid, kThreads, 0, stream>>>(pgl, q.x, q.mu, q.mo, q.mr, q.coef, b.N, b.D, q.grad);
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad;

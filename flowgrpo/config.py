@@ -8,44 +8,40 @@ Overrides ``key.sub=value`` are parsed as YAML scalars and checked against the f
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from .errors import ConfigError
-
-
-def _f(default: Any, help: str, **kw) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+from .fields import check_choices, help_field as _f, merge_into
+from .samplers.sde import DEFAULT_NOISE_LEVEL
 
 
 @dataclass
 class ModelConfig:
     name: str = _f("shapes", "policy adapter: shapes | sd3 | sd3-tiny (see `flowgrpo.policies.POLICIES`)")
     path: str | None = _f(None, "local weights directory (shapes: default shipped weights; sd3: a diffusers pipeline folder)")
-    train_mode: str = _f("lora", "lora (peft adapter) | full (all transformer weights)")
+    train_mode: Literal["lora", "full"] = _f("lora", "lora (peft adapter) | full (all transformer weights)")
     lora_rank: int = _f(32, "LoRA rank r")
     lora_alpha: float = _f(64.0, "LoRA alpha (scale = alpha / r)")
     guidance_scale: float = _f(1.0, "classifier-free guidance scale during rollouts and eval (1 = off)")
-    dtype: str = _f("float32", "model dtype: float32 | bfloat16 | float16 (step math is always float32)")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "model dtype (step math is always float32)")
     resolution: int = _f(64, "image resolution in pixels for latent models (sd3*)")
     max_sequence_length: int = _f(32, "T5 tokens for sd3* text encoding")
 
 
 @dataclass
 class SamplerConfig:
-    strategy: str = _f("flow_grpo", "sampling strategy (plan per iteration): see `flowgrpo.samplers.STRATEGIES`")
+    strategy: str = _f("flow_grpo", "sampling strategy (plan per iteration): see `flowgrpo.samplers.STRATEGIES`; its options are `strategy.*`")
     num_steps: int = _f(10, "denoising steps T of a rollout")
-    noise_level: float = _f(0.7, "SDE noise level a (flow_grpo, cps) or eta (dance)")
-    sde_kind: str = _f("flow_grpo", "SDE discretisation: flow_grpo | dance | cps")
-    shift: float = _f(1.0, "timestep shift s of the sigma grid (SD3 uses 3)")
+    noise_level: float = _f(DEFAULT_NOISE_LEVEL, "SDE noise level a (flow_grpo, cps) or eta (dance)")
+    sde_kind: Literal["flow_grpo", "dance", "cps"] = _f("flow_grpo", "SDE discretisation (flowgrpo.samplers.sde)")
+    cps_log_prob: Literal["gaussian", "mse"] = _f("gaussian", "log-prob of CPS steps: gaussian (DESIGN §3) | mse (Flow-GRPO-Fast's -mean((x' - mu)^2), a Gaussian with std 1/sqrt(2) up to a constant)")
+    shift: float = _f(1.0, "timestep shift s of the sigma grid (models whose pipeline owns its grid, e.g. sd3, ignore it)")
     shared_group_noise: bool = _f(False, "all members of a group start from the same initial noise (DanceGRPO)")
     max_micro_batch: int = _f(256, "largest model batch during rollouts (nodes of one depth are chunked by it)")
 
@@ -54,35 +50,39 @@ class SamplerConfig:
 class DataConfig:
     prompts: str = _f("shapes", "prompt source: 'shapes' (procedural world) or a .txt/.jsonl prompt file")
     prompts_per_iteration: int = _f(8, "distinct prompts per iteration")
-    group_size: int = _f(8, "samples (trees) per prompt; the GRPO group")
+    trees_per_prompt: int = _f(8, "initial noises (rollout trees) per prompt. A chain is a tree with one leaf, so for chain strategies this is the GRPO group size; tree strategies have trees_per_prompt x leaves-per-tree samples per prompt (formerly data.group_size)")
 
 
 @dataclass
 class RewardConfig:
     weights: dict = _f({"shapes": 1.0}, "reward name -> weight (names from `flowgrpo.rewards.REWARDS`)")
-    combine: str = _f("sum_then_normalize", "sum_then_normalize (Flow-GRPO) | normalize_then_sum (MixGRPO, Pref-GRPO)")
+    combine: Literal["sum_then_normalize", "normalize_then_sum"] = _f("sum_then_normalize", "sum_then_normalize (Flow-GRPO) | normalize_then_sum (MixGRPO, Pref-GRPO)")
     renormalize: bool = _f(False, "normalize_then_sum with several rewards: z-score the weighted sum of z-scores again per group (the references do not)")
 
 
 @dataclass
 class AdvantageConfig:
     estimator: str = _f("group_zscore", "advantage estimator: see `flowgrpo.advantages.ESTIMATORS`")
-    std: str = _f("group", "normalise by the std of each group (group) or of the whole batch (global)")
+    std: Literal["group", "global"] = _f("group", "normalise by the std of each group (group) or of the whole batch (global)")
+    std_estimator: Literal["population", "unbiased"] = _f("population", "population std (divide by n: Flow-GRPO) | unbiased (n - 1: DanceGRPO, MixGRPO, BranchGRPO)")
     clip: float = _f(5.0, "advantages are clipped to +-clip")
-    eps: float = _f(1e-4, "added to the std before dividing")
+    eps: float = _f(1e-4, "added to the std before dividing (Flow-GRPO 1e-4; DanceGRPO/MixGRPO/BranchGRPO 1e-8)")
+    fusion_beta: float = _f(0.0, "branch_grpo estimator: reward fusion r(n) = sum_l softmax(beta log p(l | n)) r_l (0: mean of descendant leaves; 1: path probability)")
 
 
 @dataclass
 class LossConfig:
     clip_range: float = _f(1e-4, "PPO clip epsilon on the importance ratio")
+    clip_adapt: float = _f(0.0, "reward-adaptive clip (Dynamic-TreeRPO): eps = clip_range * (1 + clip_adapt * (1 - clamp(mean reward, 0, 1))); 0 = fixed")
     beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass")
-    kl_sigma: str = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide beta by ~T to match)")
+    kl_sigma: Literal["sigma_t", "transition_std"] = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide beta by ~T to match)")
     guard: bool = _f(False, "GRPO-Guard ratio normalisation")
     guard_reweight: bool = _f(False, "GRPO-Guard per-step gradient reweighting (weight proportional to 1/|dt|, mean 1)")
-    tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to sigma_t*sqrt(-dt), mean 1)")
+    tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to the transition std, mean 1)")
+    sft_weight: float = _f(0.0, "weight of the best-path SFT term (Dynamic-TreeRPO / LayerTuning-RL, flowgrpo.sft); 0 = off")
     anchor_weight: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.anchor)")
     anchor_steps: int = _f(2, "ODE depths per update on which the anchor term is evaluated")
-    backend: str = _f("auto", "auto (fused op where built, else reference) | reference | fused")
+    backend: Literal["auto", "reference", "fused"] = _f("auto", "auto (fused op where built, else reference) | reference | fused")
 
 
 @dataclass
@@ -98,7 +98,7 @@ class TrainConfig:
     minibatches: int = _f(1, "optimizer steps per inner epoch (samples split into this many minibatches)")
     micro_batch: int = _f(64, "transitions per forward/backward")
     timestep_fraction: float = _f(1.0, "fraction of trainable SDE steps used for the update")
-    timestep_order: str = _f("ordered", "ordered (the first fraction of steps) | random (a fresh random subset each iteration)")
+    timestep_order: Literal["ordered", "random"] = _f("ordered", "ordered (the first fraction of steps) | random (a fresh random subset each iteration)")
     ema: bool = _f(True, "keep an EMA of the trainable weights (used for evaluation)")
     ema_decay: float = _f(0.9, "EMA decay per iteration")
     seed: int = _f(0, "seed of every random choice (prompts, noise, subsets); runs are reproducible")
@@ -108,12 +108,13 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
+    evaluator: str = _f("auto", "held-out evaluator: auto (the model's own, e.g. shapes accuracy for the shapes world; none for models without one) | none | a name from `flowgrpo.evaluation.EVALUATORS`")
     num_prompts: int = _f(64, "held-out prompts")
+    seen: bool = _f(True, "also evaluate on prompts from the training pools before and after (reported as eval_*_seen)")
     seeds_per_prompt: int = _f(4, "fixed seeds per held-out prompt")
     num_steps: int = _f(20, "ODE steps for evaluation")
     every: int = _f(0, "evaluate every N iterations during training (0 = only before and after)")
     every_minutes: float = _f(0.0, "evaluate every N minutes of training wall-clock (0 = off); the clock is paused while evaluating")
-    seen: bool = _f(True, "also evaluate on prompts from the training pools before and after (reported as eval_*_seen)")
 
 
 @dataclass
@@ -137,7 +138,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    strategy: dict = _f({}, "strategy-specific options (window size, branch steps, ...), passed to the strategy; a preset, config file or set of overrides that selects another sampler.strategy starts from that strategy's defaults")
+    strategy: dict = _f({}, "options of sampler.strategy (window, splits, ...; `flowgrpo config explain strategy` lists them per strategy); a preset, config file or set of overrides that selects another sampler.strategy starts from that strategy's defaults")
     preset: str = _f("", "name of the preset this config came from")
     description: str = _f("", "one line saying what this configuration is (shown by `flowgrpo presets`)")
 
@@ -145,61 +146,55 @@ class RunConfig:
 # --------------------------------------------------------------------------- merging and validation
 
 
-def _hint(obj) -> dict[str, Any]:
-    return typing.get_type_hints(type(obj))
+#: Keys that moved: old key -> new key. The old key still works and warns once per load.
+RENAMED_KEYS = {
+    "data.group_size": "data.trees_per_prompt",
+    "strategy.fusion_beta": "advantage.fusion_beta",
+    "strategy.clip_adapt": "loss.clip_adapt",
+    "strategy.sft_weight": "loss.sft_weight",
+}
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check ``value`` against a field type; ints are accepted for floats."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"bad value for {key}")
-    base = origin or hint
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if base is bool and not isinstance(value, bool):
-        raise ConfigError(f"config key '{key}' expects true/false, got {value!r}")
-    if base in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"config key '{key}' expects {base.__name__}, got {value!r}")
-    if base in (int, float, str, bool, list, dict) and not isinstance(value, base):
-        raise ConfigError(f"config key '{key}' expects {base.__name__}, got {type(value).__name__} {value!r}")
-    return value
+class ConfigKeyRenamedWarning(UserWarning):
+    """A configuration used a key that has moved (see :data:`RENAMED_KEYS`)."""
+
+
+def _move_renamed(data: dict) -> dict:
+    """A copy of ``data`` with every old key moved to its new place (a warning per key)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for old, new in RENAMED_KEYS.items():
+        osec, okey = old.split(".")
+        nsec, nkey = new.split(".")
+        if isinstance(out.get(osec), dict) and okey in out[osec]:
+            value = out[osec].pop(okey)
+            warnings.warn(f"config key '{old}' is now '{new}'; please rename it", ConfigKeyRenamedWarning, stacklevel=4)
+            section = out.setdefault(nsec, {})
+            if not isinstance(section, dict):
+                raise ConfigError(f"config section '{nsec}' must be a mapping, got {type(section).__name__}")
+            section.setdefault(nkey, value)
+    return out
 
 
 def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
-    """Merge a nested dict into dataclass ``cfg`` in place, refusing unknown keys and wrong types."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"config section '{prefix or '<root>'}' must be a mapping, got {type(data).__name__}")
-    hints = _hint(cfg)
-    names = [f.name for f in dataclasses.fields(cfg)]
-    if isinstance(cfg, RunConfig):
-        new_strategy = (data.get("sampler") or {}).get("strategy") if isinstance(data.get("sampler"), dict) else None
+    """Merge a nested dict into ``cfg`` in place, refusing unknown keys and wrong types.
+
+    On a :class:`RunConfig`: renamed keys are moved (with a warning), and a layer that selects
+    another ``sampler.strategy`` starts the ``strategy`` options from that strategy's defaults.
+    """
+    if isinstance(cfg, RunConfig) and isinstance(data, dict):
+        data = _move_renamed(data)
+        sampler = data.get("sampler")
+        new_strategy = sampler.get("strategy") if isinstance(sampler, dict) else None
         if new_strategy is not None and new_strategy != cfg.sampler.strategy:
-            # strategy options belong to their strategy: choosing another one starts from its defaults
-            # (options given in the same layer still apply)
             cfg.strategy = {}
-    for key, value in data.items():
-        full = f"{prefix}{key}"
-        if key not in names:
-            raise ConfigError(f"unknown config key '{full}'; valid keys{' under ' + repr(prefix[:-1]) if prefix else ''}: {', '.join(names)}")
-        current = getattr(cfg, key)
-        if dataclasses.is_dataclass(current):
-            apply_dict(current, value, full + ".")
-        elif isinstance(current, dict) and isinstance(value, dict) and key == "strategy":
-            current.update(value)  # strategy options merge, so a preset can set a subset
-        else:
-            setattr(cfg, key, _coerce(value, hints[key], full))
+        options = data.pop("strategy", None)
+        merge_into(cfg, data, prefix)
+        if options is not None:
+            if not isinstance(options, dict):
+                raise ConfigError(f"config section 'strategy' must be a mapping, got {type(options).__name__}")
+            cfg.strategy.update(options)  # strategy options merge, so a preset can set a subset
+        return
+    merge_into(cfg, data, prefix)
 
 
 def parse_override(text: str) -> dict:
@@ -295,26 +290,10 @@ def load_config(preset: str | None = "shapes", config_file: str | None = None, o
     return cfg
 
 
-_CHOICES = {
-    "model.train_mode": ("lora", "full"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "sampler.sde_kind": ("flow_grpo", "dance", "cps"),
-    "reward.combine": ("sum_then_normalize", "normalize_then_sum"),
-    "advantage.std": ("group", "global"),
-    "loss.kl_sigma": ("transition_std", "sigma_t"),
-    "loss.backend": ("auto", "reference", "fused"),
-    "train.timestep_order": ("ordered", "random"),
-}
-
-
 def validate(cfg: RunConfig) -> None:
-    """Value checks beyond types: choices, ranges."""
-    for key, choices in _CHOICES.items():
-        sec, name = key.split(".")
-        value = getattr(getattr(cfg, sec), name)
-        if value not in choices:
-            raise ConfigError(f"config key '{key}' = {value!r} is not one of: {', '.join(choices)}")
-    positive = ["sampler.num_steps", "data.prompts_per_iteration", "data.group_size", "train.iterations",
+    """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options."""
+    check_choices(cfg)
+    positive = ["sampler.num_steps", "data.prompts_per_iteration", "data.trees_per_prompt", "train.iterations",
                 "train.inner_epochs", "train.minibatches", "train.micro_batch", "eval.num_prompts",
                 "eval.seeds_per_prompt", "eval.num_steps", "sampler.max_micro_batch"]
     for key in positive:
@@ -329,7 +308,8 @@ def validate(cfg: RunConfig) -> None:
     from .advantages import ESTIMATORS
     from .policies import POLICIES
     from .rewards import REWARDS
-    from .samplers.strategies import STRATEGIES
+    from .samplers.strategies import STRATEGIES, options_class
+    from .samplers.strategy_base import parse_options
 
     for key, registry, names in (("model.name", POLICIES, [cfg.model.name]),
                                  ("sampler.strategy", STRATEGIES, [cfg.sampler.strategy]),
@@ -339,6 +319,15 @@ def validate(cfg: RunConfig) -> None:
             if name not in registry:
                 raise ConfigError(f"config key '{key}': unknown {registry.kind} {name!r}; "
                                   f"valid choices: {', '.join(registry.names())}")
+    if cfg.eval.evaluator not in ("auto", "none"):
+        from .evaluation import EVALUATORS
+
+        if cfg.eval.evaluator not in EVALUATORS:
+            raise ConfigError(f"config key 'eval.evaluator': unknown evaluator {cfg.eval.evaluator!r}; valid choices: "
+                              f"auto, none, {', '.join(EVALUATORS.names())}")
+    if cfg.sampler.cps_log_prob != "gaussian" and cfg.sampler.sde_kind != "cps":
+        raise ConfigError("config key 'sampler.cps_log_prob' = mse needs sampler.sde_kind = cps")
+    parse_options(options_class(cfg.sampler.strategy), cfg.strategy, cfg.sampler.num_steps)
 
 
 def to_dict(cfg: RunConfig) -> dict:

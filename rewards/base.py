@@ -19,11 +19,15 @@ class RewardOutput:
 
 
 class Reward(Protocol):
-    """A pointwise reward: ``reward(images [B, 3, H, W] in [0, 1], prompts [B]) -> RewardOutput``."""
+    """A reward model: ``reward(images [B, 3, H, W] in [0, 1], prompts [B], groups [B]) -> RewardOutput``.
+
+    ``groups`` (long [B], optional) is the GRPO group of each image: pairwise rewards (Pref-GRPO
+    win rates) compare images within a group; pointwise rewards ignore it.
+    """
 
     name: str
 
-    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput: ...
+    def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput: ...
 
 
 REWARDS: Registry = Registry("reward")

@@ -29,7 +29,7 @@ class JpegCompressibility:
 
     name = "jpeg_compressibility"
 
-    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput:
+    def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
         kb = jpeg_kilobytes(images)
         return RewardOutput(-kb, {"jpeg_kb": kb})
 
@@ -40,6 +40,6 @@ class JpegIncompressibility:
 
     name = "jpeg_incompressibility"
 
-    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput:
+    def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
         kb = jpeg_kilobytes(images)
         return RewardOutput(kb, {"jpeg_kb": kb})

@@ -131,13 +131,12 @@ def win_rates(images: Tensor, prompts: Sequence[str], groups: Tensor | None, jud
 
 
 class PairwiseReward:
-    """A reward whose score is the win rate of each leaf within its group (``needs_groups = True``).
+    """A reward whose score is the win rate of each leaf within its group (it needs ``groups``).
 
     The trainer calls ``reward(images, prompts, groups=leaf_group_ids)``. Components (per sample, for
     logging): the number of unparseable answers and ties that involved the sample.
     """
 
-    needs_groups = True
     name = "pairwise"
 
     def __init__(self, judge: PairwiseJudge, swap: bool = False):

@@ -22,7 +22,7 @@ class ShapesReward:
 
     name = "shapes"
 
-    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput:
+    def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
         arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         scores, correct = [], []
         for prompt, img in zip(prompts, arr):
@@ -44,6 +44,6 @@ class ShapesCorrectReward(ShapesReward):
 
     name = "shapes_correct"
 
-    def __call__(self, images: Tensor, prompts: list[str]) -> RewardOutput:
+    def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
         out = super().__call__(images, prompts)
         return RewardOutput(out.components["correct"], {"partial": out.scores})

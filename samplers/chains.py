@@ -1,4 +1,4 @@
-"""Chain strategies with partial SDE: DanceGRPO and MixGRPO (+ Flash, Flash*) (DESIGN §6).
+"""Chain strategies: Flow-GRPO, DanceGRPO and MixGRPO (+ Flash, Flash*) (DESIGN §6).
 
 Every strategy here samples a chain (branch 1) per (prompt, initial noise); they differ in which
 steps are stochastic (and trained), which ODE solver runs the deterministic steps and on what grid.
@@ -19,17 +19,18 @@ use smaller values suited to its 10-step chain.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
 from flowgrpo.errors import ConfigError
+from flowgrpo.fields import help_field
 
-from .plan import SamplingPlan, StepSpec
+from .plan import PlanMeta, SamplingPlan, StepSpec
 from .solvers import compressed_grid
-from .strategies import STRATEGIES, Strategy
-
-WINDOW_MODES = ("progressive", "random", "frozen")
+from .strategy_base import Strategy, StrategyOptions, WindowOptions, check_float, check_int, ode
 
 
 def round_half_up(x: float) -> int:
@@ -45,7 +46,22 @@ def compressed_steps(remaining: int, ratio: float) -> int:
     return max(1, round_half_up(remaining * ratio))
 
 
-@STRATEGIES.register("dance_grpo")
+class FlowGRPOStrategy(Strategy):
+    """Flow-GRPO: a chain with every step SDE and trained."""
+
+    def plan(self, iteration: int) -> SamplingPlan:
+        return SamplingPlan(self.sigmas(), [self.sde() for _ in range(self.cfg.num_steps)])
+
+
+@dataclass
+class DanceOptions(StrategyOptions):
+    eta: float | None = help_field(None, "DanceGRPO's constant sigma_t (None: sampler.noise_level)")
+
+    def check(self, num_steps: int) -> None:
+        if self.eta is not None:
+            check_float(self.eta, "eta")
+
+
 class DanceGRPOStrategy(Strategy):
     """DanceGRPO: a chain with every step SDE of the constant-eta kind ("dance": sigma_t = eta).
 
@@ -55,17 +71,30 @@ class DanceGRPOStrategy(Strategy):
     ``train.timestep_fraction=0.6``). eta = 0.3 for FLUX / Wan, 0.25 for HunyuanVideo.
     """
 
-    OPTIONS = {"eta": None}
+    Options = DanceOptions
 
     def eta(self) -> float:
-        return float(self.cfg.noise_level if self.options["eta"] is None else self.options["eta"])
+        return float(self.cfg.noise_level if self.options.eta is None else self.options.eta)
 
     def plan(self, iteration: int) -> SamplingPlan:
-        spec = StepSpec(sde=True, noise_level=self.eta(), sde_kind="dance")
-        return SamplingPlan(self.sigmas(), [spec] * self.cfg.num_steps, info={"eta": self.eta()})
+        spec = self.sde(noise_level=self.eta(), sde_kind="dance")
+        return SamplingPlan(self.sigmas(), [spec] * self.cfg.num_steps, meta=PlanMeta(eta=self.eta()))
 
 
-@STRATEGIES.register("mix_grpo")
+@dataclass
+class MixOptions(WindowOptions):
+    mode: Literal["progressive", "random", "frozen"] = help_field(
+        "progressive", "progressive (slides toward the end) | random (redrawn every tau) | frozen (stays at start)")
+    rollback: bool = help_field(False, "progressive: return to start after reaching the end")
+    seed: int = help_field(0, "seed of the random mode's window draws")
+
+    def check(self, num_steps: int) -> None:
+        if isinstance(self.window, int) and not isinstance(self.window, bool) and self.window > num_steps:
+            raise ConfigError(f"strategy option 'window' = {self.window} exceeds sampler.num_steps = {num_steps}")
+        super().check(num_steps)
+        check_int(self.shift_every, "shift_every", 1)
+
+
 class MixGRPOStrategy(Strategy):
     """MixGRPO: SDE (and trained) only in a sliding window W = {l, ..., l + w - 1}; Euler ODE elsewhere.
 
@@ -83,44 +112,25 @@ class MixGRPOStrategy(Strategy):
     Paper defaults (FLUX): T = 25, w = 4, tau = 25, stride 1, a = 0.7.
     """
 
-    OPTIONS = {"window": 4, "shift_every": 25, "stride": 1, "mode": "progressive", "rollback": False, "start": 0,
-               "seed": 0}
-
-    def __init__(self, sampler_cfg, options: dict | None = None):
-        super().__init__(sampler_cfg, options)
-        self._validate()
-
-    def _validate(self) -> None:
-        o, t = self.options, self.cfg.num_steps
-        for key in ("window", "shift_every", "stride"):
-            if not isinstance(o[key], int) or isinstance(o[key], bool) or o[key] < 1:
-                raise ConfigError(f"strategy option '{key}' must be an integer >= 1, got {o[key]!r}")
-        if o["window"] > t:
-            raise ConfigError(f"strategy option 'window' = {o['window']} exceeds sampler.num_steps = {t}")
-        if o["mode"] not in WINDOW_MODES:
-            raise ConfigError(f"strategy option 'mode' = {o['mode']!r} is not one of: {', '.join(WINDOW_MODES)}")
-        if not isinstance(o["rollback"], bool):
-            raise ConfigError(f"strategy option 'rollback' expects true/false, got {o['rollback']!r}")
-        if not isinstance(o["start"], int) or not 0 <= o["start"] <= t - o["window"]:
-            raise ConfigError(f"strategy option 'start' must be in 0..{t - o['window']}, got {o['start']!r}")
+    Options = MixOptions
 
     @property
     def window(self) -> int:
-        return self.options["window"]
+        return self.options.window
 
     def window_start(self, iteration: int) -> int:
         """The window's first step l for outer iteration ``iteration``."""
         o = self.options
         l_max = self.cfg.num_steps - self.window
-        k = iteration // o["shift_every"]
-        if o["mode"] == "frozen":
-            return o["start"]
-        if o["mode"] == "random":
-            return int(np.random.default_rng([o["seed"], k, 97]).integers(0, l_max + 1))
-        if o["rollback"]:
-            positions = list(range(o["start"], l_max, o["stride"])) + [l_max]
+        k = iteration // o.shift_every
+        if o.mode == "frozen":
+            return o.start
+        if o.mode == "random":
+            return int(np.random.default_rng([o.seed, k, 97]).integers(0, l_max + 1))
+        if o.rollback:
+            positions = list(range(o.start, l_max, o.stride)) + [l_max]
             return positions[k % len(positions)]
-        return min(o["start"] + k * o["stride"], l_max)
+        return min(o.start + k * o.stride, l_max)
 
     def window_steps(self, iteration: int) -> list[int]:
         l0 = self.window_start(iteration)
@@ -128,12 +138,19 @@ class MixGRPOStrategy(Strategy):
 
     def plan(self, iteration: int) -> SamplingPlan:
         l0 = self.window_start(iteration)
-        steps = [self.sde() if l0 <= i < l0 + self.window else StepSpec(sde=False, solver="euler")
-                 for i in range(self.cfg.num_steps)]
-        return SamplingPlan(self.sigmas(), steps, info={"window_start": l0, "window": self.window})
+        steps = [self.sde() if l0 <= i < l0 + self.window else ode() for i in range(self.cfg.num_steps)]
+        return SamplingPlan(self.sigmas(), steps, meta=PlanMeta(window_start=l0, window=self.window))
 
 
-@STRATEGIES.register("mix_grpo_flash")
+@dataclass
+class MixFlashOptions(MixOptions):
+    compress: float = help_field(0.4, "r~: the steps after the window are compressed to round(r~ * remaining)")
+
+    def check(self, num_steps: int) -> None:
+        super().check(num_steps)
+        check_float(self.compress, "compress", 0.0, 1.0, open_lo=True)
+
+
 class MixGRPOFlashStrategy(MixGRPOStrategy):
     """MixGRPO-Flash: as MixGRPO, but the steps after the window run DPM-Solver++(2M) on a compressed grid.
 
@@ -142,38 +159,44 @@ class MixGRPOFlashStrategy(MixGRPOStrategy):
     are replaced by round(r~ * (T - l - w)) (halves up, at least 1) DPM-Solver++2 steps from
     sigma_{l+w} to 0, uniform in unshifted time and then shifted like the original grid
     (:func:`~flowgrpo.samplers.solvers.compressed_grid`). The plan's grid is therefore non-uniform
-    and shorter than T; ``plan.info`` records the window, the compressed step count and the NFE.
+    and shorter than T; ``plan.meta`` records the window and the compressed step count. With a model's
+own grid (e.g. SD3's scheduler) the tail instead takes that grid at n evenly spaced fractional
+positions between the window's end and T (linear interpolation between grid points).
     DPM-Solver++2 is multistep (one model call per step, like Euler); its first step after the SDE
     window is first order, because the history of a stochastic step is not on the ODE path.
     r~ = 0.4 in the paper.
     """
 
-    OPTIONS = {**MixGRPOStrategy.OPTIONS, "compress": 0.4}
-
-    def _validate(self) -> None:
-        super()._validate()
-        r = self.options["compress"]
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
-            raise ConfigError(f"strategy option 'compress' must be in (0, 1], got {r!r}")
+    Options = MixFlashOptions
 
     def plan(self, iteration: int) -> SamplingPlan:
         t, w = self.cfg.num_steps, self.window
         l0 = self.window_start(iteration)
         full = self.sigmas()
         end = l0 + w
-        n_tail = compressed_steps(t - end, float(self.options["compress"]))
-        steps = [StepSpec(sde=False, solver="euler")] * l0 + [self.sde() for _ in range(w)]
+        n_tail = compressed_steps(t - end, float(self.options.compress))
+        steps = [ode()] * l0 + [self.sde() for _ in range(w)]
         sigmas = full[: end + 1]
         if n_tail:
-            tail = compressed_grid(1.0 - end / t, n_tail, self.cfg.shift)
+            if self.custom_grid:  # a model's own schedule: the tail follows it, at fractional positions
+                pos = torch.linspace(end, t, n_tail + 1, dtype=torch.float64)
+                tail = torch.from_numpy(np.interp(pos.numpy(), np.arange(t + 1), full.double().numpy()))
+            else:
+                tail = compressed_grid(1.0 - end / t, n_tail, self.cfg.shift)
             sigmas = torch.cat([sigmas, tail[1:].to(sigmas.dtype)])
             steps += [StepSpec(sde=False, solver="dpm2")] * n_tail
-        info = {"window_start": l0, "window": w, "compressed_steps": n_tail, "nfe": len(steps),
-                "speedup": t / len(steps)}
-        return SamplingPlan(sigmas, steps, info=info)
+        return SamplingPlan(sigmas, steps, meta=PlanMeta(window_start=l0, window=w, compressed_steps=n_tail))
 
 
-@STRATEGIES.register("mix_grpo_flash_star")
+@dataclass
+class FlashStarOptions(StrategyOptions):
+    window: int = help_field(4, "SDE window width w, fixed at the first step")
+    compress: float = help_field(0.2, "r~ of the compressed tail")
+
+    def check(self, num_steps: int) -> None:
+        MixFlashOptions(window=self.window, compress=self.compress).check(num_steps)
+
+
 class MixGRPOFlashStarStrategy(MixGRPOFlashStrategy):
     """MixGRPO-Flash*: Flash with the window frozen at l = 0 and r~ = 0.2.
 
@@ -181,14 +204,14 @@ class MixGRPOFlashStarStrategy(MixGRPOFlashStrategy):
     w + round((T - w) * r~) (T = 25, w = 4: S = 3.05, NFE 8 instead of 8.2).
     """
 
-    OPTIONS = {"window": 4, "compress": 0.2}
+    Options = FlashStarOptions
 
-    def __init__(self, sampler_cfg, options: dict | None = None):
-        Strategy.__init__(self, sampler_cfg, options)  # only window and compress may be set
-        self.options = {**MixGRPOFlashStrategy.OPTIONS, **self.options, "mode": "frozen", "start": 0}
-        self._validate()
+    def __init__(self, sampler_cfg, options: dict | None = None, grid=None):
+        super().__init__(sampler_cfg, options, grid)  # only window and compress may be set
+        star = self.options
+        self.options = MixFlashOptions(window=star.window, compress=star.compress, mode="frozen", start=0)
 
     def speedup(self) -> float:
         """The paper's formula S = T / (w + (T - w) * r~)."""
-        t, w, r = self.cfg.num_steps, self.window, float(self.options["compress"])
+        t, w, r = self.cfg.num_steps, self.window, float(self.options.compress)
         return t / (w + (t - w) * r)

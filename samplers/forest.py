@@ -113,7 +113,6 @@ class Rollout:
     tree_prompt: Tensor
     tree_group: Tensor
     nfe: int = 0
-    info: dict = field(default_factory=dict)
     _leaf_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ node attributes

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from .sde import DEFAULT_NOISE_LEVEL, LOG_PROB_CONVENTIONS, sde_kind
+
 ODE_SOLVERS = ("euler", "dpm2")  # dpm2: DPM-Solver++(2M) midpoint, samplers/solvers.py
 #: How the K > 1 SDE children of one node draw their noise (DESIGN §6, BranchGRPO):
 #: "iid" independent standard normals; "shared" the marginal-preserving branching noise
@@ -28,7 +30,8 @@ class StepSpec:
         branch: children per node at this step (1 = chain). With branch > 1 the parent's velocity
             is computed once and shared by its children (a shared prefix costs one forward).
         noise_level: SDE noise level a (or eta for the "dance" kind).
-        sde_kind: "flow_grpo" | "dance" | "cps".
+        sde_kind: "flow_grpo" | "dance" | "cps" (:mod:`flowgrpo.samplers.sde`).
+        log_prob: log-prob convention of SDE edges, "gaussian" or (CPS) "mse".
         solver: ODE solver for deterministic steps (see :data:`ODE_SOLVERS`).
         train: whether this SDE step's transitions enter the loss.
         stride: grid points this edge spans (ODE only): the child sits at grid index
@@ -44,8 +47,9 @@ class StepSpec:
 
     sde: bool = True
     branch: int = 1
-    noise_level: float = 0.7
+    noise_level: float = DEFAULT_NOISE_LEVEL
     sde_kind: str = "flow_grpo"
+    log_prob: str = "gaussian"
     solver: str = "euler"
     train: bool = True
     stride: int = 1
@@ -62,11 +66,41 @@ class StepSpec:
             raise ValueError("an SDE edge spans one grid step (stride 1)")
         if self.branch_noise not in BRANCH_NOISE:
             raise ValueError(f"unknown branch_noise {self.branch_noise!r}; valid: {', '.join(BRANCH_NOISE)}")
+        sde_kind(self.sde_kind)  # a ValueError names the valid kinds
+        if self.log_prob not in LOG_PROB_CONVENTIONS:
+            raise ValueError(f"unknown log_prob {self.log_prob!r}; valid: {', '.join(LOG_PROB_CONVENTIONS)}")
         if self.solver not in ODE_SOLVERS:
             raise ValueError(f"unknown ODE solver {self.solver!r}; valid: {', '.join(ODE_SOLVERS)}")
 
 
 Rule = tuple  # tuple[StepSpec, ...]: the child groups of one node
+
+
+@dataclass
+class PlanMeta:
+    """Descriptive facts about a plan, for logs and tests (None where a strategy has no such notion).
+
+    Attributes:
+        window_start, window: first step and width of an SDE window (MixGRPO, BranchGRPO-Mix, TreeRPO).
+        compressed_steps: ODE steps of a compressed tail (MixGRPO-Flash).
+        eta: DanceGRPO's constant sigma_t.
+        splits, branch: BranchGRPO's split steps and children per split (or per branch point).
+        depth_pruned_steps: steps left out of the gradient by BranchGRPO's depth pruning.
+        noise_levels: per-depth noise levels inside a TreeRPO window.
+        branch_steps: steps at which TempFlow-GRPO / G2RPO branch.
+        lane_granularity: G2RPO's lane -> ODE stride lambda of its completions.
+    """
+
+    window_start: int | None = None
+    window: int | None = None
+    compressed_steps: int | None = None
+    eta: float | None = None
+    splits: list[int] | None = None
+    branch: int | None = None
+    depth_pruned_steps: list[int] | None = None
+    noise_levels: list[float] | None = None
+    branch_steps: list[int] | None = None
+    lane_granularity: dict[int, int] | None = None
 
 
 @dataclass
@@ -87,18 +121,20 @@ class SamplingPlan:
 
     sigmas: Tensor
     steps: list[StepSpec]
-    info: dict = field(default_factory=dict)
+    meta: PlanMeta = field(default_factory=PlanMeta)
     rules: dict | None = None  # {lane: [Rule] * T}
 
     def __post_init__(self):
         if len(self.sigmas) != len(self.steps) + 1:
             raise ValueError(f"plan has {len(self.steps)} steps but {len(self.sigmas)} sigmas (need steps + 1)")
-        # A CPS step into sigma' = 0 has std sigma' * sin(a pi / 2) = 0: it is deterministic (and equals
-        # the Euler step to x0_hat), so it is run as an ODE step rather than as a zero-variance "SDE".
-        if not self.rules:
-            self.steps = [dataclasses.replace(s, sde=False, train=False)
-                          if s.sde and s.sde_kind == "cps" and float(self.sigmas[i + 1]) == 0.0 else s
-                          for i, s in enumerate(self.steps)]
+        # A step whose SDE kind has std 0 into its sigma' (CPS into sigma' = 0: s = sigma' sin(a pi / 2))
+        # is deterministic: it is run as an ODE step rather than as a zero-variance "SDE" (whose
+        # log-prob would be NaN), in chains and in every lane of a tree program alike.
+        self.steps = [self._ode_if_deterministic(s, i) for i, s in enumerate(self.steps)]
+        if self.rules:
+            self.rules = {lane: [tuple(self._ode_if_deterministic(spec, i) for spec in rule)
+                                 for i, rule in enumerate(per_step)]
+                          for lane, per_step in self.rules.items()}
         for lane, per_step in (self.rules or {}).items():
             if len(per_step) != len(self.steps):
                 raise ValueError(f"rules of lane {lane} cover {len(per_step)} steps, the plan has {len(self.steps)}")
@@ -111,6 +147,11 @@ class SamplingPlan:
                                          and ref.sde_kind == spec.sde_kind):
                         raise ValueError(f"SDE edges at step {i} (lane {lane}) must match steps[{i}] "
                                          "(sde, noise_level, sde_kind): the loss recomputes means from steps[i]")
+
+    def _ode_if_deterministic(self, spec: StepSpec, i: int) -> StepSpec:
+        if spec.sde and sde_kind(spec.sde_kind).deterministic_at(float(self.sigmas[i + 1]), spec.noise_level):
+            return dataclasses.replace(spec, sde=False, train=False, branch_noise="iid")
+        return spec
 
     @property
     def num_steps(self) -> int:

@@ -10,7 +10,7 @@ from torch import Tensor
 from .forest import Level, Rollout
 from .plan import SamplingPlan
 from .solvers import dpm2_step, lambda_step
-from .steps import euler_step, gaussian_log_prob, sde_step
+from .steps import euler_step, sde_step
 
 
 class ForestSampler:
@@ -40,11 +40,12 @@ class ForestSampler:
             xs = x[sl]
             s = torch.as_tensor(sigma, dtype=torch.float32, device=xs.device)
             s = s.expand(xs.shape[0]) if s.ndim == 0 else s[sl]
-            out.append(self.policy.velocity(xs.to(self._dtype), s, cond.index(prompt_rows[sl])).float())
+            out.append(self.policy.velocity(xs.to(self.model_dtype), s, cond.index(prompt_rows[sl])).float())
         return torch.cat(out)
 
     @property
-    def _dtype(self):
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the model takes its latents in (step math itself is float32)."""
         return next(self.policy.parameters()).dtype
 
     def initial_noise(self, num_prompts: int, group_size: int, generator: torch.Generator,
@@ -108,11 +109,9 @@ class ForestSampler:
                     if step.sde:
                         noise = self.branch_noise(step, len(members), xs, generator)
                         out = sde_step(xs, vs, sigmas[i], sigmas[i + 1], noise_level=step.noise_level,
-                                       kind=step.sde_kind, generator=generator, noise=noise, sigma_max=sigmas[1])
-                        # The stored behaviour log-prob is always DESIGN §3's Gaussian one, which the loss
-                        # recomputes; for "cps" it differs from sde_step's constant-free convention.
-                        logp = out.log_prob if step.sde_kind != "cps" else gaussian_log_prob(out.prev_sample, out.mean, out.std)
-                        part.update(x=out.prev_sample, mean=out.mean, std=out.std, log_prob=logp)
+                                       kind=step.sde_kind, generator=generator, noise=noise, sigma_max=sigmas[1],
+                                       log_prob=step.log_prob)
+                        part.update(x=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob)
                         if keep_hist:
                             part["hist"] = (xs, torch.full((len(parent),), math.nan, dtype=torch.float64))
                     elif step.solver == "dpm2":

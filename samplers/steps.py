@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SDE_KINDS = ("flow_grpo", "dance", "cps")
+from .sde import DEFAULT_NOISE_LEVEL, SDE_KINDS, bcast, sde_kind
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -28,8 +29,7 @@ class SDEStepOutput:
         mean: mu [B, ...] float32, the Gaussian mean of the transition.
         std: s [B] float32, the transition's standard deviation (per element).
         log_prob: [B] float32 log-density of ``prev_sample`` (mean over non-batch dims; see
-            :func:`gaussian_log_prob`). For ``kind="cps"`` it is the reference code's
-            *constant-free* convention ``-mean((x' - mu)^2)``.
+            :func:`gaussian_log_prob`), scored with ``SDEKind.log_prob_std(std, log_prob)``.
         sigma_t: [B] float32, the SDE's diffusion coefficient sigma_t (used by the KL term).
     """
 
@@ -50,11 +50,6 @@ def _per_sample(value: float | Tensor, batch: int, device) -> Tensor:
     return t
 
 
-def _bcast(t: Tensor, like: Tensor) -> Tensor:
-    """[B] -> [B, 1, 1, ...] matching ``like``'s rank."""
-    return t.view(t.shape[0], *([1] * (like.ndim - 1)))
-
-
 def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     """Log N(x; mean, std^2) **averaged** over the non-batch dims, constants included.
 
@@ -65,7 +60,7 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     x, mean = x.float(), mean.float()
     std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
     if std.ndim == 1:
-        std = _bcast(std, x)
+        std = bcast(std, x)
     lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     return lp.flatten(1).mean(1)
 
@@ -73,24 +68,17 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
 def euler_step(sample: Tensor, velocity: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:
     """Deterministic Euler ODE step x' = x + (sigma' - sigma) * v, in float32. Shapes [B, ...]."""
     x, v = sample.float(), velocity.float()
-    s = _bcast(_per_sample(sigma, x.shape[0], x.device), x)
-    sn = _bcast(_per_sample(sigma_next, x.shape[0], x.device), x)
+    s = bcast(_per_sample(sigma, x.shape[0], x.device), x)
+    sn = bcast(_per_sample(sigma_next, x.shape[0], x.device), x)
     return x + (sn - s) * v
 
 
 def sde_sigma_t(
     sigma: Tensor, sigma_next: Tensor, noise_level: float, kind: str, sigma_max: Tensor | None = None
 ) -> Tensor:
-    """Diffusion coefficient sigma_t [B] of the reverse SDE for ``kind`` in {"flow_grpo", "dance"}.
-
-    flow_grpo: a * sqrt(sigma / (1 - sigma)); at sigma = 1 the denominator uses ``sigma_max``
-    (the next grid point, as in the reference code) and falls back to ``sigma_next``.
-    dance: the constant eta = ``noise_level``.
-    """
-    if kind == "dance":
-        return torch.full_like(sigma, float(noise_level))
-    denom_sigma = torch.where(sigma >= 1.0, sigma_max if sigma_max is not None else sigma_next, sigma)
-    return noise_level * torch.sqrt(sigma / (1.0 - denom_sigma))
+    """Diffusion coefficient sigma_t [B] of the SDE ``kind`` (see :mod:`flowgrpo.samplers.sde`)."""
+    return sde_kind(kind).sigma_t(sigma.float(), sigma_next.float(), noise_level,
+                                  None if sigma_max is None else torch.as_tensor(sigma_max).float())
 
 
 def sde_step(
@@ -99,12 +87,13 @@ def sde_step(
     sigma: float | Tensor,
     sigma_next: float | Tensor,
     *,
-    noise_level: float = 0.7,
+    noise_level: float = DEFAULT_NOISE_LEVEL,
     kind: str = "flow_grpo",
     prev_sample: Tensor | None = None,
     generator: torch.Generator | None = None,
     noise: Tensor | None = None,
     sigma_max: float | Tensor | None = None,
+    log_prob: str = "gaussian",
 ) -> SDEStepOutput:
     """One stochastic reverse step with its Gaussian log-probability (DESIGN §3).
 
@@ -119,42 +108,26 @@ def sde_step(
         generator: RNG for the drawn noise.
         noise: standard-normal noise [B, ...] to use instead of drawing (branching noise).
         sigma_max: sigma of the grid's second point, for the flow_grpo sigma = 1 rule.
+        log_prob: the log-prob convention, "gaussian" or (CPS) "mse" (:mod:`flowgrpo.samplers.sde`).
 
     Returns: :class:`SDEStepOutput`. With noise_level = 0, "flow_grpo" and "dance" reduce exactly
     to :func:`euler_step` (std = 0, so only ``mean``/``prev_sample`` are meaningful).
     """
-    if kind not in SDE_KINDS:
-        raise ValueError(f"unknown SDE kind {kind!r}; valid kinds: {', '.join(SDE_KINDS)}")
+    sde = sde_kind(kind)
     x, v = sample.float(), velocity.float()
     b = x.shape[0]
     s = _per_sample(sigma, b, x.device)
     sn = _per_sample(sigma_next, b, x.device)
     smax = _per_sample(sigma_max, b, x.device) if sigma_max is not None else None
-    s_, sn_ = _bcast(s, x), _bcast(sn, x)
-    delta = sn_ - s_
-
-    if kind == "cps":
-        std = sn * math.sin(noise_level * math.pi / 2)
-        x0_hat = x - s_ * v
-        x1_hat = x + (1 - s_) * v
-        mean = x0_hat * (1 - sn_) + x1_hat * torch.sqrt(torch.clamp(sn_**2 - _bcast(std, x) ** 2, min=0.0))
-        sigma_t = std
-    else:
-        sigma_t = sde_sigma_t(s, sn, noise_level, kind, smax)
-        st2 = _bcast(sigma_t, x) ** 2
-        mean = x * (1 + st2 / (2 * s_) * delta) + v * (1 + st2 * (1 - s_) / (2 * s_)) * delta
-        std = sigma_t * torch.sqrt(-(sn - s))
+    mean, std = sde.mean_std(x, v, s, sn, noise_level, smax)
+    sigma_t = sde.sigma_t(s, sn, noise_level, smax)
 
     if prev_sample is None:
         if noise is None:
             noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-        prev = mean + _bcast(std, x) * noise.float()
+        prev = mean + bcast(std, x) * noise.float()
     else:
         prev = prev_sample.float()
 
-    if kind == "cps":
-        # Reference-code convention: constants and the 1/(2 std^2) scale dropped.
-        log_prob = -((prev - mean) ** 2).flatten(1).mean(1)
-    else:
-        log_prob = gaussian_log_prob(prev, mean, std)
-    return SDEStepOutput(prev_sample=prev, mean=mean, std=std, log_prob=log_prob, sigma_t=sigma_t)
+    logp = gaussian_log_prob(prev, mean, sde.log_prob_std(std, log_prob))
+    return SDEStepOutput(prev_sample=prev, mean=mean, std=std, log_prob=logp, sigma_t=sigma_t)

@@ -23,7 +23,8 @@ import torch
 from flowgrpo.fields import help_field
 
 from .plan import PlanMeta, SamplingPlan, StepSpec
-from .strategy_base import Strategy, StrategyOptions, check_float, check_int, check_steps, ode, sliding_start
+from .strategy_base import (Strategy, StrategyOptions, WindowOptions, check_float, check_int, check_steps, ode,
+                            sliding_start)
 
 
 @dataclass
@@ -204,20 +205,14 @@ class BranchGRPOMixStrategy(BranchGRPOStrategy):
 
 
 @dataclass
-class TreeRPOOptions(StrategyOptions):
-    window: int = help_field(4, "SDE window width = tree depth (binary: 2^window leaves)")
-    branch: int = help_field(2, "children per node inside the window")
-    start: int = help_field(0, "first window position")
-    shift_every: int = help_field(25, "iterations between window moves (0 = frozen)")
-    stride: int = help_field(1, "steps the window moves each time")
+class TreeRPOOptions(WindowOptions):
+    branch: int = help_field(2, "children per node inside the window (the tree has branch^window leaves)")
     noise_growth: float = help_field(0.25, "beta: noise level a_j = a * (1 + beta * j) at tree depth j")
 
     def check(self, num_steps: int) -> None:
-        check_int(self.window, "window", 1, num_steps)
-        check_int(self.branch, "branch", 2)
-        check_int(self.start, "start", 0, num_steps - self.window)
+        super().check(num_steps)
         check_int(self.shift_every, "shift_every", 0)
-        check_int(self.stride, "stride", 1)
+        check_int(self.branch, "branch", 2)
         check_float(self.noise_growth, "noise_growth")
 
 

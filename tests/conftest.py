@@ -48,7 +48,7 @@ if BRIGHTNESS not in REWARDS:
 
         name = BRIGHTNESS
 
-        def __call__(self, images, prompts):
+        def __call__(self, images, prompts, groups=None):
             return RewardOutput(_brightness(images))
 
 
@@ -60,7 +60,7 @@ if NAN_EVERY_THIRD not in REWARDS:
 
         name = NAN_EVERY_THIRD
 
-        def __call__(self, images, prompts):
+        def __call__(self, images, prompts, groups=None):
             r = _brightness(images).clone()
             r[::3] = float("nan")
             return RewardOutput(r)
@@ -74,7 +74,7 @@ if CONSTANT not in REWARDS:
 
         name = CONSTANT
 
-        def __call__(self, images, prompts):
+        def __call__(self, images, prompts, groups=None):
             return RewardOutput(torch.ones(images.shape[0]))
 
 
@@ -98,7 +98,7 @@ def tiny_overrides(model_dir, **extra) -> list[str]:
     base = {
         "model.path": str(model_dir),
         "data.prompts_per_iteration": 2,
-        "data.group_size": 4,
+        "data.trees_per_prompt": 4,
         "sampler.num_steps": 4,
         "eval.num_prompts": 4,
         "eval.seeds_per_prompt": 1,

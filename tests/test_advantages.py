@@ -42,7 +42,7 @@ def test_zero_mean_within_each_group(std_mode):
     # groups of very different scales and offsets
     values = torch.randn(len(groups), generator=g) * (groups.float() + 1) + 3 * groups.float()
     adv, keep, stats = group_zscore(values, groups, torch.ones(len(groups), dtype=torch.bool), std_mode, EPS, clip=1e9)
-    assert keep.all() and stats["zero_std_ratio"] == 0.0
+    assert keep.all() and stats == 0.0
     for k in range(6):
         a = adv[groups == k].double()
         assert abs(a.mean().item()) < 1e-5
@@ -77,12 +77,12 @@ def test_zero_std_groups_are_dropped_and_counted():
     groups = make_groups(4, 4)
     values = torch.tensor([1.0, 1, 1, 1,  0, 1, 0, 1,  5, 5, 5, 5,  0, 0, 0, 3])
     adv, keep, stats = group_zscore(values, groups, torch.ones(16, dtype=torch.bool), "group", EPS)
-    assert stats["zero_std_ratio"] == pytest.approx(0.5)
+    assert stats == pytest.approx(0.5)
     assert keep.tolist() == [False] * 4 + [True] * 4 + [False] * 4 + [True] * 4
     assert torch.all(adv[~keep] == 0)
     # in global mode the zero-std groups carry no signal either
     adv_g, keep_g, stats_g = group_zscore(values, groups, torch.ones(16, dtype=torch.bool), "global", EPS)
-    assert torch.equal(keep_g, keep) and stats_g["zero_std_ratio"] == pytest.approx(0.5)
+    assert torch.equal(keep_g, keep) and stats_g == pytest.approx(0.5)
     assert torch.all(adv_g[~keep] == 0)
 
 
@@ -100,7 +100,7 @@ def test_nan_rewards_are_masked_out_of_the_statistics():
     # a group left with one valid sample has no signal
     only_one = torch.tensor([1.0, float("nan"), float("nan"), float("nan")])
     adv1, keep1, st = group_zscore(only_one, make_groups(1, 4), valid_reward_mask({"x": only_one}), "group", EPS)
-    assert not keep1.any() and st["zero_std_ratio"] == 1.0
+    assert not keep1.any() and st == 1.0
 
 
 def test_two_reward_combination_modes():
@@ -146,8 +146,8 @@ def test_estimator_on_a_chain_rollout(combine):
     r["x"][0:4] = 0.5  # group 0 has zero std in both rewards
     cfg_adv, cfg_rew = AdvantageConfig(), RewardConfig(weights={"x": 1.0, "y": 1.0}, combine=combine)
     res = estimate_advantages("group_zscore", ro, r, cfg_adv, cfg_rew)
-    assert res.stats["nan_dropped"] == 1
-    assert res.stats["zero_std_ratio"] == pytest.approx(1 / 3)
+    assert res.nan_dropped == 1
+    assert res.zero_std_ratio == pytest.approx(1 / 3)
     assert not res.leaf_mask[5] and not res.leaf_mask[:4].any() and res.leaf_mask[6:].all()
     # a chain: every edge carries its own leaf's advantage
     assert res.edge_advantages[0] is None
@@ -167,7 +167,7 @@ def test_nan_reward_registered_in_tests_drops_and_counts(tiny_config):
     before = {k: v.clone() for k, v in trainer.policy.trainable_state_dict().items()}
     out = trainer.iteration_step()
     m = out.metrics
-    leaves = cfg.data.prompts_per_iteration * cfg.data.group_size
+    leaves = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
     nan = len(range(0, leaves, 3))
     assert m["nan_rewards_dropped"] == nan
     assert m["transitions"] == (leaves - nan) * cfg.sampler.num_steps
@@ -188,7 +188,7 @@ def test_normalize_then_sum_stops_at_the_weighted_sum_of_z_scores():
     g = torch.Generator().manual_seed(2)
     rewards = {"a": torch.rand(12, generator=g), "b": torch.rand(12, generator=g) * 10}
     weights = {"a": 1.0, "b": 0.5}
-    cfg_adv = SimpleNamespace(std="group", eps=EPS, clip=5.0)
+    cfg_adv = AdvantageConfig(eps=EPS)
     expected = np_zscore(rewards["a"].numpy(), groups.numpy(), clip=np.inf) + 0.5 * np_zscore(
         rewards["b"].numpy(), groups.numpy(), clip=np.inf)
     res = estimate_advantages("group_zscore", rollout, rewards, cfg_adv,
@@ -197,3 +197,33 @@ def test_normalize_then_sum_stops_at_the_weighted_sum_of_z_scores():
     again = estimate_advantages("group_zscore", rollout, rewards, cfg_adv,
                                 SimpleNamespace(weights=weights, combine="normalize_then_sum", renormalize=True))
     np.testing.assert_allclose(again.leaf_advantages.numpy(), np_zscore(expected, groups.numpy()), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("std_mode", ["group", "global"])
+def test_unbiased_std_estimator_matches_numpy_ddof1(std_mode):
+    """DanceGRPO / MixGRPO / BranchGRPO: (r - mean) / (torch.std(r) + 1e-8), torch.std being unbiased."""
+    g = torch.Generator().manual_seed(5)
+    groups = make_groups(3, 5)
+    values = torch.randn(len(groups), generator=g).double()
+    adv, keep, _ = group_zscore(values, groups, torch.ones(len(groups), dtype=torch.bool), std_mode, 1e-8,
+                                clip=1e9, unbiased=True)
+    v = values.numpy()
+    for grp in range(3):
+        sel = (groups == grp).numpy()
+        std = v.std(ddof=1) if std_mode == "global" else v[sel].std(ddof=1)
+        np.testing.assert_allclose(adv[sel].numpy(), (v[sel] - v[sel].mean()) / (std + 1e-8), rtol=1e-5)
+    pop, _, _ = group_zscore(values, groups, torch.ones(len(groups), dtype=torch.bool), std_mode, 1e-8, clip=1e9)
+    # population and unbiased differ by sqrt(n / (n - 1)) exactly (n = 5 per group, 15 overall)
+    n = 15 if std_mode == "global" else 5
+    np.testing.assert_allclose(pop.numpy() / adv.numpy(), np.sqrt(n / (n - 1)), rtol=1e-5)
+
+
+def test_method_presets_use_their_references_std_convention():
+    from flowgrpo.config import load_config
+
+    for preset in ("dance-grpo", "mix-grpo", "mix-grpo-flash", "branch-grpo", "branch-grpo-mix"):
+        cfg = load_config(preset)
+        assert (cfg.advantage.std_estimator, cfg.advantage.eps) == ("unbiased", 1e-8), preset
+    for preset in ("flow-grpo", "shapes"):
+        cfg = load_config(preset)
+        assert (cfg.advantage.std_estimator, cfg.advantage.eps) == ("population", 1e-4), preset

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -72,8 +74,13 @@ def test_overrides_apply_with_types():
     assert cfg.train.adam_betas == [0.8, 0.9]
     assert cfg.loss.clip_range == 1.0 and isinstance(cfg.loss.clip_range, float)  # ints are fine for floats
     # later overrides win; strategy options merge
-    cfg = load_config("flow-grpo", None, ["train.iterations=3", "train.iterations=5", "strategy={a: 1}", "strategy={b: 2}"])
-    assert cfg.train.iterations == 5 and cfg.strategy == {"a": 1, "b": 2}
+    cfg = load_config("mix-grpo", None, ["train.iterations=3", "train.iterations=5", "strategy={window: 2}",
+                                         "strategy={stride: 2}"])
+    assert cfg.train.iterations == 5
+    assert cfg.strategy["window"] == 2 and cfg.strategy["stride"] == 2 and cfg.strategy["shift_every"] == 10
+    # options are checked against the strategy's option dataclass when the config loads
+    with pytest.raises(ConfigError, match="unknown config key 'strategy.a'; valid keys under 'strategy': window"):
+        load_config("mix-grpo", None, ["strategy.a=1"])
 
 
 def test_config_file_applies_between_preset_and_overrides(tmp_path):
@@ -118,7 +125,7 @@ def test_unknown_keys_list_the_valid_ones():
     ("advantage.std=batch", "group, global"),
     ("reward.combine=max", "sum_then_normalize"),
     ("train.iterations=0", ">= 1"),
-    ("data.group_size=0", ">= 1"),
+    ("data.trees_per_prompt=0", ">= 1"),
     ("train.timestep_fraction=1.5", "(0, 1]"),
     ("reward.weights={}", "at least one reward"),
 ])
@@ -191,3 +198,39 @@ def test_switching_strategy_drops_the_previous_strategys_options():
     # keeping the strategy keeps (and merges) its options
     cfg = load_config("shapes", None, ["strategy.window=3"])
     assert cfg.sampler.strategy == "mix_grpo" and cfg.strategy["window"] == 3 and cfg.strategy["mode"] == "frozen"
+
+
+def test_renamed_keys_still_work_with_a_warning():
+    from flowgrpo.config import ConfigKeyRenamedWarning
+
+    with pytest.warns(ConfigKeyRenamedWarning, match="'data.group_size' is now 'data.trees_per_prompt'"):
+        cfg = load_config("shapes", None, ["data.group_size=3"])
+    assert cfg.data.trees_per_prompt == 3
+    # options that moved from the strategy to the loss / advantage sections
+    with pytest.warns(ConfigKeyRenamedWarning) as rec:
+        cfg = load_config("tree-rpo", None, ["strategy.sft_weight=0.3", "strategy.fusion_beta=1.0"])
+    assert cfg.loss.sft_weight == 0.3 and cfg.advantage.fusion_beta == 1.0
+    assert "sft_weight" not in cfg.strategy and len(rec) == 2
+    # the new key wins over the old one in the same layer
+    with pytest.warns(ConfigKeyRenamedWarning):
+        cfg = load_config("shapes", None, ["data.group_size=3", "data.trees_per_prompt=5"])
+    assert cfg.data.trees_per_prompt == 5
+
+
+@pytest.mark.parametrize("override,message", [
+    ("sampler.sde_kind=ito", "'sampler.sde_kind' = 'ito' is not one of: flow_grpo, dance, cps"),
+    ("advantage.std_estimator=sample", "not one of: population, unbiased"),
+    ("strategy.mode=sideways", "'strategy.mode' = 'sideways' is not one of: progressive, random, frozen"),
+    ("sampler.cps_log_prob=mse", "needs sampler.sde_kind = cps"),
+    ("eval.evaluator=geneval", "unknown evaluator 'geneval'; valid choices: auto, none, shapes"),
+])
+def test_choices_are_checked_in_one_place(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("mix-grpo", None, [override])
+
+
+def test_choices_set_in_code_are_checked_by_validate():
+    cfg = load_config("shapes")
+    cfg.loss.kl_sigma = "sigma"
+    with pytest.raises(ConfigError, match="'loss.kl_sigma' = 'sigma' is not one of: sigma_t, transition_std"):
+        validate(cfg)

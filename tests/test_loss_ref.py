@@ -48,13 +48,14 @@ def logp64(x, mu, std):
 def test_ratio_is_one_when_mean_equals_mean_old():
     d = inputs()
     logp_old = gaussian_log_prob(d["prev"], d["mean_old"], d["std"])  # the sampler's own convention
-    loss, st = grpo_loss_ref(d["prev"], d["mean_old"].clone(), d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
+    st = grpo_loss_ref(d["prev"], d["mean_old"].clone(), d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
                              clip_range=1e-4)
-    assert (st["ratio"] - 1).abs().max().item() < 1e-6
-    assert not st["clipped_high"].any() and not st["clipped_low"].any()
+    loss = st.loss
+    assert (st.ratio - 1).abs().max().item() < 1e-6
+    assert not st.clipped_high.any() and not st.clipped_low.any()
     # at r = 1 the surrogate is -mean(w * A)
     assert loss.item() == pytest.approx(-(d["w"] * d["adv"]).mean().item(), rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(st["logp"], logp_old, rtol=0, atol=1e-6)
+    torch.testing.assert_close(st.logp, logp_old, rtol=0, atol=1e-6)
 
 
 def test_float64_matches_independent_formula():
@@ -64,20 +65,22 @@ def test_float64_matches_independent_formula():
     mean_ref = d["mean_old"] + 0.02 * torch.randn(d["mean_old"].shape, generator=g, dtype=torch.float64)
     logp_old = gaussian_log_prob(d["prev"].float(), d["mean_old"].float(), d["std"].float()).double()
     kl_sigma = d["std"] * 2
-    loss, st = grpo_loss_ref(d["prev"], mean, d["mean_old"], d["std"], logp_old, d["adv"], d["w"], clip_range=0.05,
+    st = grpo_loss_ref(d["prev"], mean, d["mean_old"], d["std"], logp_old, d["adv"], d["w"], clip_range=0.05,
                              mean_ref=mean_ref, kl_sigma=kl_sigma, beta=0.3)
+    loss = st.loss
     assert loss.dtype == torch.float64
     n = {k: v.numpy() for k, v in d.items()}
     ref_loss, ref_logp, ref_r, ref_kl = np_loss(n["prev"], mean.numpy(), n["std"], logp_old.numpy(), n["adv"], n["w"],
                                                 0.05, mean_ref.numpy(), kl_sigma.numpy(), 0.3)
     assert loss.item() == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
-    np.testing.assert_allclose(st["logp"].numpy(), ref_logp, rtol=1e-12)
-    np.testing.assert_allclose(st["ratio"].numpy(), ref_r, rtol=1e-12)
-    np.testing.assert_allclose(st["kl"].numpy(), ref_kl, rtol=1e-12)
+    np.testing.assert_allclose(st.logp.numpy(), ref_logp, rtol=1e-12)
+    np.testing.assert_allclose(st.ratio.numpy(), ref_r, rtol=1e-12)
+    np.testing.assert_allclose(st.kl.numpy(), ref_kl, rtol=1e-12)
     # float32 inputs agree with the float64 truth to float32 accuracy
-    loss32, st32 = grpo_loss_ref(d["prev"].float(), mean.float(), d["mean_old"].float(), d["std"].float(),
+    st32 = grpo_loss_ref(d["prev"].float(), mean.float(), d["mean_old"].float(), d["std"].float(),
                                  logp_old.float(), d["adv"].float(), d["w"].float(), clip_range=0.05,
                                  mean_ref=mean_ref.float(), kl_sigma=kl_sigma.float(), beta=0.3)
+    loss32 = st32.loss
     assert loss32.dtype == torch.float32
     assert loss32.item() == pytest.approx(ref_loss, rel=1e-4, abs=1e-5)
 
@@ -96,10 +99,11 @@ def test_clip_behaviour_and_gradients():
     w = torch.ones(6, dtype=torch.float64)
     logp_old = _with_ratio(d, ratios)
     mean = d["mean_old"].clone().requires_grad_(True)
-    loss, st = grpo_loss_ref(d["prev"], mean, d["mean_old"], d["std"], logp_old, adv, w, clip_range=eps)
-    np.testing.assert_allclose(st["ratio"].numpy(), ratios, rtol=1e-10)
-    assert st["clipped_high"].tolist() == [True, False, True, False, False, False]
-    assert st["clipped_low"].tolist() == [False, True, False, True, False, False]
+    st = grpo_loss_ref(d["prev"], mean, d["mean_old"], d["std"], logp_old, adv, w, clip_range=eps)
+    loss = st.loss
+    np.testing.assert_allclose(st.ratio.numpy(), ratios, rtol=1e-10)
+    assert st.clipped_high.tolist() == [True, False, True, False, False, False]
+    assert st.clipped_low.tolist() == [False, True, False, True, False, False]
     # per-row surrogate: max(-A r, -A clip(r)); A > 0 and r > 1 + eps is capped at -A (1 + eps), etc.
     per_row = [-(1 + eps), -0.5, 1.5, -(-1) * (1 - eps), -1.05, 0.95]
     assert loss.item() == pytest.approx(np.mean(per_row), rel=1e-10)
@@ -118,7 +122,7 @@ def test_gradient_matches_finite_differences():
 
     def f(m):
         return grpo_loss_ref(d["prev"], m, d["mean_old"], d["std"], logp_old, d["adv"], d["w"], clip_range=0.2,
-                             mean_ref=mean_ref, kl_sigma=d["std"], beta=0.5)[0]
+                             mean_ref=mean_ref, kl_sigma=d["std"], beta=0.5).loss
 
     assert torch.autograd.gradcheck(f, (mean,))
 
@@ -129,21 +133,24 @@ def test_kl_term():
     g = torch.Generator().manual_seed(3)
     mean_ref = d["mean_old"] + 0.1 * torch.randn(d["mean_old"].shape, generator=g, dtype=torch.float64)
     kl_sigma = torch.full((6,), 0.2, dtype=torch.float64)
-    base, st0 = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
+    st0 = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
                               clip_range=1e-4)
-    assert torch.all(st0["kl"] == 0)
+    base = st0.loss
+    assert torch.all(st0.kl == 0)
     for beta in (0.01, 0.5):
-        loss, st = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
+        st = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
                                  clip_range=1e-4, mean_ref=mean_ref, kl_sigma=kl_sigma, beta=beta)
+        loss = st.loss
         expected_kl = ((d["mean_old"] - mean_ref) ** 2).flatten(1).mean(1) / (2 * 0.2**2)
-        torch.testing.assert_close(st["kl"], expected_kl)
+        torch.testing.assert_close(st.kl, expected_kl)
         assert loss.item() == pytest.approx(base.item() + beta * expected_kl.mean().item(), rel=1e-12)
     # the KL is zero at the reference, and beta = 0 disables it
-    _, st_same = grpo_loss_ref(d["prev"], mean_ref, d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
+    st_same = grpo_loss_ref(d["prev"], mean_ref, d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
                                clip_range=1e-4, mean_ref=mean_ref, kl_sigma=kl_sigma, beta=1.0)
-    assert torch.all(st_same["kl"] == 0)
-    loss0, _ = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
+    assert torch.all(st_same.kl == 0)
+    out0 = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
                              clip_range=1e-4, mean_ref=mean_ref, kl_sigma=kl_sigma, beta=0.0)
+    loss0 = out0.loss
     assert loss0.item() == base.item()
     with pytest.raises(ValueError):
         grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
@@ -156,14 +163,14 @@ def test_guard_normalized_log_ratio_identity():
     logp_old = logp64(d["prev"], d["mean_old"], d["std"])
     g = torch.Generator().manual_seed(4)
     mean = d["mean_old"] + 0.05 * torch.randn(d["mean_old"].shape, generator=g, dtype=torch.float64)
-    _, st = grpo_loss_ref(d["prev"], mean, d["mean_old"], d["std"], logp_old, d["adv"], d["w"], clip_range=1e-4,
+    st = grpo_loss_ref(d["prev"], mean, d["mean_old"], d["std"], logp_old, d["adv"], d["w"], clip_range=1e-4,
                           guard=True)
     expected = -((d["mean_old"] - mean) * d["eps"]).flatten(1).mean(1)
-    torch.testing.assert_close(torch.log(st["ratio"]), expected, rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(torch.log(st.ratio), expected, rtol=1e-4, atol=1e-9)
     # on policy the normalised ratio is 1 too
-    _, st1 = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
+    st1 = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"],
                            clip_range=1e-4, guard=True)
-    assert (st1["ratio"] - 1).abs().max().item() < 1e-9
+    assert (st1.ratio - 1).abs().max().item() < 1e-9
 
 
 def test_log_prob_scale_is_per_element_mean():
@@ -171,8 +178,8 @@ def test_log_prob_scale_is_per_element_mean():
     d = inputs(n=2, dtype=torch.float64)
     logp_old = torch.zeros(2, dtype=torch.float64)
     tile = lambda t: torch.cat([t, t], dim=1)  # noqa: E731
-    _, a = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"], clip_range=0.1)
-    _, b = grpo_loss_ref(tile(d["prev"]), tile(d["mean_old"]), tile(d["mean_old"]), d["std"], logp_old, d["adv"],
+    a = grpo_loss_ref(d["prev"], d["mean_old"], d["mean_old"], d["std"], logp_old, d["adv"], d["w"], clip_range=0.1)
+    b = grpo_loss_ref(tile(d["prev"]), tile(d["mean_old"]), tile(d["mean_old"]), d["std"], logp_old, d["adv"],
                          d["w"], clip_range=0.1)
-    torch.testing.assert_close(a["logp"], b["logp"])
-    assert math.isfinite(a["logp"].sum().item())
+    torch.testing.assert_close(a.logp, b.logp)
+    assert math.isfinite(a.logp.sum().item())

@@ -14,7 +14,7 @@ from torch import nn
 from flowgrpo.config import SamplerConfig, load_config
 from flowgrpo.errors import ConfigError
 from flowgrpo.policies.base import Conditioning
-from flowgrpo.samplers.mix import compressed_steps, round_half_up
+from flowgrpo.samplers.chains import compressed_steps, round_half_up
 from flowgrpo.samplers.rollout import ForestSampler
 from flowgrpo.samplers.schedule import sigma_grid
 from flowgrpo.samplers.solvers import compressed_grid
@@ -136,7 +136,7 @@ def test_mix_plan():
     for n in range(9):
         plan = s.plan(n)
         l0 = min(n, 7)
-        assert plan.info["window_start"] == l0
+        assert plan.meta.window_start == l0
         assert plan.trained_steps() == [l0, l0 + 1, l0 + 2]
         assert all(not st.sde and st.solver == "euler" for i, st in enumerate(plan.steps) if i not in range(l0, l0 + 3))
         assert torch.equal(plan.sigmas, sigma_grid(10, 1.0))
@@ -150,11 +150,11 @@ def test_bad_options():
         make("mix_grpo", window=11)
     with pytest.raises(ConfigError, match="mode"):
         make("mix_grpo", mode="sideways")
-    with pytest.raises(ConfigError, match="unknown option"):
+    with pytest.raises(ConfigError, match="unknown config key 'strategy.windw'; valid keys under 'strategy': window"):
         make("mix_grpo", windw=2)
     with pytest.raises(ConfigError, match="compress"):
         make("mix_grpo_flash", compress=0.0)
-    with pytest.raises(ConfigError, match="unknown option"):
+    with pytest.raises(ConfigError, match="unknown config key 'strategy.shift_every'"):
         make("mix_grpo_flash_star", shift_every=3)  # Flash*'s window is fixed at 0
 
 
@@ -174,7 +174,7 @@ def test_flash_compressed_grid(shift):
     for n, (l0, tail) in {0: (0, 8), 5: (5, 6), 20: (20, 1), 21: (21, 0), 40: (21, 0)}.items():
         plan = s.plan(n)
         end = l0 + w
-        assert plan.info["window_start"] == l0 and plan.info["compressed_steps"] == tail
+        assert plan.meta.window_start == l0 and plan.meta.compressed_steps == tail
         assert tail == compressed_steps(t - l0 - w, 0.4)  # round((T - l - w) * 0.4)
         assert plan.num_steps == l0 + w + tail
         # Euler on the original grid before the window, SDE in it, DPM-Solver++2 after it
@@ -198,12 +198,12 @@ def test_flash_compressed_grid(shift):
 def test_flash_star_nfe():
     t, w, r = 25, 4, 0.2
     s = make("mix_grpo_flash_star", num_steps=t, window=w)
-    assert s.options["compress"] == r
+    assert s.options.compress == r
     speedup = t / (w + (t - w) * r)  # S = T / (w + (T - w) r~) = 3.05
     assert s.speedup() == pytest.approx(speedup)
     for n in (0, 1, 50, 1000):
         plan = s.plan(n)
-        assert plan.info["window_start"] == 0 and plan.trained_steps() == [0, 1, 2, 3]
+        assert plan.meta.window_start == 0 and plan.trained_steps() == [0, 1, 2, 3]
     plan = s.plan(7)
     ro, calls = rollout(plan, prompts=2, group=3)
     nfe_chain = calls / 6
@@ -215,4 +215,4 @@ def test_flash_star_nfe():
     # the shapes preset: T = 10, w = 4 -> 4 + round(1.2) = 5 model calls per chain
     cfg = load_config("mix-grpo-flash-star")
     p = build_strategy(cfg.sampler, cfg.strategy).plan(0)
-    assert p.num_steps == 5 and p.info["nfe"] == 5
+    assert p.num_steps == 5 and p.nfe(1) == 5

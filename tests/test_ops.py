@@ -64,7 +64,7 @@ def make_case(n=6, shape=(4, 5, 7), *, dtype=torch.float32, std=(0.05, 0.8), gua
         choices = torch.tensor([0.0, 0.5 * lp_hi, 0.5 * lp_lo, lp_hi + 0.05, lp_lo - 0.05,
                                 lp_hi + 0.4, lp_lo - 0.4], dtype=torch.float64)
         lr = choices[torch.randint(0, len(choices), (n,), generator=g)]
-    logp = grpo_loss_ref(x, mu, mo, s, torch.zeros(n, dtype=torch.float64), a, w, clip_range=clip)[1]["logp"]
+    logp = grpo_loss_ref(x, mu, mo, s, torch.zeros(n, dtype=torch.float64), a, w, clip_range=clip).logp
     if guard:
         mse = ((mu - mo) ** 2).reshape(n, -1).mean(1)
         lpo = logp - (lr - mse / (2 * s)) / s
@@ -84,7 +84,8 @@ def run(fn, args, kwargs, dtype=None, **extra):
     a = [cast(t) for t in args]
     a[1] = a[1].detach().clone().requires_grad_(True)
     kw = {k: (cast(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-    loss, stats = fn(*a, **kw, **extra)
+    stats = fn(*a, **kw, **extra)
+    loss = stats.loss
     loss.backward()
     return loss.detach(), stats, a[1].grad
 
@@ -101,13 +102,13 @@ def rel_err(a, b):
 def check_against_float64(args, kwargs, tol=RTOL_FP32):
     loss, st, grad = run(lambda *a, **k: grpo_loss(*a, **k, backend="fused"), args, kwargs)
     loss64, st64, grad64 = run(grpo_loss_ref, args, kwargs, dtype=torch.float64)
-    assert loss.dtype == torch.float32 and st["ratio"].dtype == torch.float32
+    assert loss.dtype == torch.float32 and st.ratio.dtype == torch.float32
     assert grad.dtype == args[1].dtype and grad.shape == args[1].shape
     assert rel_err(loss, loss64) < tol, (float(loss), float(loss64))
     for k in ("logp", "ratio", "kl"):
-        assert rel_err(st[k], st64[k]) < tol, k
+        assert rel_err(getattr(st, k), getattr(st64, k)) < tol, k
     for k in ("clipped_high", "clipped_low"):
-        assert torch.equal(st[k], st64[k]), k
+        assert torch.equal(getattr(st, k), getattr(st64, k)), k
     assert rel_err(grad, grad64) < tol
     return loss, st, grad, loss64, st64, grad64
 
@@ -140,14 +141,14 @@ def test_fp32_matches_float64_reference(ext, case, guard, kl):
         # here, the reference in float32 included. Require the reference's own float32 accuracy.
         l32, s32, g32 = run(grpo_loss_ref, args, kwargs)
         l64, s64, g64 = run(grpo_loss_ref, args, kwargs, dtype=torch.float64)
-        ref_err = max(rel_err(l32, l64), rel_err(s32["ratio"], s64["ratio"]), rel_err(g32, g64))
+        ref_err = max(rel_err(l32, l64), rel_err(s32.ratio, s64.ratio), rel_err(g32, g64))
         assert ref_err > RTOL_FP32  # the premise: the float32 reference misses 1e-5 as well
         tol = 2 * ref_err
     loss, st, grad, loss64, st64, grad64 = check_against_float64(args, kwargs, tol=tol)
     if case == "all_clipped_high":
-        assert bool(st["clipped_high"].all())
+        assert bool(st.clipped_high.all())
     if case == "all_clipped_low":
-        assert bool(st["clipped_low"].all())
+        assert bool(st.clipped_low.all())
     if case == "adv_zero" and not kl:
         assert float(loss) == 0.0 and bool((grad == 0).all())
 
@@ -174,10 +175,10 @@ def test_on_policy_ties_and_zero_clip(ext, guard):
                       (grpo_loss_ref, torch.float64)):
         a = [t.to(dtype) for t in args]
         # logp_old = this implementation's own logp, so log r = 0 exactly
-        a[4] = fn(*a, **kwargs)[1]["logp"]
+        a[4] = fn(*a, **kwargs).logp
         loss, st, grad = run(fn, a, dict(kwargs, clip_range=0.0))
-        assert bool((st["ratio"] == 1.0).all())
-        assert not bool(st["clipped_high"].any() or st["clipped_low"].any())
+        assert bool((st.ratio == 1.0).all())
+        assert not bool(st.clipped_high.any() or st.clipped_low.any())
         if dtype == torch.float32:
             out32 = (loss, grad)
         else:
@@ -193,7 +194,7 @@ def test_matches_fp32_reference_exactly_enough(ext):
     l1, s1, g1 = run(lambda *a, **k: grpo_loss(*a, **k, backend="fused"), args, kwargs)
     l2, s2, g2 = run(grpo_loss_ref, args, kwargs)
     assert rel_err(l1, l2) < RTOL_FP32 and rel_err(g1, g2) < RTOL_FP32
-    assert rel_err(s1["ratio"], s2["ratio"]) < RTOL_FP32
+    assert rel_err(s1.ratio, s2.ratio) < RTOL_FP32
 
 
 # ----------------------------------------------------------------------------- reduced precision
@@ -207,8 +208,8 @@ def test_low_precision_within_reference_error(ext, dtype, guard, kl):
     lr, sr, gr = run(grpo_loss_ref, args, kwargs)  # the reference run in bf16/fp16
     l64, s64, g64 = run(grpo_loss_ref, args, kwargs, dtype=torch.float64)
     assert grad.dtype == dtype and loss.dtype == torch.float32
-    for mine, ref, truth in ((loss, lr, l64), (st["ratio"], sr["ratio"], s64["ratio"]),
-                             (st["logp"], sr["logp"], s64["logp"]), (st["kl"], sr["kl"], s64["kl"]),
+    for mine, ref, truth in ((loss, lr, l64), (st.ratio, sr.ratio, s64.ratio),
+                             (st.logp, sr.logp, s64.logp), (st.kl, sr.kl, s64.kl),
                              (grad, gr, g64)):
         assert rel_err(mine, truth) <= max(2 * rel_err(ref, truth), RTOL_FP32)
 
@@ -233,7 +234,7 @@ def test_other_input_requiring_grad_uses_reference(ext):
     args, kwargs = make_case(n=4, seed=2)
     adv = args[5].clone().requires_grad_(True)
     mu = args[1].clone().requires_grad_(True)
-    loss, _ = grpo_loss(args[0], mu, args[2], args[3], args[4], adv, args[6], **kwargs)
+    loss = grpo_loss(args[0], mu, args[2], args[3], args[4], adv, args[6], **kwargs).loss
     loss.backward()
     assert adv.grad is not None and mu.grad is not None
 
@@ -248,7 +249,7 @@ def test_thread_count_does_not_change_results(ext):
         l2, s2, g2 = run(lambda *a, **k: grpo_loss(*a, **k, backend="fused"), args, kwargs)
     finally:
         torch.set_num_threads(nt)
-    assert torch.equal(l1, l2) and torch.equal(g1, g2) and torch.equal(s1["logp"], s2["logp"])
+    assert torch.equal(l1, l2) and torch.equal(g1, g2) and torch.equal(s1.logp, s2.logp)
 
 
 def test_large_gradient_buffer(ext):
@@ -265,9 +266,11 @@ def test_large_gradient_buffer(ext):
 def test_no_grad_forward(ext):
     args, kwargs = make_case(n=3, seed=8)
     with torch.no_grad():
-        loss, st = grpo_loss(*args, **kwargs, backend="fused")
-    ref, sr = grpo_loss_ref(*args, **kwargs)
-    assert rel_err(loss, ref) < RTOL_FP32 and rel_err(st["logp"], sr["logp"]) < RTOL_FP32
+        st = grpo_loss(*args, **kwargs, backend="fused")
+        loss = st.loss
+    sr = grpo_loss_ref(*args, **kwargs)
+    ref = sr.loss
+    assert rel_err(loss, ref) < RTOL_FP32 and rel_err(st.logp, sr.logp) < RTOL_FP32
 
 
 # ----------------------------------------------------------------------------- torch.library
@@ -298,7 +301,7 @@ def test_gradcheck_float64(ext, guard, kl):
     x, mu, mo, s, lpo, a, w, mr, ks, clip, beta, _ = args
     # clip_range 0.2 and ratios 0.02 away from the bounds: the loss is smooth around mu
     f = lambda m: grpo_loss(x, m, mo, s, lpo, a, w, clip_range=clip, guard=guard,  # noqa: E731
-                            mean_ref=mr, kl_sigma=ks, beta=beta, backend="fused")[0]
+                            mean_ref=mr, kl_sigma=ks, beta=beta, backend="fused").loss
     assert f(mu).dtype == torch.float64
     assert torch.autograd.gradcheck(f, (mu,), eps=1e-6, atol=1e-7, rtol=1e-5)
 
@@ -309,7 +312,7 @@ def test_torch_compile_traces_the_op(ext):
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)
     l1, s1, g1 = run(fn, args, kwargs)
     l2, s2, g2 = run(compiled, args, kwargs)
-    assert torch.equal(l1, l2) and torch.equal(g1, g2) and torch.equal(s1["ratio"], s2["ratio"])
+    assert torch.equal(l1, l2) and torch.equal(g1, g2) and torch.equal(s1.ratio, s2.ratio)
 
 
 # ----------------------------------------------------------------------------- dispatch / fallback
@@ -328,11 +331,11 @@ def test_fallback_warns_once(monkeypatch):
     monkeypatch.setattr(fused, "_warned", False)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        l1, _ = grpo_loss(*args, **kwargs)
-        l2, _ = grpo_loss(*args, **kwargs)
+        l1 = grpo_loss(*args, **kwargs).loss
+        l2 = grpo_loss(*args, **kwargs).loss
     msgs = [r for r in rec if "fused GRPO loss op is unavailable" in str(r.message)]
     assert len(msgs) == 1
-    ref, _ = grpo_loss_ref(*args, **kwargs)
+    ref = grpo_loss_ref(*args, **kwargs).loss
     assert torch.equal(l1, ref) and torch.equal(l2, ref)
     with pytest.raises(RuntimeError):
         grpo_loss(*args, **kwargs, backend="fused")
@@ -344,8 +347,8 @@ def test_no_ext_env_forces_reference(monkeypatch):
     args, kwargs = make_case(n=2, seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an explicit opt-out does not warn
-        loss, _ = grpo_loss(*args, **kwargs)
-    assert torch.equal(loss, grpo_loss_ref(*args, **kwargs)[0])
+        loss = grpo_loss(*args, **kwargs).loss
+    assert torch.equal(loss, grpo_loss_ref(*args, **kwargs).loss)
 
 
 def test_no_compiler_falls_back_with_one_warning(tmp_path):
@@ -360,10 +363,10 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
         "x = torch.randn(3, 8); s = torch.ones(3); z = torch.zeros(3)\n"
         "with warnings.catch_warnings(record=True) as rec:\n"
         "    warnings.simplefilter('always')\n"
-        "    a = grpo_loss(x, x, x, s, z, s, s, clip_range=0.2)[0]\n"
-        "    b = grpo_loss(x, x, x, s, z, s, s, clip_range=0.2)[0]\n"
+        "    a = grpo_loss(x, x, x, s, z, s, s, clip_range=0.2).loss\n"
+        "    b = grpo_loss(x, x, x, s, z, s, s, clip_range=0.2).loss\n"
         "n = sum('fused GRPO loss op is unavailable' in str(r.message) for r in rec)\n"
-        "ok = torch.equal(a, grpo_loss_ref(x, x, x, s, z, s, s, clip_range=0.2)[0])\n"
+        "ok = torch.equal(a, grpo_loss_ref(x, x, x, s, z, s, s, clip_range=0.2).loss)\n"
         "print('RESULT', active_backend('cpu'), n, ok)\n"
         "print('MESSAGE', [str(r.message) for r in rec])\n"
     )
@@ -378,7 +381,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
 
 def test_backend_reference_and_errors(ext):
     args, kwargs = make_case(n=2, seed=1)
-    assert torch.equal(grpo_loss(*args, **kwargs, backend="reference")[0], grpo_loss_ref(*args, **kwargs)[0])
+    assert torch.equal(grpo_loss(*args, **kwargs, backend="reference").loss, grpo_loss_ref(*args, **kwargs).loss)
     with pytest.raises(ValueError):
         grpo_loss(*args, **kwargs, backend="nope")
     with pytest.raises(ValueError):

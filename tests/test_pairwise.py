@@ -135,7 +135,7 @@ def test_shapes_judge_and_reward():
     assert judge.judge(prompt, blank, blank.clone()) == "tie"
     assert judge.judge("a photo of a cat", good, blank) == "?"  # not a shapes prompt: unparseable
     reward = build_reward("shapes_pairwise")
-    assert "shapes_pairwise" in REWARDS.names() and reward.needs_groups is True
+    assert "shapes_pairwise" in REWARDS.names()
     images = torch.stack([good, other, blank, good, blank])
     prompts = [prompt] * 3 + ["a photo of a cat"] * 2
     out = reward(images, prompts, groups=torch.tensor([0, 0, 0, 1, 1]))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flowgrpo.data import PromptSource
-from flowgrpo.evaluate import heldout_prompts, paired_gain, score_shapes
+from flowgrpo.evaluation import paired_gain
+from flowgrpo.shapes.evaluate import heldout_prompts, score_shapes
 from flowgrpo.rewards import build_reward
 from flowgrpo.shapes.pretrain import make_batch, parse_noise
 from flowgrpo.shapes.prompts import (heldout_specs, is_heldout, load_prompt_file, parse_prompt, seen_specs,
@@ -170,8 +171,8 @@ def test_shapes_reward_and_score_on_renders():
     out = build_reward("shapes")(images, prompts)
     assert torch.all(out.scores == 1.0) and torch.all(out.components["correct"] == 1.0)
     res = score_shapes(prompts, images)
-    assert res["accuracy"] == 1.0 and res["num_samples"] == 12
-    assert set(res["per_tag"]) == {s.tag for s in specs}
+    assert res.accuracy == 1.0 and res.num_samples == 12 and res.correct == [1.0] * 12
+    assert set(res.per_tag) == {s.tag for s in specs}
     # a prompt outside the world scores NaN (the trainer drops it) instead of crashing
     bad = build_reward("shapes")(images[:2], ["a photo of a cat", prompts[1]])
     assert torch.isnan(bad.scores[0]) and bad.scores[1] == 1.0

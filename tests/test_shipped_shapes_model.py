@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flowgrpo.evaluate import evaluate_policy, to_uint8
-from flowgrpo.policies.shapes import ShapesPolicy
+from flowgrpo.shapes.evaluate import evaluate_policy, to_uint8
+from flowgrpo.shapes.policy import ShapesPolicy
 from flowgrpo.shapes.model import WEIGHTS_DIR, ShapesFlowModel
 from flowgrpo.shapes.verify import _TEMPLATES, UNKNOWN_RMS
 from flowgrpo.shapes.world import CELL, GRID
@@ -29,10 +29,10 @@ def test_base_model_draws_crisply_but_follows_prompts_only_partly():
     policy = ShapesPolicy(ShapesFlowModel.load(), guidance_scale=1.0, train_mode="frozen")
     res = evaluate_policy(policy, num_prompts=24, seeds_per_prompt=2, num_steps=20, return_images=True)
     # crisp: almost every cell is within the verifier's tolerance of a template (empty or a glyph)
-    cells = to_uint8(res["images"]).astype(np.float32).reshape(-1, GRID, CELL, GRID, CELL, 3)
+    cells = to_uint8(res.images).astype(np.float32).reshape(-1, GRID, CELL, GRID, CELL, 3)
     cells = cells.transpose(0, 1, 3, 2, 4, 5).reshape(-1, CELL * CELL * 3)
     rms = np.sqrt(((cells[:, None, :] - _TEMPLATES[None]) ** 2).mean(-1).min(-1))
     assert (rms <= UNKNOWN_RMS).mean() >= 0.97
     # misaligned: far from perfect on prompts it never saw, yet right often enough for GRPO to learn
-    assert 0.15 <= res["accuracy"] <= 0.75
-    assert isinstance(res["images"], torch.Tensor)
+    assert 0.15 <= res.accuracy <= 0.75
+    assert isinstance(res.images, torch.Tensor)

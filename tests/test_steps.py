@@ -108,7 +108,8 @@ def test_gaussian_log_prob_is_mean_not_sum_over_dims():
 def test_sigma_as_per_sample_tensor_equals_per_row_floats(kind):
     x, v = data(b=4)
     sig = torch.tensor([1.0, 0.9, 0.5, 0.25])
-    nxt = torch.tensor([0.9, 0.7, 0.4, 0.0])
+    # (CPS into sigma' = 0 has std 0, no density: plans run it as an ODE step, test_plan covers that)
+    nxt = torch.tensor([0.9, 0.7, 0.4, 0.0 if kind != "cps" else 0.05])
     prev = x + 0.1 * v  # score a fixed x'
     batched = sde_step(x, v, sig, nxt, noise_level=0.6, kind=kind, prev_sample=prev, sigma_max=0.9)
     for i in range(4):
@@ -139,19 +140,25 @@ def test_prev_sample_given_is_scored_not_drawn(kind):
     torch.testing.assert_close(rescored.log_prob, drawn.log_prob, rtol=0, atol=1e-6)
 
 
-def test_cps_log_prob_is_the_constant_free_convention():
+def test_cps_log_prob_conventions():
     x, v = data()
     s, sn, a = 0.6, 0.4, 0.7
-    out = sde_step(x, v, s, sn, noise_level=a, kind="cps", generator=torch.Generator().manual_seed(2))
+    gen = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+    out = sde_step(x, v, s, sn, noise_level=a, kind="cps", generator=gen())
     mu, std = ref_step(x.numpy(), v.numpy(), s, sn, a, "cps")
     close(out.mean.numpy(), mu)
     close(out.std.numpy(), np.full(x.shape[0], sn * math.sin(a * math.pi / 2)))
-    # log p = -mean((x' - mu)^2): no 1/(2 s^2) scale, no log s, no log(2 pi)
     prev = out.prev_sample.double().numpy()
-    expected = -((prev - mu) ** 2).reshape(x.shape[0], -1).mean(1)
-    close(out.log_prob.numpy(), expected, 5e-5)
-    # and it is not the Gaussian density
-    assert not np.allclose(out.log_prob.numpy(), ref_log_density(prev, mu, out.std.double().numpy()), atol=1e-2)
+    # default: the Gaussian density of DESIGN §3, like every other kind
+    close(out.log_prob.numpy(), ref_log_density(prev, mu, out.std.double().numpy()), 5e-5)
+    # "mse" (Flow-GRPO-Fast): -mean((x' - mu)^2) up to the constant log(sqrt 2) - log(sqrt(2 pi)) = -log(pi) / 2,
+    # which cancels in every ratio
+    mse = sde_step(x, v, s, sn, noise_level=a, kind="cps", generator=gen(), log_prob="mse")
+    torch.testing.assert_close(mse.prev_sample, out.prev_sample)
+    expected = -((prev - mu) ** 2).reshape(x.shape[0], -1).mean(1) - 0.5 * math.log(math.pi)
+    close(mse.log_prob.numpy(), expected, 5e-5)
+    with pytest.raises(ValueError, match="gaussian"):
+        sde_step(x, v, s, sn, kind="flow_grpo", log_prob="mse")
     # the draw is x' = mu + std * eps: the residual over std is standard normal-ish
     z = (prev - mu) / out.std[0].item()
     assert abs(z.mean()) < 0.3 and abs(z.std() - 1) < 0.3

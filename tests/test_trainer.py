@@ -37,7 +37,7 @@ def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, back
     prompts = trainer.prompts.batch(0, cfg.data.prompts_per_iteration)
     gen = torch.Generator().manual_seed(_seed_for(cfg.train.seed, 0, 11))
     policy.eval()
-    ro = trainer.sampler.rollout(plan, prompts, cfg.data.group_size, gen, cfg.sampler.shared_group_noise)
+    ro = trainer.sampler.rollout(plan, prompts, cfg.data.trees_per_prompt, gen, cfg.sampler.shared_group_noise)
     batch = ro.transitions([None] + [torch.ones(len(lv)) for lv in ro.levels[1:]])
     assert len(batch) == ro.num_leaves * plan.num_steps
     cond = policy.encode_prompts(ro.prompts)
@@ -50,12 +50,12 @@ def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, back
         mean[rows] = sde_step(batch.sample[rows], v[rows], batch.sigma[rows], batch.sigma_next[rows],
                               noise_level=spec.noise_level, kind=spec.sde_kind, prev_sample=batch.prev_sample[rows],
                               sigma_max=plan.sigmas[1]).mean
-    _, st = grpo_loss_ref(batch.prev_sample, mean, batch.mean_old, batch.std, batch.log_prob_old,
-                          torch.ones(len(batch)), torch.ones(len(batch)), clip_range=cfg.loss.clip_range)
-    independent = (st["ratio"] - 1).abs().max().item()
+    st = grpo_loss_ref(batch.prev_sample, mean, batch.mean_old, batch.std, batch.log_prob_old,
+                       torch.ones(len(batch)), torch.ones(len(batch)), clip_range=cfg.loss.clip_range)
+    independent = (st.ratio - 1).abs().max().item()
     print(f"independent on-policy |r - 1| max = {independent:.3e}")
     assert independent < 1e-6
-    assert not st["clipped_high"].any() and not st["clipped_low"].any()
+    assert not st.clipped_high.any() and not st.clipped_low.any()
 
     # 2. the trainer's own first update reports the same invariant, on the same rollout
     before = {k: t.clone() for k, t in policy.trainable_state_dict().items()}
@@ -68,6 +68,9 @@ def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, back
     # inner_epochs = minibatches = 1: every row is on-policy, so no ratio is clipped
     assert m["clipfrac_high"] == 0.0 and m["clipfrac_low"] == 0.0
     assert abs(m["ratio_mean"] - 1) < 1e-6
+    # per-timestep diagnostics: every trained step reports its ratio and clip fraction
+    for s in plan.trained_steps():
+        assert abs(m[f"ratio_mean/step_{s:02d}"] - 1) < 1e-6 and m[f"clipfrac/step_{s:02d}"] == 0.0
     # and the update really moved the adapter
     after = policy.trainable_state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -119,7 +122,7 @@ def test_run_with_nan_rewards_finishes_and_counts_them(tiny_config, tmp_path):
     cfg = tiny_config(**{"reward.weights": f"{{{NAN_EVERY_THIRD}: 1.0}}", "train.iterations": 2,
                          "log.tensorboard": "false"})
     summary = train(cfg, tmp_path / "run")
-    leaves = cfg.data.prompts_per_iteration * cfg.data.group_size
+    leaves = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
     per_iter = len(range(0, leaves, 3))
     assert summary["iterations"] == 2
     assert summary["nan_rewards_dropped"] == 2 * per_iter
@@ -134,7 +137,7 @@ def test_timestep_fraction_selects_a_subset(tiny_config):
     trainer = GRPOTrainer(cfg)
     m = trainer.iteration_step().metrics
     assert m["trained_steps"] == 2
-    assert m["transitions"] == 2 * cfg.data.prompts_per_iteration * cfg.data.group_size
+    assert m["transitions"] == 2 * cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
     steps = trainer.select_steps(trainer.strategy.plan(0), 0)
     assert steps == trainer.select_steps(trainer.strategy.plan(0), 0) and len(steps) == 2
 

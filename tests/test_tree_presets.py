@@ -14,6 +14,7 @@ import torch
 
 from flowgrpo.config import load_config, read_preset
 from flowgrpo.samplers.strategies import build_strategy
+from flowgrpo.trainer import trainer as trainer_module
 from flowgrpo.trainer.trainer import GRPOTrainer
 
 PRESETS = {
@@ -26,7 +27,7 @@ PRESETS = {
 }
 ESTIMATOR = {"branch-grpo": "branch_grpo", "branch-grpo-mix": "branch_grpo", "tree-rpo": "branch_grpo",
              "tempflow-grpo": "tempflow", "g2rpo": "g2rpo"}
-COMMON = ["sampler.num_steps=6", "data.prompts_per_iteration=2", "data.group_size=1", "train.threads=1",
+COMMON = ["sampler.num_steps=6", "data.prompts_per_iteration=2", "data.trees_per_prompt=1", "train.threads=1",
           "loss.backend=reference"]
 
 
@@ -50,7 +51,7 @@ def prompt_file(tmp_path_factory):
 def _run(cfg, leaves_per_tree: int):
     trainer = GRPOTrainer(cfg)
     results = [trainer.iteration_step() for _ in range(2)]
-    trees = cfg.data.prompts_per_iteration * cfg.data.group_size
+    trees = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
     for res in results:
         m = res.metrics
         assert res.rollout.num_leaves == trees * leaves_per_tree == res.images.shape[0]
@@ -79,27 +80,25 @@ def test_preset_trains_the_tiny_sd3(preset, prompt_file):
 
 
 def test_tree_rpo_hooks_run_in_the_trainer(shapes_model_dir):
-    """The adaptive clip bound and the SFT term reach the update (the trainer's hooks)."""
+    """The adaptive clip bound and the SFT term of the tree-rpo preset reach the update."""
     extra, leaves = PRESETS["tree-rpo"]
     cfg = load_config("tree-rpo", None, [f"model.path={shapes_model_dir}", *COMMON, *extra,
                                          "reward.weights={jpeg_compressibility: 1.0}"])
+    assert cfg.loss.clip_adapt == 1.0 and cfg.loss.sft_weight == 0.1  # the preset sets both
     trainer = GRPOTrainer(cfg)
-    calls = {"clip": [], "aux": []}
-    clip0, aux0 = trainer.strategy.clip_range, trainer.strategy.auxiliary_loss
+    calls = {"sft": []}
+    sft0 = trainer_module.best_path_sft_loss
 
-    def clip(*a, **k):
-        calls["clip"].append(clip0(*a, **k))
-        return calls["clip"][-1]
+    def sft(*a, **k):
+        calls["sft"].append(sft0(*a, **k))
+        return calls["sft"][-1]
 
-    def aux(*a, **k):
-        out = aux0(*a, **k)
-        calls["aux"].append(out)
-        return out
-
-    trainer.strategy.clip_range, trainer.strategy.auxiliary_loss = clip, aux
-    res = trainer.iteration_step()
+    trainer_module.best_path_sft_loss = sft
+    try:
+        res = trainer.iteration_step()
+    finally:
+        trainer_module.best_path_sft_loss = sft0
     # jpeg compressibility is not on [0, 1]: the clamped mean makes eps eps_0 or 2 eps_0
-    assert calls["clip"] and calls["clip"][0] in (pytest.approx(1e-4), pytest.approx(2e-4))
-    assert any(a is not None and float(a.detach()) > 0 for a in calls["aux"])
-    assert "best_path" in res.rollout.info
+    assert res.metrics["clip_range"] in (pytest.approx(1e-4), pytest.approx(2e-4))
+    assert any(a is not None and float(a.detach()) > 0 for a in calls["sft"])
     assert torch.isfinite(torch.tensor(res.metrics["loss"]))

@@ -1,6 +1,6 @@
 """Advantage estimators for tree rollouts (DESIGN §4): BranchGRPO, TempFlow-GRPO, G2RPO.
 
-Registered into :data:`flowgrpo.advantages.ESTIMATORS` (``advantage.estimator``):
+Listed in :data:`flowgrpo.advantages.ESTIMATORS` (``advantage.estimator``):
 
 * ``branch_grpo`` -- fused node rewards and per-depth normalisation inside each tree
   (BranchGRPO, Dynamic-TreeRPO);
@@ -17,19 +17,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .advantages import ESTIMATORS, AdvantageResult, combine_rewards, group_zscore, valid_reward_mask
+from .group import AdvantageResult, combine_rewards, group_zscore, masked_mean, valid_reward_mask
 
 
 def _combined(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_reward) -> tuple[Tensor, Tensor]:
     groups = rollout.leaf_groups
     mask = valid_reward_mask(rewards)
-    combined = combine_rewards(rewards, cfg_reward.weights, groups, mask, cfg_reward.combine, cfg_adv.eps)
+    combined = combine_rewards(rewards, cfg_reward.weights, groups, mask, cfg_reward.combine, cfg_adv.eps,
+                               _unbiased(cfg_adv))
     return combined, mask
 
 
-def _base_stats(combined: Tensor, mask: Tensor) -> dict:
-    return {"nan_dropped": int((~mask).sum()),
-            "combined_reward_mean": float(combined[mask].mean()) if mask.any() else float("nan")}
+def _unbiased(cfg_adv) -> bool:
+    return cfg_adv.std_estimator == "unbiased"
 
 
 # ============================================================================ BranchGRPO
@@ -69,26 +69,17 @@ def fused_node_rewards(rollout, rewards: Tensor, valid: Tensor, depth: int, beta
     return fused, has
 
 
-def _fusion_beta(rollout, cfg_adv) -> float:
-    beta = getattr(cfg_adv, "fusion_beta", None)
-    if beta is None:
-        beta = rollout.plan.info.get("fusion_beta", 0.0)
-    return float(beta)
-
-
-@ESTIMATORS.register("branch_grpo")
 def branch_grpo_estimator(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_reward) -> AdvantageResult:
     """BranchGRPO per-depth advantages (DESIGN §4).
 
-    For every depth d, the fused reward r(n) of each node (:func:`fused_node_rewards`, beta from
-    ``advantage.fusion_beta`` if the config has it, else the strategy's ``fusion_beta`` option via
-    ``plan.info``, else 0) is normalised over the nodes of the same tree at that depth:
-    A_d(n) = (r(n) - mu_d) / (sigma_d + eps) (population std; a singleton depth or sigma_d < 1e-6
+    For every depth d, the fused reward r(n) of each node (:func:`fused_node_rewards`, beta =
+    ``advantage.fusion_beta``) is normalised over the nodes of the same tree at that depth:
+    A_d(n) = (r(n) - mu_d) / (sigma_d + eps) (``advantage.std_estimator``; a singleton depth or sigma_d < 1e-6
     gives 0). The edge into n takes A_d(n), clipped to +-``advantage.clip``. Leaves count as signal
     (``leaf_mask``) when their reward is valid and their tree's leaves do not all score the same.
     """
     combined, valid = _combined(rollout, rewards, cfg_adv, cfg_reward)
-    beta = _fusion_beta(rollout, cfg_adv)
+    beta = float(cfg_adv.fusion_beta)
     cum = rollout.cumulative_log_prob() if beta != 0.0 else None
     leaf_depth, leaf_node = rollout.leaf_depth, rollout.leaf_node
     leaf_adv = torch.zeros(rollout.num_leaves)
@@ -97,7 +88,7 @@ def branch_grpo_estimator(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_rewa
     for d in range(len(rollout.levels)):
         fused, has = fused_node_rewards(rollout, combined, valid, d, beta, cum)
         tree = rollout.levels[d].tree.cpu()
-        adv, keep, _ = group_zscore(fused, tree, has, "group", cfg_adv.eps, cfg_adv.clip)
+        adv, keep, _ = group_zscore(fused, tree, has, "group", cfg_adv.eps, cfg_adv.clip, _unbiased(cfg_adv))
         if d > 0:
             edges.append(adv)
         if keep.any():
@@ -107,12 +98,11 @@ def branch_grpo_estimator(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_rewa
             leaf_adv[sel] = adv[leaf_node[sel]]
     # a tree carries signal when its valid leaves' rewards differ
     trees = rollout.leaf_tree
-    _, tree_keep, st = group_zscore(combined, trees, valid, "group", cfg_adv.eps, cfg_adv.clip)
-    stats = _base_stats(combined, valid)
-    stats["zero_std_ratio"] = st["zero_std_ratio"]
-    stats["fusion_beta"] = beta
-    stats["depth_adv_mean_absmax"] = max((abs(m) for m in depth_means), default=0.0)
-    return AdvantageResult(leaf_adv, edges, tree_keep, stats)
+    _, tree_keep, zero_std = group_zscore(combined, trees, valid, "group", cfg_adv.eps, cfg_adv.clip,
+                                          _unbiased(cfg_adv))
+    return AdvantageResult(leaf_adv, edges, tree_keep, reward_mean=masked_mean(combined, valid),
+                           nan_dropped=int((~valid).sum()), zero_std_ratio=zero_std,
+                           diagnostics={"depth_adv_mean_absmax": max((abs(m) for m in depth_means), default=0.0)})
 
 
 # ============================================================================ TempFlow-GRPO and G2RPO
@@ -153,7 +143,7 @@ def sibling_advantages(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_reward,
             m = sde & has
             if not m.any():
                 continue
-            adv, keep, _ = group_zscore(vals, parent, m, cfg_adv.std, cfg_adv.eps, cfg_adv.clip)
+            adv, keep, _ = group_zscore(vals, parent, m, cfg_adv.std, cfg_adv.eps, cfg_adv.clip, _unbiased(cfg_adv))
             total += adv
             present = torch.zeros(len(rollout.levels[d - 1]), dtype=torch.bool)
             present[parent[m]] = True
@@ -168,20 +158,18 @@ def sibling_advantages(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_reward,
             leaf_adv[idx[from_sde]] = adv[a_idx[from_sde]]
             leaf_keep[idx[from_sde]] = keep[a_idx[from_sde]] & valid[idx[from_sde]]
         edges.append(total)
-    stats = _base_stats(combined, valid)
-    stats["zero_std_ratio"] = 1.0 - groups_signal / groups_seen if groups_seen else 0.0
-    stats["sibling_groups"] = groups_seen
-    return AdvantageResult(leaf_adv, edges, leaf_keep, stats)
+    return AdvantageResult(leaf_adv, edges, leaf_keep, reward_mean=masked_mean(combined, valid),
+                           nan_dropped=int((~valid).sum()),
+                           zero_std_ratio=1.0 - groups_signal / groups_seen if groups_seen else 0.0,
+                           diagnostics={"sibling_groups": float(groups_seen)})
 
 
-@ESTIMATORS.register("tempflow")
 def tempflow_estimator(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_reward) -> AdvantageResult:
     """TempFlow-GRPO: the K SDE children of one branch point (same prompt, same initial noise, same
     parent state) form the group; each child's ODE-completion reward is credited to its SDE edge."""
     return sibling_advantages(rollout, rewards, cfg_adv, cfg_reward, by_lane=False)
 
 
-@ESTIMATORS.register("g2rpo")
 def g2rpo_estimator(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_reward) -> AdvantageResult:
     """G2RPO multi-granularity advantage: A_mix = sum_lambda A^lambda, A^lambda the sibling z-score of
     the rewards of the children's ODE completions at stride lambda (one leaf lane per lambda)."""

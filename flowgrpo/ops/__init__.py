@@ -4,11 +4,14 @@
 * :func:`grpo_loss` - same signature and results; runs the fused C++/CUDA op where it is built
   (JIT on first use, cached), else the reference with one warning.
 * :func:`active_backend` - "compiled" or "reference" for a device.
+
+Both return a :class:`GRPOLossOutput`.
 """
 
 from __future__ import annotations
 
+from .output import GRPOLossOutput
 from .fused import active_backend, fused_available, grpo_loss
 from .reference import grpo_loss_ref
 
-__all__ = ["active_backend", "fused_available", "grpo_loss", "grpo_loss_ref"]
+__all__ = ["GRPOLossOutput", "active_backend", "fused_available", "grpo_loss", "grpo_loss_ref"]

@@ -264,9 +264,6 @@ def build_extension(
         STATE.cuda = use_cuda
         STATE.path = str(path) if path else str(bdir / f"{name}.so")
         STATE.error = None
-        from . import fused
-
-        fused.register_python_side()
         return STATE.path
 
 

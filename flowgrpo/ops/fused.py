@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import build
+from .output import GRPOLossOutput
 from .reference import grpo_loss_ref
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -100,6 +101,7 @@ def active_backend(device: torch.device | str = "cpu") -> str:
         return "reference"
     if not build.ensure_loaded():
         return "reference"
+    register_python_side()
     return "compiled" if build.has_kernel(device) else "reference"
 
 
@@ -107,22 +109,9 @@ def fused_available(device: torch.device | str) -> bool:
     return active_backend(device) == "compiled"
 
 
-def grpo_loss(
-    prev_sample: Tensor,
-    mean: Tensor,
-    mean_old: Tensor,
-    std: Tensor,
-    logp_old: Tensor,
-    advantages: Tensor,
-    weights: Tensor,
-    *,
-    clip_range: float,
-    guard: bool = False,
-    mean_ref: Tensor | None = None,
-    kl_sigma: Tensor | None = None,
-    beta: float = 0.0,
-    backend: str = "auto",
-) -> tuple[Tensor, dict[str, Tensor]]:
+def grpo_loss(prev_sample: Tensor, mean: Tensor, mean_old: Tensor, std: Tensor, logp_old: Tensor, advantages: Tensor,
+              weights: Tensor, *, clip_range: float, guard: bool = False, mean_ref: Tensor | None = None,
+              kl_sigma: Tensor | None = None, beta: float = 0.0, backend: str = "auto") -> GRPOLossOutput:
     """Fused GRPO loss: same signature, semantics and results as :func:`grpo_loss_ref`.
 
     ``backend``: "auto" (fused kernel where one is built for the device, else the reference with
@@ -146,7 +135,7 @@ def grpo_loss(
     if torch.compiler.is_compiling():
         # No building while tracing: the library is used if this process has already loaded it
         # (any eager call or active_backend() does); otherwise the reference is traced.
-        available = build.STATE.loaded and build.has_kernel(prev_sample.device)
+        available = _registered and build.STATE.loaded and build.has_kernel(prev_sample.device)
     else:
         available = fused_available(prev_sample.device)
     if reason is None and not available:
@@ -178,14 +167,8 @@ def grpo_loss(
         x, mu, mo, *rows, mr, ks, float(clip_range), float(beta), bool(guard)
     )
     ratio = ratio.detach()
-    stats = {
-        "logp": logp.detach(),
-        "ratio": ratio,
-        "clipped_high": ratio > 1.0 + clip_range,
-        "clipped_low": ratio < 1.0 - clip_range,
-        "kl": kl.detach(),
-    }
-    return loss, stats
+    return GRPOLossOutput(loss=loss, logp=logp.detach(), ratio=ratio, kl=kl.detach(),
+                          clipped_high=ratio > 1.0 + clip_range, clipped_low=ratio < 1.0 - clip_range)
 
 
 def _unsupported(prev_sample, mean, mean_old, std, logp_old, advantages, weights, mean_ref,

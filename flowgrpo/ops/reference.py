@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor
 
+from .output import GRPOLossOutput
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -24,7 +26,7 @@ def grpo_loss_ref(
     mean_ref: Tensor | None = None,
     kl_sigma: Tensor | None = None,
     beta: float = 0.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> GRPOLossOutput:
     """Clipped GRPO surrogate over N SDE transitions, each with D latent elements.
 
     Args:
@@ -38,8 +40,8 @@ def grpo_loss_ref(
         mean_ref: mu_ref [N, ...] of the reference model, kl_sigma [N]: the KL term
             mean_D((mu - mu_ref)^2) / (2 kl_sigma^2), weighted by ``beta``.
 
-    Returns: (loss scalar fp32, stats) with per-row fp32 ``logp``, ``ratio``, ``kl`` and bool
-    ``clipped_high`` (r > 1 + eps), ``clipped_low`` (r < 1 - eps), all [N].
+    Returns: :class:`~flowgrpo.ops.output.GRPOLossOutput` (scalar loss; per-row ``logp``, ``ratio``,
+    ``kl`` and bool ``clipped_high`` (r > 1 + eps), ``clipped_low`` (r < 1 - eps), all [N]).
     Accumulation is float32 for float32/bfloat16/float16 inputs; float64 inputs are computed (and
     returned) in float64, which makes this the float64 ground truth for the fused op's tests.
     """
@@ -66,11 +68,6 @@ def grpo_loss_ref(
     else:
         kl = torch.zeros_like(logp)
         loss = policy_loss
-    stats = {
-        "logp": logp.detach(),
-        "ratio": ratio.detach(),
-        "clipped_high": (ratio > 1.0 + clip_range).detach(),
-        "clipped_low": (ratio < 1.0 - clip_range).detach(),
-        "kl": kl.detach(),
-    }
-    return loss, stats
+    ratio = ratio.detach()
+    return GRPOLossOutput(loss=loss, logp=logp.detach(), ratio=ratio, kl=kl.detach(),
+                          clipped_high=ratio > 1.0 + clip_range, clipped_low=ratio < 1.0 - clip_range)

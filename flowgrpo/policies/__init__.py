@@ -8,7 +8,7 @@ from ..registry import Registry
 from .base import Conditioning, Policy
 
 POLICIES: Registry[Policy] = Registry("model")
-POLICIES.register_lazy("shapes", "flowgrpo.policies.shapes:build_shapes_policy")
+POLICIES.register_lazy("shapes", "flowgrpo.shapes.policy:build_shapes_policy")
 POLICIES.register_lazy("sd3", "flowgrpo.policies.sd3:build_sd3_policy")
 POLICIES.register_lazy("sd3-tiny", "flowgrpo.policies.sd3_tiny:build_tiny_sd3_policy")
 

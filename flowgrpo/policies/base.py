@@ -41,6 +41,9 @@ class Policy(nn.Module, ABC):
 
     #: shape of one latent sample, e.g. (3, 32, 32) or (16, 64, 64)
     latent_shape: tuple[int, ...]
+    #: the held-out evaluator (a name in ``flowgrpo.evaluation.EVALUATORS``) that suits this model's
+    #: prompts when ``eval.evaluator=auto``; None: the model has none and evaluation is skipped
+    evaluator: str | None = None
 
     def __init__(self, guidance_scale: float = 1.0):
         super().__init__()
@@ -66,6 +69,23 @@ class Policy(nn.Module, ABC):
     @abstractmethod
     def adapter_disabled(self) -> contextlib.AbstractContextManager:
         """Context in which :meth:`velocity` is the frozen base model's (for the KL reference)."""
+
+    # ------------------------------------------------------------------ hooks with defaults
+    def snapshot_reference(self) -> None:
+        """Keep a frozen copy of the base weights for :meth:`reference_velocity`.
+
+        The trainer calls it once, before the first update, when a term needs the base model (KL,
+        anchor). Full fine-tuning policies must override it; LoRA needs none (the adapter is
+        disabled instead), which is this default."""
+
+    def sigma_grid(self, num_steps: int, shift: float = 1.0) -> Tensor:
+        """The sigma grid [num_steps + 1] (1 -> 0, float32) rollouts of this model use.
+
+        Default: uniform in sigma, then shifted by ``shift`` (:func:`flowgrpo.samplers.sigma_grid`).
+        Adapters of pipelines that own their scheduler return the scheduler's grid instead."""
+        from ..samplers.schedule import sigma_grid
+
+        return sigma_grid(num_steps, shift)
 
     # ------------------------------------------------------------------ shared logic
     @property

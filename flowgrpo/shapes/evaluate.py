@@ -1,4 +1,8 @@
-"""Deterministic held-out evaluation: ODE sampling with fixed seeds, scored by the verifiable reward."""
+"""The shapes world's evaluator: ODE sampling with fixed seeds, scored by the verifier.
+
+Registered as ``shapes`` in :data:`flowgrpo.evaluation.EVALUATORS`; the shapes policy names it as
+its own (``eval.evaluator=auto``).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .policies.base import Policy
-from .samplers import euler_step, sigma_grid
-from .shapes.prompts import heldout_specs, is_heldout, parse_prompt, seen_specs
-from .shapes.verify import verify
+from ..evaluation import EvalResult
+from ..samplers import euler_step, sigma_grid
+from .prompts import heldout_specs, is_heldout, parse_prompt, seen_specs
+from .verify import verify
 
 
 def seeded_noise(seeds: list[int], shape: tuple[int, ...]) -> Tensor:
@@ -20,7 +24,7 @@ def seeded_noise(seeds: list[int], shape: tuple[int, ...]) -> Tensor:
 
 
 @torch.no_grad()
-def generate_ode(policy: Policy, prompts: list[str], seeds: list[int], num_steps: int = 20, shift: float = 1.0,
+def generate_ode(policy, prompts: list[str], seeds: list[int], num_steps: int = 20, shift: float = 1.0,
                  guidance_scale: float | None = None, micro_batch: int = 128) -> Tensor:
     """Euler ODE sampling. Returns images [N, 3, H, W] in [0, 1] (float32, on CPU)."""
     out = []
@@ -42,7 +46,7 @@ def to_uint8(images: Tensor) -> np.ndarray:
     return (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
-def score_shapes(prompts: list[str], images: Tensor) -> dict:
+def score_shapes(prompts: list[str], images: Tensor) -> EvalResult:
     """Held-out metrics: strict accuracy overall, per tag and on never-trained prompts only
     (``accuracy_unseen``), the mean partial score, and the per-sample verdicts (``correct``)."""
     arr = to_uint8(images)
@@ -56,15 +60,15 @@ def score_shapes(prompts: list[str], images: Tensor) -> dict:
         scores.append(r["score"])
         if is_heldout(spec):
             unseen.append(r["correct"])
-    return {
-        "accuracy": float(np.mean(correct)),
-        "accuracy_unseen": float(np.mean(unseen)) if unseen else None,  # null in JSON, never NaN
-        "num_unseen": len(unseen),
-        "score": float(np.mean(scores)),
-        "per_tag": {t: float(np.mean(v)) for t, v in sorted(per_tag.items())},
-        "num_samples": len(prompts),
-        "correct": correct,
-    }
+    return EvalResult(
+        accuracy=float(np.mean(correct)),
+        accuracy_unseen=float(np.mean(unseen)) if unseen else None,  # null in JSON, never NaN
+        num_unseen=len(unseen),
+        score=float(np.mean(scores)),
+        per_tag={t: float(np.mean(v)) for t, v in sorted(per_tag.items())},
+        num_samples=len(prompts),
+        correct=[float(c) for c in correct],
+    )
 
 
 def heldout_prompts(num_prompts: int = 64, seeds_per_prompt: int = 4, base_seed: int = 1000,
@@ -81,17 +85,9 @@ def heldout_prompts(num_prompts: int = 64, seeds_per_prompt: int = 4, base_seed:
     return prompts, seeds
 
 
-def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
-    """Mean and standard error of the per-sample change ``after - before`` (same prompts and seeds)."""
-    d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
-    if len(d) < 2:
-        return float(d.mean()) if len(d) else 0.0, float("nan")
-    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
-
-
-def evaluate_policy(policy: Policy, num_prompts: int = 64, seeds_per_prompt: int = 4, num_steps: int = 20,
+def evaluate_policy(policy, num_prompts: int = 64, seeds_per_prompt: int = 4, num_steps: int = 20,
                     shift: float = 1.0, guidance_scale: float | None = None, return_images: bool = False,
-                    split: str = "heldout") -> dict:
+                    split: str = "heldout") -> EvalResult:
     """Shapes-world evaluation of a policy on a fixed prompt split (accuracy overall and per tag)."""
     prompts, seeds = heldout_prompts(num_prompts, seeds_per_prompt, split=split)
     was_training = policy.training
@@ -100,16 +96,29 @@ def evaluate_policy(policy: Policy, num_prompts: int = 64, seeds_per_prompt: int
     policy.train(was_training)
     res = score_shapes(prompts, images)
     if return_images:
-        res["images"], res["prompts"] = images, prompts
+        res.images, res.prompts = images, prompts
     return res
 
 
 def evaluate_shapes_model(model, num_prompts: int = 64, seeds_per_prompt: int = 4, num_steps: int = 20,
                           guidance_scale: float = 1.0) -> dict:
     """Evaluate a bare :class:`~flowgrpo.shapes.model.ShapesFlowModel` (used during pretraining)."""
-    from .policies.shapes import ShapesPolicy
+    from .policy import ShapesPolicy
 
     policy = ShapesPolicy(model, guidance_scale=guidance_scale, train_mode="frozen")
-    res = evaluate_policy(policy, num_prompts, seeds_per_prompt, num_steps, guidance_scale=guidance_scale)
-    res.pop("correct")
-    return res
+    return evaluate_policy(policy, num_prompts, seeds_per_prompt, num_steps, guidance_scale=guidance_scale).to_json()
+
+
+class ShapesEvaluator:
+    """``eval.evaluator=shapes``: verifier accuracy on ``eval.num_prompts`` x ``eval.seeds_per_prompt``
+    fixed (prompt, seed) pairs, sampled by ``eval.num_steps`` Euler ODE steps on the ``shift`` grid."""
+
+    name = "shapes"
+
+    def __init__(self, eval_cfg, shift: float = 1.0):
+        self.num_prompts, self.seeds_per_prompt = eval_cfg.num_prompts, eval_cfg.seeds_per_prompt
+        self.num_steps, self.shift = eval_cfg.num_steps, shift
+
+    def evaluate(self, policy, split: str = "heldout", keep_images: bool = False) -> EvalResult:
+        return evaluate_policy(policy, self.num_prompts, self.seeds_per_prompt, self.num_steps, self.shift,
+                               return_images=keep_images, split=split)

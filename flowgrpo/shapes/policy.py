@@ -8,9 +8,10 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from ..shapes.model import ShapesFlowModel
-from .base import Policy
-from .lora import add_lora, lora_disabled
+from ..errors import UserError
+from ..policies.base import Policy
+from ..policies.lora import add_lora, lora_disabled
+from .model import ShapesFlowModel
 
 # Attention and feed-forward projections of SD3's MMDiT blocks (image and text streams).
 SD3_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -29,6 +30,7 @@ class ShapesPolicy(Policy):
     """
 
     latent_shape = (3, 32, 32)
+    evaluator = "shapes"
 
     def __init__(self, model: ShapesFlowModel | None = None, guidance_scale: float = 1.0, train_mode: str = "lora",
                  lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None):
@@ -84,8 +86,6 @@ class ShapesPolicy(Policy):
 
 def build_shapes_policy(cfg) -> ShapesPolicy:
     """Factory for ``model.name=shapes`` from a :class:`~flowgrpo.config.ModelConfig`."""
-    from ..errors import UserError
-
     try:
         model = ShapesFlowModel.load(cfg.path)
     except FileNotFoundError as exc:

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args(argv)
 
-    from ..evaluate import evaluate_shapes_model  # late import: evaluation pulls in the samplers
+    from .evaluate import evaluate_shapes_model  # late import: evaluation pulls in the samplers
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -12,10 +12,14 @@ RUN_DIR/
   accuracy_curve.png   held-out accuracy against training minutes (+-1 s.e. band)
   summary.json         eval_before/after (held-out), eval_*_seen, accuracy_gain, gain_se,
                        eval_curve, iterations, train_seconds, ...
+
+Evaluation is whatever ``eval.evaluator`` selects (:mod:`flowgrpo.evaluation`); a model without an
+evaluator trains without one: the eval_* entries are null and ``evaluation`` says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from datetime import datetime
@@ -26,7 +30,7 @@ import yaml
 
 from ..config import RunConfig, apply_dict, to_dict, validate
 from ..errors import UserError
-from ..evaluate import evaluate_policy, paired_gain
+from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..plots import save_accuracy_curve, save_grid, save_labeled_grid, save_reward_curve
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsLogger, read_metrics
@@ -60,31 +64,15 @@ def load_run_config(run_dir: Path) -> RunConfig:
     return cfg
 
 
-def _eval(trainer: GRPOTrainer, use_ema: bool, split: str = "heldout") -> dict:
-    cfg = trainer.cfg
-    ctx = trainer.ema_weights() if use_ema else _null()
+def _eval(trainer: GRPOTrainer, evaluator, use_ema: bool, split: str = "heldout", keep_images: bool = False) -> EvalResult:
+    ctx = trainer.ema_weights() if use_ema else contextlib.nullcontext()
     with ctx:
-        res = evaluate_policy(trainer.policy, cfg.eval.num_prompts, cfg.eval.seeds_per_prompt, cfg.eval.num_steps,
-                              cfg.sampler.shift, return_images=True, split=split)
-    return res
+        return evaluator.evaluate(trainer.policy, split=split, keep_images=keep_images)
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-def _grid_subset(res: dict, seeds_per_prompt: int) -> tuple[torch.Tensor, list[str], list[float]]:
-    idx = list(range(0, len(res["prompts"]), seeds_per_prompt))[:_GRID_PROMPTS]
-    return res["images"][idx], [res["prompts"][i] for i in idx], [res["correct"][i] for i in idx]
-
-
-def _public(res: dict, keep_correct: bool = False) -> dict:
-    drop = ("images", "prompts") if keep_correct else ("images", "prompts", "correct")
-    return {k: v for k, v in res.items() if k not in drop}
+def _grid_subset(res: EvalResult, seeds_per_prompt: int) -> tuple[torch.Tensor, list[str], list[float]]:
+    idx = list(range(0, len(res.prompts), seeds_per_prompt))[:_GRID_PROMPTS]
+    return res.images[idx], [res.prompts[i] for i in idx], [res.correct[i] for i in idx]
 
 
 def _next_end(train_seconds: float, recent: list[float]) -> float:
@@ -102,6 +90,7 @@ def _progress(enabled: bool, total: int):
 def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> dict:
     """Run (or resume) training. Returns the summary dict (also written to RUN_DIR/summary.json)."""
     trainer = GRPOTrainer(cfg)  # first, so that bad input fails before a run directory exists
+    evaluator, eval_note = build_evaluator(cfg.eval, trainer.policy, cfg.sampler.shift)
     if resume:
         assert run_dir is not None
         run_dir = Path(run_dir)
@@ -120,27 +109,29 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
         print(f"resumed from {ckpt} at iteration {start_iter}")
     logger = MetricsLogger(run_dir, cfg.log.tensorboard, resume_iteration=start_iter - 1 if resume else None)
 
+    eval_before, before_images = None, None
     before_path = run_dir / "eval_before.json"
-    if before_path.exists():
+    if evaluator is None:
+        print(f"note: {eval_note}")
+    elif before_path.exists():
         eval_before = json.loads(before_path.read_text())
-        before_images = None
     else:
-        res = _eval(trainer, use_ema=False)
-        eval_before = _public(res, keep_correct=True)
+        res = _eval(trainer, evaluator, use_ema=False, keep_images=True)
+        eval_before = res.to_json(with_correct=True)
         if cfg.eval.seen:
-            eval_before["seen"] = _public(_eval(trainer, use_ema=False, split="seen"))
+            eval_before["seen"] = _eval(trainer, evaluator, use_ema=False, split="seen").to_json()
         _write_json(before_path, eval_before)
         before_images = _grid_subset(res, cfg.eval.seeds_per_prompt)
         torch.save(before_images, run_dir / "eval_before_grid.pt")
-    print(f"held-out accuracy before: {eval_before['accuracy']:.3f}")
-
-    eval_points = [(0, eval_before["accuracy"])] + [
-        (r["iteration"] + 1, r["eval_accuracy"]) for r in read_metrics(run_dir) if "eval_accuracy" in r]
-    curve = [{"iteration": 0, "train_seconds": 0.0, "accuracy": eval_before["accuracy"],
-              "accuracy_unseen": eval_before.get("accuracy_unseen")}] + [
-        {"iteration": r["iteration"] + 1, "train_seconds": r["train_seconds"], "accuracy": r["eval_accuracy"],
-         "accuracy_unseen": r.get("eval_accuracy_unseen")} for r in read_metrics(run_dir) if "eval_accuracy" in r]
-    next_eval_s = (len(curve)) * cfg.eval.every_minutes * 60 if cfg.eval.every_minutes else float("inf")
+    curve = []
+    if eval_before is not None:
+        print(f"held-out accuracy before: {eval_before['accuracy']:.3f}")
+        curve = [{"iteration": 0, "train_seconds": 0.0, "accuracy": eval_before["accuracy"],
+                  "accuracy_unseen": eval_before.get("accuracy_unseen")}] + [
+            {"iteration": r["iteration"] + 1, "train_seconds": r["train_seconds"], "accuracy": r["eval_accuracy"],
+             "accuracy_unseen": r.get("eval_accuracy_unseen")} for r in read_metrics(run_dir) if "eval_accuracy" in r]
+    eval_every_s = cfg.eval.every_minutes * 60 if cfg.eval.every_minutes and evaluator is not None else 0.0
+    next_eval_s = len(curve) * eval_every_s if eval_every_s else float("inf")
     total = cfg.train.iterations
     with _progress(cfg.log.progress, total) as bar:
         task = bar.add_task("train", total=total, completed=start_iter, info="")
@@ -157,21 +148,21 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             m = out.metrics
             it = m["iteration"]
             if cfg.log.grid_every and (it % cfg.log.grid_every == 0):
-                n = min(len(out.images), 8 * min(8, cfg.data.group_size))
-                save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:n], ncol=min(8, cfg.data.group_size), scale=2)
+                per_row = min(8, cfg.data.trees_per_prompt)
+                save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:8 * per_row], ncol=per_row, scale=2)
             train_seconds += time.perf_counter() - t0
             m["train_seconds"] = train_seconds
             next_end = _next_end(train_seconds, recent + [train_seconds - spent_before])
             budget_left = not cfg.train.max_minutes or next_end <= cfg.train.max_minutes * 60
-            due = (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or train_seconds >= next_eval_s
+            due = evaluator is not None and ((cfg.eval.every and (it + 1) % cfg.eval.every == 0)
+                                             or train_seconds >= next_eval_s)
             if due and it + 1 < total and budget_left:  # the clock is paused: evaluation is not training
-                res = _eval(trainer, use_ema=cfg.train.ema)
-                m["eval_accuracy"], m["eval_accuracy_unseen"] = res["accuracy"], res["accuracy_unseen"]
-                eval_points.append((it + 1, res["accuracy"]))
-                curve.append({"iteration": it + 1, "train_seconds": train_seconds, "accuracy": res["accuracy"],
-                              "accuracy_unseen": res["accuracy_unseen"]})
+                res = _eval(trainer, evaluator, use_ema=cfg.train.ema)
+                m["eval_accuracy"], m["eval_accuracy_unseen"] = res.accuracy, res.accuracy_unseen
+                curve.append({"iteration": it + 1, "train_seconds": train_seconds, "accuracy": res.accuracy,
+                              "accuracy_unseen": res.accuracy_unseen})
                 while train_seconds >= next_eval_s:
-                    next_eval_s += cfg.eval.every_minutes * 60
+                    next_eval_s += eval_every_s
             logger.log(m)
             done = trainer.iteration
             if done % cfg.log.checkpoint_every == 0 or done == total:
@@ -185,49 +176,65 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     if latest_checkpoint(run_dir) is None or int(latest_checkpoint(run_dir).name.split("_")[1]) != trainer.iteration:
         save_checkpoint(run_dir, trainer.iteration, {"trainer": trainer.state_dict(), "train_seconds": train_seconds})
     logger.close()
+    records = read_metrics(run_dir)
+    summary = {"preset": cfg.preset, "evaluation": evaluator.name if evaluator is not None else eval_note,
+               "eval_before": None, "eval_after": None, "accuracy_gain": None, "gain_se": None,
+               "eval_before_seen": None, "eval_after_seen": None, "eval_curve": curve}
+    if evaluator is not None:
+        summary.update(_final_evaluation(trainer, evaluator, run_dir, eval_before, before_images, curve, records,
+                                         train_seconds))
+    else:
+        save_reward_curve(run_dir / "reward_curve.png", records, [])
+    summary.update({
+        "iterations": trainer.iteration,
+        "train_seconds": train_seconds,
+        "nan_rewards_dropped": int(sum(r.get("nan_rewards_dropped", 0) for r in records)),
+        "final_metrics": records[-1] if records else {},
+    })
+    _write_json(run_dir / "summary.json", summary)
+    return summary
 
-    res = _eval(trainer, use_ema=cfg.train.ema)
-    eval_after = _public(res)
-    gain, gain_se = paired_gain(eval_before["correct"], res["correct"]) if "correct" in eval_before else (
+
+def _final_evaluation(trainer: GRPOTrainer, evaluator, run_dir: Path, eval_before: dict, before_images,
+                      curve: list[dict], records: list[dict], train_seconds: float) -> dict:
+    """Evaluate after training; write the accuracy and reward curves and the before/after grid.
+    Returns the summary's evaluation entries."""
+    cfg = trainer.cfg
+    res = _eval(trainer, evaluator, use_ema=cfg.train.ema, keep_images=True)
+    eval_after = res.to_json()
+    gain, gain_se = paired_gain(eval_before["correct"], res.correct) if "correct" in eval_before else (
         eval_after["accuracy"] - eval_before["accuracy"], float("nan"))
-    eval_after_seen = _public(_eval(trainer, use_ema=cfg.train.ema, split="seen")) if cfg.eval.seen else None
+    eval_after_seen = _eval(trainer, evaluator, use_ema=cfg.train.ema, split="seen").to_json() if cfg.eval.seen else None
     print(f"held-out accuracy after:  {eval_after['accuracy']:.3f}  (gain {gain:+.3f} +- {gain_se:.3f} s.e., paired)")
-    eval_points.append((trainer.iteration, eval_after["accuracy"]))
     curve.append({"iteration": trainer.iteration, "train_seconds": train_seconds, "accuracy": eval_after["accuracy"],
                   "accuracy_unseen": eval_after.get("accuracy_unseen")})
     save_accuracy_curve(run_dir / "accuracy_curve.png", curve, eval_after["num_samples"])
-    records = read_metrics(run_dir)
-    save_reward_curve(run_dir / "reward_curve.png", records, eval_points)
+    save_reward_curve(run_dir / "reward_curve.png", records, [(c["iteration"], c["accuracy"]) for c in curve])
     if before_images is None and (run_dir / "eval_before_grid.pt").exists():
         before_images = torch.load(run_dir / "eval_before_grid.pt", weights_only=False)
     if before_images is not None:
-        after = _grid_subset(res, cfg.eval.seeds_per_prompt)
-        # rows alternate before / after, so each prompt's two images stand one above the other
-        order, n = [], len(after[1])
-        for start in range(0, n, 8):
-            order += [("b", i) for i in range(start, min(n, start + 8))]
-            order += [("a", i) for i in range(start, min(n, start + 8))]
-        src = {"b": before_images, "a": after}
-        imgs = torch.stack([src[k][0][i] for k, i in order])
-        labels = [("before: " if k == "b" else "after: ") + src[k][1][i] for k, i in order]
-        verdicts = [src[k][2][i] for k, i in order]
-        save_labeled_grid(run_dir / "before_after.png", imgs, labels, verdicts, ncol=8,
-                          title=f"held-out prompts, same seeds: rows alternate before / after GRPO; accuracy "
-                                f"{eval_before['accuracy']:.2f} -> {eval_after['accuracy']:.2f} "
-                                "(green frame = verifier says correct, red = wrong)")
-    summary = {
-        "preset": cfg.preset,
+        _save_before_after(run_dir / "before_after.png", before_images, _grid_subset(res, cfg.eval.seeds_per_prompt),
+                           eval_before["accuracy"], eval_after["accuracy"])
+    return {
         "eval_before": {k: v for k, v in eval_before.items() if k not in ("correct", "seen")},
         "eval_after": eval_after,
         "accuracy_gain": gain,
         "gain_se": gain_se,
         "eval_before_seen": eval_before.get("seen"),
         "eval_after_seen": eval_after_seen,
-        "eval_curve": curve,
-        "iterations": trainer.iteration,
-        "train_seconds": train_seconds,
-        "nan_rewards_dropped": int(sum(r.get("nan_rewards_dropped", 0) for r in records)),
-        "final_metrics": records[-1] if records else {},
     }
-    _write_json(run_dir / "summary.json", summary)
-    return summary
+
+
+def _save_before_after(path: Path, before, after, acc_before: float, acc_after: float) -> None:
+    """Rows alternate before / after, so each prompt's two images stand one above the other."""
+    order, n = [], len(after[1])
+    for start in range(0, n, 8):
+        order += [("b", i) for i in range(start, min(n, start + 8))]
+        order += [("a", i) for i in range(start, min(n, start + 8))]
+    src = {"b": before, "a": after}
+    imgs = torch.stack([src[k][0][i] for k, i in order])
+    labels = [("before: " if k == "b" else "after: ") + src[k][1][i] for k, i in order]
+    verdicts = [src[k][2][i] for k, i in order]
+    save_labeled_grid(path, imgs, labels, verdicts, ncol=8,
+                      title=f"held-out prompts, same seeds: rows alternate before / after GRPO; accuracy "
+                            f"{acc_before:.2f} -> {acc_after:.2f} (green frame = verifier says correct, red = wrong)")

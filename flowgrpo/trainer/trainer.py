@@ -21,17 +21,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..advantages import estimate_advantages
+from ..advantages import AdvantageResult, estimate_advantages
 from ..anchor import ode_anchor_loss
+from ..clip_schedule import clip_range_for
 from ..config import RunConfig
 from ..data import PromptSource
+from ..loss_weights import transition_weights
 from ..ops import grpo_loss, grpo_loss_ref
 from ..policies import build_policy
 from ..rewards import build_reward
 from ..samplers.forest import Rollout, TransitionBatch
+from ..samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
 from ..samplers.rollout import ForestSampler
-from ..samplers.steps import sde_step
+from ..samplers.schedule import sigma_grid
 from ..samplers.strategies import build_strategy
+from ..sft import best_path_sft_loss, best_paths
+from .update_stats import UpdateStats, UpdateStatsCollector
 
 
 @dataclass
@@ -64,7 +69,7 @@ class GRPOTrainer:
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         torch.manual_seed(tc.seed)  # adapter initialisation
         self.policy = build_policy(cfg.model).to(self.accelerator.device)
-        if (cfg.loss.beta > 0 or cfg.loss.anchor_weight > 0) and hasattr(self.policy, "snapshot_reference"):
+        if cfg.loss.beta > 0 or cfg.loss.anchor_weight > 0:
             self.policy.snapshot_reference()
         params = self.policy.trainable_parameters()
         if not params:
@@ -73,7 +78,7 @@ class GRPOTrainer:
                                            weight_decay=tc.weight_decay)
         # The policy stays unwrapped (its methods, not only forward, are called); the optimizer is prepared.
         self.optimizer = self.accelerator.prepare(self.optimizer)
-        self.strategy = build_strategy(cfg.sampler, cfg.strategy)
+        self.strategy = build_strategy(cfg.sampler, cfg.strategy, grid=self._model_grid())
         self.sampler = ForestSampler(self.policy, cfg.sampler.max_micro_batch)
         self.rewards = {name: build_reward(name) for name in cfg.reward.weights}
         self.prompts = PromptSource(cfg.data.prompts, tc.seed)
@@ -91,6 +96,14 @@ class GRPOTrainer:
 
             fused_available(self.accelerator.device)
         self.iteration = 0
+
+    def _model_grid(self):
+        """The policy's sigma grid as a function of T, or None where it is the sampler's default one."""
+        cfg = self.cfg.sampler
+        own = self.policy.sigma_grid(cfg.num_steps, cfg.shift)
+        if torch.equal(own.cpu().float(), sigma_grid(cfg.num_steps, cfg.shift)):
+            return None
+        return lambda n: self.policy.sigma_grid(n, cfg.shift)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -132,13 +145,11 @@ class GRPOTrainer:
         return torch.cat([self.policy.decode(x[i:i + chunk]).float().cpu() for i in range(0, x.shape[0], chunk)])
 
     def score(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor | None = None) -> tuple[dict, dict]:
-        """Rewards [L] per name, plus named components for logging.
-
-        Pairwise rewards (attribute ``needs_groups = True``) also receive the leaves' group ids [L].
-        """
+        """Rewards [L] per name, plus named components for logging. Every reward also receives the
+        leaves' group ids [L] (pairwise rewards compare within a group)."""
         scores, comps = {}, {}
         for name, fn in self.rewards.items():
-            out = fn(images, prompts, groups=groups) if getattr(fn, "needs_groups", False) else fn(images, prompts)
+            out = fn(images, prompts, groups=groups)
             scores[name] = out.scores.float().cpu()
             for k, v in out.components.items():
                 comps[f"{name}.{k}"] = v.float().cpu()
@@ -164,7 +175,7 @@ class GRPOTrainer:
         gen = torch.Generator().manual_seed(_seed_for(cfg.train.seed, it, 11))
         self.policy.eval()
         cond = self.policy.encode_prompts(prompts)  # once per iteration: the rollout and the update share it
-        rollout = self.sampler.rollout(plan, prompts, cfg.data.group_size, gen, cfg.sampler.shared_group_noise,
+        rollout = self.sampler.rollout(plan, prompts, cfg.data.trees_per_prompt, gen, cfg.sampler.shared_group_noise,
                                        cond=cond)
         images = self.decode_leaves(rollout)
         t_rollout = time.perf_counter() - t0
@@ -173,15 +184,18 @@ class GRPOTrainer:
         edge_masks = [None] + [rollout.mean_over_descendants(adv.leaf_mask.float(), d) > 0
                                for d in range(1, len(rollout.levels))]
         pruned = self.strategy.edge_train_masks(rollout, adv, it)
+        pruned_edges = 0
         if pruned is not None:  # backward-only pruning: the rollout and rewards are untouched
+            pruned_edges = int(sum(int((~p).sum()) for p in pruned if p is not None))
             edge_masks = [m if p is None else (p if m is None else m & p) for m, p in zip(edge_masks, pruned)]
         steps = self.select_steps(plan, it)
         t1 = time.perf_counter()
         train_stats = {}
         if adv.leaf_mask.any():
             batch = rollout.transitions(adv.edge_advantages, steps, edge_masks)
-            clip = self.strategy.clip_range(it, cfg.loss.clip_range, rewards)
-            train_stats = self.update(batch, plan, cond, it, clip, rollout)
+            clip = clip_range_for(cfg.loss.clip_range, cfg.loss.clip_adapt, rewards)
+            train_stats = self.update(batch, plan, cond, it, clip, rollout, adv).metrics()
+            train_stats["clip_range"] = clip
         t_train = time.perf_counter() - t1
         if self.ema is not None:
             d = cfg.train.ema_decay
@@ -195,48 +209,35 @@ class GRPOTrainer:
         for k, v in comps.items():
             fin = torch.isfinite(v)
             metrics[f"reward.{k}"] = float(v[fin].mean()) if fin.any() else float("nan")
-        metrics["reward_mean"] = adv.stats["combined_reward_mean"]
-        metrics["nan_rewards_dropped"] = adv.stats["nan_dropped"]
-        metrics["zero_std_ratio"] = adv.stats["zero_std_ratio"]
+        metrics["reward_mean"] = adv.reward_mean
+        metrics["nan_rewards_dropped"] = adv.nan_dropped
+        metrics["zero_std_ratio"] = adv.zero_std_ratio
+        metrics.update({f"advantage.{k}": v for k, v in adv.diagnostics.items()})
+        if pruned is not None:
+            metrics["pruned_edges"] = pruned_edges
         metrics.update(train_stats)
         metrics.update({"nfe_rollout": rollout.nfe, "rollout_s": t_rollout, "train_s": t_train,
                         "iter_s": time.perf_counter() - t0, "trained_steps": len(steps)})
         self.iteration += 1
         return IterationResult(metrics, rollout, images)
 
-    def _means(self, x, v, batch: TransitionBatch, plan) -> torch.Tensor:
-        """Recompute the SDE mean mu for each row from velocity v, per step's kind and noise level."""
-        out = torch.empty_like(x, dtype=torch.float32)
-        for s in batch.step.unique().tolist():
-            rows = (batch.step == s).nonzero(as_tuple=True)[0]
-            spec = plan.steps[s]
-            res = sde_step(x[rows], v[rows], batch.sigma[rows], batch.sigma_next[rows], noise_level=spec.noise_level,
-                           kind=spec.sde_kind, prev_sample=batch.prev_sample[rows], sigma_max=plan.sigmas[1])
-            out[rows] = res.mean
-        return out
+    def update(self, batch: TransitionBatch, plan, cond, iteration: int, clip_range: float,
+               rollout: Rollout | None = None, advantages: AdvantageResult | None = None) -> UpdateStats:
+        """Inner epochs x minibatches of clipped-surrogate updates over ``batch`` (M transitions).
 
-    def _sigma_t(self, batch: TransitionBatch, plan) -> torch.Tensor:
-        from ..samplers.steps import sde_sigma_t
-
-        out = torch.empty(len(batch))
-        for s in batch.step.unique().tolist():
-            rows = (batch.step == s).nonzero(as_tuple=True)[0]
-            spec = plan.steps[s]
-            out[rows] = sde_sigma_t(batch.sigma[rows], batch.sigma_next[rows], spec.noise_level, spec.sde_kind,
-                                    plan.sigmas[1].expand(len(rows)))
-        return out
-
-    def update(self, batch: TransitionBatch, plan, cond, iteration: int, clip_range: float, rollout=None) -> dict:
-        """Inner epochs x minibatches of clipped-surrogate updates over ``batch``. Returns diagnostics."""
-        from ..loss_weights import transition_weights
-
+        Each micro-batch re-runs the model on the stored states, asks the sampler layer for the
+        transitions' means (and sigma_t for the KL), and feeds the loss op; gradients of a minibatch
+        accumulate (scaled by micro-batch share) before one clipped AdamW step."""
         cfg, tc = self.cfg, self.cfg.train
         trees = batch.tree.unique()
         rng = np.random.default_rng([tc.seed, iteration, 31])
-        stats = {"ratio": [], "logp_diff": [], "clip_high": [], "clip_low": [], "kl": [], "loss": [], "anchor": []}
-        grad_norms = []
-        first_dev = None
+        collect = UpdateStatsCollector(len(batch))
         weights_all = transition_weights(batch, plan, cfg.loss)
+        logp_std_all = transition_log_prob_std(batch, plan)
+        best = None
+        if cfg.loss.sft_weight > 0 and rollout is not None and advantages is not None:
+            best = best_paths(rollout, advantages.leaf_advantages, advantages.leaf_mask)
+        dtype = self.sampler.model_dtype
         for epoch in range(tc.inner_epochs):
             order = trees[torch.from_numpy(rng.permutation(len(trees)))]
             for mb_trees in torch.tensor_split(order, tc.minibatches):
@@ -250,49 +251,30 @@ class GRPOTrainer:
                     mb = batch.select(mrows)
                     x = mb.sample.to(self.accelerator.device)
                     with self.accelerator.autocast():
-                        v = self.policy.velocity(x.to(self.sampler._dtype), mb.sigma, cond.index(mb.prompt)).float()
-                    mean = self._means(x, v, mb, plan)
+                        v = self.policy.velocity(x.to(dtype), mb.sigma, cond.index(mb.prompt)).float()
+                    mean = transition_means(mb, v, plan)
                     mean_ref, kl_sigma = None, None
                     if cfg.loss.beta > 0:
-                        v_ref = self.policy.reference_velocity(x.to(self.sampler._dtype), mb.sigma, cond.index(mb.prompt)).float()
-                        mean_ref = self._means(x, v_ref, mb, plan).detach()
-                        kl_sigma = mb.std if cfg.loss.kl_sigma == "transition_std" else self._sigma_t(mb, plan)
-                    loss, st = self.loss_fn(mb.prev_sample, mean, mb.mean_old, mb.std, mb.log_prob_old, mb.advantages,
-                                            weights_all[mrows], clip_range=clip_range, guard=cfg.loss.guard,
-                                            mean_ref=mean_ref, kl_sigma=kl_sigma, beta=cfg.loss.beta)
-                    aux = self.strategy.auxiliary_loss(self.policy, mb, v, mean, plan, rollout)
-                    if aux is not None:
-                        loss = loss + aux
+                        v_ref = self.policy.reference_velocity(x.to(dtype), mb.sigma, cond.index(mb.prompt)).float()
+                        mean_ref = transition_means(mb, v_ref, plan).detach()
+                        kl_sigma = mb.std if cfg.loss.kl_sigma == "transition_std" else transition_sigma_t(mb, plan)
+                    out = self.loss_fn(mb.prev_sample, mean, mb.mean_old, logp_std_all[mrows], mb.log_prob_old,
+                                       mb.advantages, weights_all[mrows], clip_range=clip_range, guard=cfg.loss.guard,
+                                       mean_ref=mean_ref, kl_sigma=kl_sigma, beta=cfg.loss.beta)
+                    loss = out.loss
+                    if best is not None:
+                        sft = best_path_sft_loss(mb, mean, best, cfg.loss.sft_weight)
+                        if sft is not None:
+                            loss = loss + sft
                     self.accelerator.backward(loss * (len(mrows) / len(rows)))
-                    stats["ratio"].append(st["ratio"])
-                    stats["logp_diff"].append(st["logp"] - mb.log_prob_old)
-                    stats["clip_high"].append(st["clipped_high"].float())
-                    stats["clip_low"].append(st["clipped_low"].float())
-                    stats["kl"].append(st["kl"])
-                    stats["loss"].append(loss.detach().reshape(1))
-                    if first_dev is None:
-                        first_dev = float((st["ratio"] - 1).abs().max())
+                    collect.add(out, loss, mb.log_prob_old, mb.step)
                 if rollout is not None and cfg.loss.anchor_weight > 0:
                     anchor = ode_anchor_loss(self.policy, rollout, plan, cond, cfg.loss.anchor_weight,
                                              cfg.loss.anchor_steps, rng)
                     if anchor is not None:
                         self.accelerator.backward(anchor)
-                        stats["anchor"].append(anchor.detach().reshape(1))
+                        collect.anchor.append(anchor.detach().reshape(1))
                 gn = self.accelerator.clip_grad_norm_(self.policy.trainable_parameters(), tc.max_grad_norm)
-                grad_norms.append(float(gn))
+                collect.grad_norms.append(float(gn))
                 self.optimizer.step()
-        ratio = torch.cat(stats["ratio"])
-        dlogp = torch.cat(stats["logp_diff"])
-        return {
-            "loss": float(torch.cat(stats["loss"]).mean()),
-            "ratio_mean": float(ratio.mean()),
-            "ratio_std": float(ratio.std()) if len(ratio) > 1 else 0.0,
-            "approx_kl": float(0.5 * (dlogp**2).mean()),
-            "clipfrac_high": float(torch.cat(stats["clip_high"]).mean()),
-            "clipfrac_low": float(torch.cat(stats["clip_low"]).mean()),
-            "kl": float(torch.cat(stats["kl"]).mean()),
-            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-            "onpolicy_ratio_maxdev": first_dev if first_dev is not None else 0.0,
-            "transitions": len(batch),
-            **({"anchor_loss": float(torch.cat(stats["anchor"]).mean())} if stats["anchor"] else {}),
-        }
+        return collect.finish()

@@ -1,0 +1,89 @@
+"""Held-out evaluation, pluggable per world or benchmark.
+
+An :class:`Evaluator` generates images for a fixed set of (prompt, seed) pairs with a policy and
+scores them; it returns an :class:`EvalResult`. ``eval.evaluator`` picks one from
+:data:`EVALUATORS` ("auto": the policy's own, ``Policy.evaluator``; "none": skip). A model without
+an evaluator (e.g. SD3 on free-form prompts) trains without one, and the run's summary says so.
+
+Built in: ``shapes`` (verifier accuracy of the embedded shapes world, :mod:`flowgrpo.shapes.evaluate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from torch import Tensor
+
+from .registry import Registry
+
+#: name -> evaluator factory ``(eval_cfg, shift: float) -> Evaluator``
+EVALUATORS: Registry = Registry("evaluator")
+EVALUATORS.register_lazy("shapes", "flowgrpo.shapes.evaluate:ShapesEvaluator")
+
+
+@dataclass
+class EvalResult:
+    """The outcome of one evaluation.
+
+    Attributes:
+        accuracy: fraction of samples judged correct (the headline number).
+        per_tag: accuracy per prompt category.
+        score: mean partial score in [0, 1] (credit for partly right samples), or None.
+        num_samples: samples evaluated (prompts x seeds).
+        accuracy_unseen: accuracy on prompts never trained on (None where the split has none).
+        num_unseen: samples behind ``accuracy_unseen``.
+        correct: [num_samples] per-sample verdicts (1.0 / 0.0), in (prompt, seed) order; two
+            evaluations of the same split pair up sample by sample (:func:`paired_gain`).
+        prompts, images: the evaluated prompts and images [N, 3, H, W] in [0, 1], when kept.
+    """
+
+    accuracy: float
+    per_tag: dict[str, float]
+    num_samples: int
+    score: float | None = None
+    accuracy_unseen: float | None = None
+    num_unseen: int = 0
+    correct: list[float] = field(default_factory=list)
+    prompts: list[str] | None = None
+    images: Tensor | None = None
+
+    def to_json(self, with_correct: bool = False) -> dict:
+        """The JSON record of ``summary.json`` / ``eval_*.json`` (no images, no prompts)."""
+        out = {"accuracy": self.accuracy, "accuracy_unseen": self.accuracy_unseen, "num_unseen": self.num_unseen,
+               "score": self.score, "per_tag": dict(self.per_tag), "num_samples": self.num_samples}
+        if with_correct:
+            out["correct"] = list(self.correct)
+        return out
+
+
+class Evaluator(Protocol):
+    """Generates and scores a fixed split with a policy."""
+
+    name: str
+
+    def evaluate(self, policy, split: str = "heldout", keep_images: bool = False) -> EvalResult:
+        """Evaluate ``policy`` on ``split`` ("heldout": prompts never trained on; "seen": training prompts)."""
+        ...
+
+
+def build_evaluator(eval_cfg, policy, shift: float = 1.0) -> tuple[Evaluator | None, str]:
+    """The evaluator ``eval_cfg.evaluator`` selects for ``policy``, and a note (why none, when None)."""
+    name = eval_cfg.evaluator
+    if name == "none":
+        return None, "evaluation disabled (eval.evaluator=none)"
+    if name == "auto":
+        name = policy.evaluator
+        if name is None:
+            return None, (f"no held-out evaluator for model {type(policy).__name__}: evaluation skipped "
+                          f"(set eval.evaluator to one of: {', '.join(EVALUATORS.names())})")
+    return EVALUATORS.build(name, eval_cfg, shift), ""
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the per-sample change ``after - before`` (same prompts and seeds)."""
+    d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
+    if len(d) < 2:
+        return float(d.mean()) if len(d) else 0.0, float("nan")
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))

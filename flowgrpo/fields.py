@@ -1,0 +1,147 @@
+"""Typed configuration fields: help strings, ``Literal`` choices and checked merges into dataclasses.
+
+Shared by the run configuration (:mod:`flowgrpo.config`) and the per-strategy option dataclasses
+(:mod:`flowgrpo.samplers.strategy_base`): one place knows how a YAML value is checked against a
+field's type, so a bad key or value reads the same wherever it is written.
+
+* :func:`help_field` declares a field with its default and help text (``metadata["help"]``).
+* A field typed ``Literal["a", "b"]`` accepts exactly those values; :func:`merge_into` and
+  :func:`check_choices` enforce it, :func:`choices_of` lists them for help screens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import field
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+
+def help_field(default: Any, help: str, **kw) -> Any:
+    """A dataclass field with ``default`` (lists and dicts are copied per instance) and ``help``."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def hints(obj_or_cls: Any) -> dict[str, Any]:
+    """Resolved type hints of a dataclass instance or class."""
+    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
+    return typing.get_type_hints(cls)
+
+
+def choices_of(hint: Any) -> tuple | None:
+    """The allowed values of a ``Literal`` hint (also inside ``X | None``), else None."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        for a in typing.get_args(hint):
+            found = choices_of(a)
+            if found is not None:
+                return found
+    return None
+
+
+def coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check ``value`` against a field type and return it (ints are accepted for floats).
+
+    Raises :class:`~flowgrpo.errors.ConfigError` naming ``key`` and, for a ``Literal``, the choices.
+    """
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise ConfigError(f"config key '{key}' = {value!r} is not one of: {', '.join(map(str, allowed))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"bad value for config key '{key}': {value!r}")
+    base = origin or hint
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is bool and not isinstance(value, bool):
+        raise ConfigError(f"config key '{key}' expects true/false, got {value!r}")
+    if base in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"config key '{key}' expects {base.__name__}, got {value!r}")
+    if base in (int, float, str, bool, list, dict) and not isinstance(value, base):
+        raise ConfigError(f"config key '{key}' expects {base.__name__}, got {type(value).__name__} {value!r}")
+    if base is list and typing.get_args(hint):
+        item = typing.get_args(hint)[0]
+        return [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def merge_into(cfg: Any, data: dict, prefix: str = "") -> None:
+    """Merge a nested dict into dataclass ``cfg`` in place, refusing unknown keys and wrong types.
+
+    Nested dataclass fields are merged recursively; every other value replaces the field's value.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section '{prefix[:-1] or '<root>'}' must be a mapping, got {type(data).__name__}")
+    h = hints(cfg)
+    names = [f.name for f in dataclasses.fields(cfg)]
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            where = f" under {prefix[:-1]!r}" if prefix else ""
+            raise ConfigError(f"unknown config key '{full}'; valid keys{where}: {', '.join(names)}")
+        current = getattr(cfg, key)
+        if dataclasses.is_dataclass(current) and not isinstance(current, type):
+            merge_into(current, value, full + ".")
+        else:
+            setattr(cfg, key, coerce(value, h[key], full))
+
+
+def check_choices(cfg: Any, prefix: str = "") -> None:
+    """Check every ``Literal`` field of ``cfg`` (recursively), e.g. after values were set in code."""
+    h = hints(cfg)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_choices(value, f"{prefix}{f.name}.")
+        elif choices_of(h[f.name]) is not None:
+            coerce(value, h[f.name], f"{prefix}{f.name}")
+
+
+def describe(cls: type, prefix: str = "") -> list[dict]:
+    """One row per leaf field of dataclass ``cls``: key, type, default, choices, help (for help screens)."""
+    rows = []
+    h = hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = h[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            rows.extend(describe(hint, f"{prefix}{f.name}."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = None
+        rows.append({"key": f"{prefix}{f.name}", "type": type_name(hint), "default": default,
+                     "choices": choices_of(hint), "help": f.metadata.get("help", "")})
+    return rows
+
+
+def type_name(hint: Any) -> str:
+    """A short readable name of a type hint (``float``, ``int | None``, ``one of a, b``)."""
+    if typing.get_origin(hint) is Literal:
+        return "choice"
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))
