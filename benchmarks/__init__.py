@@ -1,1 +1,29 @@
-"""Benchmarks (not installed); run from the repository root, e.g. `python -m benchmarks.bench_ops`."""
+"""Benchmarks, installed as ``flowgrpo.benchmarks`` (the folder sits at the repository root).
+
+Run them as ``flowgrpo bench ops|samplers|e2e|profile [--out DIR] [--json PATH]`` or
+``python -m flowgrpo.benchmarks.bench_ops``. Every benchmark writes its CSV and PNG into ``--out``
+(default: the current working directory) and its JSON to ``--json``; nothing is written next to
+the installed code. ``benchmarks/results/`` in the repository holds the reference results quoted
+in the README; it is not installed and is not a default output location.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def output_dir(out_dir: str | Path | None = None) -> Path:
+    """The folder a benchmark writes its CSV/PNG into: ``out_dir``, else the current directory (created)."""
+    path = Path(out_dir) if out_dir is not None else Path.cwd()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json(json_path: str | Path | None, data: dict) -> None:
+    """Write ``data`` as indented JSON to ``json_path`` (its folder created), if a path is given."""
+    if json_path:
+        import json
+
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2))

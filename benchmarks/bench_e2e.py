@@ -1,6 +1,6 @@
 """End-to-end benchmark: held-out accuracy against training wall-clock on the shapes world.
 
-    flowgrpo bench e2e [--json PATH]          (or: python -m benchmarks.bench_e2e --minutes 4)
+    flowgrpo bench e2e [--out DIR] [--json PATH]    (or: python -m flowgrpo.benchmarks.bench_e2e --minutes 4)
 
 Each preset trains from the same shipped base model under the same wall-clock budget. Every
 ``--eval-every`` seconds of training the held-out accuracy is measured. Evaluation time is not
@@ -9,8 +9,8 @@ evaluation is deterministic, so the base model is evaluated once and shared. The
 flow-grpo's final accuracy, and ``seconds_to_target`` is the first training time (> 0: the base
 point does not count) at which a preset reaches it; when flow-grpo ends no higher than the base,
 the JSON says so (``target_above_base: false``) and the times only say who first matched it.
-Writes benchmarks/results/e2e.csv and e2e.png, and the JSON
-``{"rows": [{"preset", "final_accuracy", "seconds_to_target"}], "target": x}``.
+Writes ``e2e.csv`` and ``e2e.png`` into ``--out`` (default: the current directory), and the JSON
+``{"rows": [{"preset", "final_accuracy", "seconds_to_target"}], "target": x}`` to ``--json``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,15 @@ from pathlib import Path
 import torch
 
 from flowgrpo.config import load_config
-from flowgrpo.evaluate import evaluate_policy
 from flowgrpo.trainer.trainer import GRPOTrainer
 
-RESULTS = Path(__file__).parent / "results"
+try:  # the shapes-world evaluation (moving from flowgrpo.evaluate to flowgrpo.shapes.evaluate)
+    from flowgrpo.shapes.evaluate import evaluate_policy
+except ImportError:  # pragma: no cover - older layout
+    from flowgrpo.evaluate import evaluate_policy
+
+from . import output_dir, write_json
+
 PRESETS = ("flow-grpo", "dance-grpo", "mix-grpo", "mix-grpo-flash-star", "branch-grpo-mix", "tempflow-grpo",
            "pref-grpo")
 MIX_CLAIM = 0.6  # MixGRPO's claim: it reaches Flow-GRPO's result in <= 0.6x the time
@@ -37,7 +42,7 @@ def _accuracy(trainer: GRPOTrainer, num_prompts: int, seeds: int) -> float:
     cfg = trainer.cfg
     with trainer.ema_weights():
         res = evaluate_policy(trainer.policy, num_prompts, seeds, cfg.eval.num_steps, cfg.sampler.shift)
-    return res["accuracy"]
+    return res["accuracy"] if isinstance(res, dict) else res.accuracy
 
 
 def train_curve(preset: str, minutes: float, eval_every_s: float, num_prompts: int, seeds: int,
@@ -112,7 +117,7 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
     """Train each preset for ``minutes`` of wall-clock, evaluating every ``eval_every_s`` seconds.
 
     Writes ``e2e.csv`` (preset, train_seconds, accuracy per evaluation) and ``e2e.png`` under
-    ``out_dir`` (default benchmarks/results) and returns the JSON-able result.
+    ``out_dir`` (default: the current directory) and returns the JSON-able result.
     """
     curves: dict[str, list[tuple[float, float]]] = {}
     iterations: dict[str, int] = {}
@@ -121,19 +126,18 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float 
         print(f"[e2e] {p}: {minutes} min of training", flush=True)
         curves[p], iterations[p] = train_curve(p, minutes, eval_every_s, num_prompts, seeds, overrides, base_acc)
         base_acc = curves[p][0][1]
-    results = Path(out_dir) if out_dir is not None else RESULTS
-    return summarize(curves, iterations, minutes, num_prompts * seeds, results, json_path, quiet)
+    return summarize(curves, iterations, minutes, num_prompts * seeds, out_dir, json_path, quiet)
 
 
-def summarize(curves: dict, iterations: dict, minutes: float, samples: int, results: Path,
+def summarize(curves: dict, iterations: dict, minutes: float, samples: int, results: str | Path | None = None,
               json_path: str | None = None, quiet: bool = False) -> dict:
-    """Rows (final accuracy, time to the target and its ratio to the target preset's), CSV, PNG,
-    table and JSON from per-preset curves (from one run or merged from several)."""
+    """Rows (final accuracy, time to the target and its ratio to the target preset's), CSV and PNG
+    in ``results`` (default: the current directory), table and JSON from per-preset curves (from
+    one run or merged from several)."""
     from rich.console import Console
     from rich.table import Table
 
-    results = Path(results)
-    results.mkdir(parents=True, exist_ok=True)
+    results = output_dir(results)
     base_acc = next(iter(curves.values()))[0][1]
     base = target_preset(curves)
     target = curves[base][-1][1]
@@ -166,12 +170,11 @@ def summarize(curves: dict, iterations: dict, minutes: float, samples: int, resu
                                           for r in rows if r["preset"] == "mix-grpo"), None),
            "minutes": minutes, "samples": samples, "iterations": iterations,
            "curves": {p: c for p, c in curves.items()}}
-    if json_path:
-        Path(json_path).write_text(json.dumps(out, indent=2))
+    write_json(json_path, out)
     return out
 
 
-def merge(json_paths: list[str], out_json: str | None, results: Path) -> dict:
+def merge(json_paths: list[str], out_json: str | None, results: str | Path | None = None) -> dict:
     """Combine results of ``bench e2e`` runs over disjoint presets (e.g. run side by side on two
     cores) into one table, CSV, PNG and JSON. The runs must share the budget and evaluation set."""
     parts = [json.loads(Path(p).read_text()) for p in json_paths]
@@ -194,19 +197,19 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=float, default=80.0, help="seconds of training between evaluations")
     ap.add_argument("--presets", nargs="*", default=list(PRESETS))
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw e2e.png from a saved result JSON")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw e2e.png (into --out) from a saved result JSON")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="combine result JSONs of runs over disjoint presets (written to --json and beside it)")
-    ap.add_argument("--out-dir", default=None, help="where e2e.csv / e2e.png go (default: benchmarks/results)")
+    ap.add_argument("--out", "--out-dir", dest="out", default=None,
+                    help="where e2e.csv / e2e.png go (default: the current directory)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every preset")
     args = ap.parse_args(argv)
     if args.replot:
         data = json.loads(Path(args.replot).read_text())
         plot_e2e(data["curves"], data["target"], data.get("target_preset") or target_preset(data["curves"]),
-                 data["minutes"], data.get("samples", 256),
-                 Path(args.replot).with_name("e2e.png"))
+                 data["minutes"], data.get("samples", 256), output_dir(args.out) / "e2e.png")
         return
-    out_dir = Path(args.out_dir) if args.out_dir else RESULTS
+    out_dir = args.out
     if args.merge:
         merge(args.merge, args.json, out_dir)
         return

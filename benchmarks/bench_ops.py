@@ -11,15 +11,15 @@ backward reads them again and writes dL/dmu: 7 x N x D x 4 bytes) / time, the sa
 implementation, against a copy bandwidth (bytes read + written by ``Tensor.copy_`` of the largest
 operand) measured in the same run.
 
-Run: ``python -m benchmarks.bench_ops [--json PATH] [--repeats R]`` from the repository root.
-Writes a CSV and a PNG bar chart next to the JSON (default benchmarks/results/ops.{csv,png}).
+Run: ``flowgrpo bench ops [--out DIR] [--json PATH] [--repeats R]`` (or
+``python -m flowgrpo.benchmarks.bench_ops``). Writes ``ops.csv`` and a PNG bar chart ``ops.png``
+into ``--out`` (default: the current directory) and the JSON to ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import statistics
 import time
 import warnings
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
+from . import output_dir, write_json
+
 N_ROWS = 64
 DIMS = (16 * 64 * 64, 16 * 128 * 128)
 IMPLS = ("fused", "eager", "compiled")
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def _inputs(n: int, d: int, seed: int = 0):
@@ -85,8 +86,10 @@ def copy_bandwidth(numel: int, repeats: int = 10) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
 
 
-def run_bench_ops(json_path: str | None = None, repeats: int = 10, dims=DIMS, n: int = N_ROWS) -> dict:
-    """Time fused / eager / compiled at each D, print a table, write JSON, CSV and PNG.
+def run_bench_ops(json_path: str | None = None, repeats: int = 10, dims=DIMS, n: int = N_ROWS,
+                  out_dir: str | Path | None = None, quiet: bool = False) -> dict:
+    """Time fused / eager / compiled at each D, print a table, write ``json_path`` and
+    ``out_dir``/ops.{csv,png} (``out_dir`` default: the current directory).
 
     Returns {"copy_gbps": x, "rows": [{"D", "impl", "seconds", "gbps"}, ...], ...}.
     """
@@ -122,15 +125,12 @@ def run_bench_ops(json_path: str | None = None, repeats: int = 10, dims=DIMS, n:
         "torch": torch.__version__,
     }
 
-    out_json = Path(json_path) if json_path else None
-    out_dir = out_json.parent if out_json else RESULTS_DIR
-    stem = out_json.stem if out_json else "ops"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if out_json:
-        out_json.write_text(json.dumps(result, indent=2))
-    _write_csv(out_dir / f"{stem}.csv", rows, copy_gbps)
-    _plot(out_dir / f"{stem}.png", rows, copy_gbps)
-    _print_table(result)
+    out = output_dir(out_dir)
+    write_json(json_path, result)
+    _write_csv(out / "ops.csv", rows, copy_gbps)
+    _plot(out / "ops.png", rows, copy_gbps)
+    if not quiet:
+        _print_table(result)
     return result
 
 
@@ -211,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--repeats", type=int, default=10, help="timed iterations per measurement")
+    ap.add_argument("--out", "--out-dir", dest="out", default=None,
+                    help="folder of ops.csv / ops.png (default: the current directory)")
     a = ap.parse_args(argv)
-    run_bench_ops(a.json, repeats=a.repeats)
+    run_bench_ops(a.json, repeats=a.repeats, out_dir=a.out)
     return 0
 
 

@@ -1,19 +1,20 @@
 """Where one training iteration's wall-clock goes: the model versus flowgrpo's own overhead.
 
-    flowgrpo bench profile [--json PATH] [--iterations 5] [key.sub=value ...]
+    flowgrpo bench profile [--out DIR] [--json PATH]
+    python -m flowgrpo.benchmarks.bench_profile [--out DIR] [--json PATH] [--iterations 5] [key.sub=value ...]
 
 Runs a few iterations of a preset (default: the embedded default ``shapes``) and splits each one's
 wall-clock into the model's forward passes (rollout and update), the backward passes, the
 optimizer step, and everything else: rollout bookkeeping, decoding, rewards, advantages, loss
 arithmetic, EMA and logging. "Everything else" is flowgrpo's own overhead; the target is at most
-15 % of an iteration. Writes ``profile.csv`` and ``profile.png`` beside the JSON.
+15 % of an iteration. Writes ``profile.csv`` and ``profile.png`` into ``--out`` (default: the current
+directory) and the JSON to ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,8 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.trainer.trainer import GRPOTrainer
+
+from . import output_dir, write_json
 
 PHASES = ("model forward", "model backward", "optimizer step", "flowgrpo overhead")
 
@@ -87,7 +90,6 @@ def write_outputs(res: dict, out_dir: Path, tag: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     with (out_dir / f"profile{tag}.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["phase", "seconds_per_iteration", "share"])
@@ -107,16 +109,14 @@ def write_outputs(res: dict, out_dir: Path, tag: str = "") -> None:
 
 
 def run_bench_profile(json_path: str | None = None, preset: str = "shapes", iterations: int = 5,
-                      overrides: list[str] = (), quiet: bool = False) -> dict:
-    """Profile, print a table, write CSV/PNG next to ``json_path`` (default: the current directory)."""
+                      overrides: list[str] = (), quiet: bool = False, out_dir: str | Path | None = None) -> dict:
+    """Profile, print a table, write ``json_path`` and CSV/PNG into ``out_dir`` (default: the current directory)."""
     from rich.console import Console
     from rich.table import Table
 
     res = profile_iterations(preset, iterations, overrides=overrides)
-    out_dir = Path(json_path).parent if json_path else Path.cwd()
-    write_outputs(res, out_dir)
-    if json_path:
-        Path(json_path).write_text(json.dumps(res, indent=2))
+    write_outputs(res, output_dir(out_dir))
+    write_json(json_path, res)
     if not quiet:
         table = Table(title=f"one iteration of {preset}: {res['seconds_per_iteration']:.2f} s")
         for col in ("phase", "s / iteration", "share"):
@@ -130,11 +130,13 @@ def run_bench_profile(json_path: str | None = None, preset: str = "shapes", iter
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--out", "--out-dir", dest="out", default=None,
+                    help="folder of profile.csv / profile.png (default: the current directory)")
     ap.add_argument("--preset", default="shapes")
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("overrides", nargs="*", help="key.sub=value")
     args = ap.parse_args(argv)
-    run_bench_profile(args.json, args.preset, args.iterations, args.overrides)
+    run_bench_profile(args.json, args.preset, args.iterations, args.overrides, out_dir=args.out)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ shared machine affects them alike):
   rollout, rewards, advantages, update, EMA), from the trainer's metrics;
 * ``ratio_vs_flow_grpo`` = ``iter_s`` / ``iter_s`` of flow-grpo in the same run.
 
-Run ``python -m benchmarks.bench_samplers [--json PATH]`` from the repository root (or
-``flowgrpo bench samplers``). Prints a table, writes ``benchmarks/results/samplers.csv`` and a bar
-chart ``samplers.png`` (iter_s per preset, split into rollout / train / rest), and the JSON
+Run ``flowgrpo bench samplers [--out DIR] [--json PATH]`` (or ``python -m
+flowgrpo.benchmarks.bench_samplers`` with more options). Prints a table, writes ``samplers.csv``
+and a bar chart ``samplers.png`` (iter_s per preset, split into rollout / train / rest) into
+``--out`` (default: the current directory), and the JSON
 ``{"model": str, "rows": [{"preset", "nfe_rollout", "nfe_grad", "rollout_s", "train_s", "iter_s",
 "ratio_vs_flow_grpo"}]}`` when ``--json`` is given.
 """
@@ -60,7 +61,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import warnings  # noqa: E402
@@ -68,7 +68,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from . import output_dir, write_json  # noqa: E402
+
 BASELINE = "flow-grpo"
 #: presets left out: ``shapes`` is the flow-grpo setup on the shapes world
 EXCLUDED = ("shapes",)
@@ -154,7 +155,7 @@ def run_bench_samplers(json_path=None, presets=None, iterations: int = ITERATION
 
     Returns ``{"model": model, "rows": [{"preset", "nfe_rollout", "nfe_grad", "rollout_s", "train_s",
     "iter_s", "ratio_vs_flow_grpo"}, ...]}`` (flow-grpo first), also written to ``json_path`` if given.
-    The CSV (``out_dir``/samplers.csv, default benchmarks/results) adds the settings and the
+    The CSV (``out_dir``/samplers.csv, default: the current directory) adds the settings and the
     extra columns of the table.
     """
     from flowgrpo.trainer.trainer import GRPOTrainer
@@ -186,17 +187,14 @@ def run_bench_samplers(json_path=None, presets=None, iterations: int = ITERATION
     table = _rows(runs, names, prompts_per_iteration)
     result = {"model": model, "rows": [{k: row[k] for k in ROW_KEYS} for row in table]}
 
-    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(out_dir)
     settings = {"model": model, "resolution": resolution if model.startswith("sd3") else None,
                 "num_steps": num_steps, "prompts_per_iteration": prompts_per_iteration,
                 "leaves_per_prompt_target": group_size, "timed_iterations": iterations, "warmup": warmup,
                 "threads": torch.get_num_threads()}
     _write_csv(out_dir / "samplers.csv", table, settings)
     _plot(out_dir / "samplers.png", table, settings)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2))
+    write_json(json_path, result)
     if not quiet:
         _print_table(table, settings)
     return result
@@ -324,7 +322,7 @@ def _print_table(rows: list[dict], settings: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_samplers", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m flowgrpo.benchmarks.bench_samplers", description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
     ap.add_argument("--presets", nargs="*", default=None, help="presets to run (default: all but shapes)")
     ap.add_argument("--iterations", type=int, default=ITERATIONS, help="timed iterations per preset")
@@ -334,11 +332,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=PROMPTS_PER_ITERATION, help="prompts per iteration")
     ap.add_argument("--resolution", type=int, default=RESOLUTION, help="image side in pixels (sd3*)")
     ap.add_argument("--model", default="sd3-tiny", help="model.name of every run")
-    ap.add_argument("--out-dir", default=None, help="folder of samplers.csv / samplers.png")
+    ap.add_argument("--out", "--out-dir", dest="out", default=None,
+                    help="folder of samplers.csv / samplers.png (default: the current directory)")
     args = ap.parse_args(argv)
     run_bench_samplers(args.json, presets=args.presets, iterations=args.iterations, num_steps=args.num_steps,
                        group_size=args.group_size, model=args.model, prompts_per_iteration=args.prompts,
-                       resolution=args.resolution, warmup=args.warmup, out_dir=args.out_dir)
+                       resolution=args.resolution, warmup=args.warmup, out_dir=args.out)
     return 0
 
 

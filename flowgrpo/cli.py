@@ -3,8 +3,12 @@
     flowgrpo train [--preset NAME] [--config FILE] [key.sub=value ...] [--resume RUN_DIR]
     flowgrpo eval RUN_DIR_OR_CHECKPOINT [--json PATH]
     flowgrpo presets
-    flowgrpo bench ops|samplers|e2e [--json PATH]
+    flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
+    flowgrpo bench ops|samplers|e2e|profile [--out DIR] [--json PATH]
     flowgrpo build-ext [--cuda] | doctor
+
+Benchmarks write their CSV/PNG into ``--out`` (default: the current directory), never next to the
+installed code.
 
 Bad input (config keys, values, presets, prompt files, missing weights) prints one line naming the
 problem and exits with code 2.
@@ -13,9 +17,12 @@ problem and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import types
+import typing
 from pathlib import Path
 
 from .errors import UserError
@@ -25,6 +32,8 @@ def _cmd_train(args) -> int:
     from .config import load_config
     from .trainer.run import load_run_config, train
 
+    if args.help_config is not None:
+        return _explain_config(args.help_config or None)
     if args.resume:
         run_dir = Path(args.resume)
         cfg = load_run_config(run_dir)
@@ -66,8 +75,8 @@ def _cmd_eval(args) -> int:
     policy = build_policy(cfg.model)
     state = load_checkpoint(ckpt)["trainer"]
     policy.load_trainable_state_dict(state["ema"] if state.get("ema") else state["trainable"])
+    # the JSON keeps the per-sample verdicts ("correct"), so two evaluations can be compared sample by sample
     res = evaluate_policy(policy, cfg.eval.num_prompts, cfg.eval.seeds_per_prompt, cfg.eval.num_steps, cfg.sampler.shift)
-    res.pop("correct", None)
     res["checkpoint"] = str(ckpt)
     from rich.console import Console
     from rich.table import Table
@@ -95,35 +104,185 @@ def _cmd_presets(args) -> int:
     return 0
 
 
-def _benchmarks_on_path() -> None:
-    """benchmarks/ lives at the repository root (not installed): make it importable."""
-    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if (root / "benchmarks" / "__init__.py").exists():
-            sys.path.insert(0, str(root))
-            return
-    raise UserError("benchmarks/ not found: run `flowgrpo bench` from a checkout of the flowgrpo repository")
+# --------------------------------------------------------------------------- config explain
+
+
+def describe_type(hint) -> tuple[str, list]:
+    """(type as text, choices) of a field's type hint. ``Literal[...]`` gives its values as the
+    choices; ``X | None`` reads ``X | None`` (and adds ``None`` to X's choices, if any)."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        values = list(typing.get_args(hint))
+        return " | ".join(dict.fromkeys(type(v).__name__ for v in values)), values
+    if origin in (typing.Union, types.UnionType):
+        names, choices, optional = [], [], False
+        for arg in typing.get_args(hint):
+            if arg is type(None):
+                optional = True
+                continue
+            name, arg_choices = describe_type(arg)
+            names.append(name)
+            choices += arg_choices
+        if optional:
+            names.append("None")
+            choices += [None] if choices else []
+        return " | ".join(names), choices
+    if origin is not None:  # list[float], dict[str, float], ...
+        args = ", ".join(describe_type(a)[0] for a in typing.get_args(hint))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]" if args else origin.__name__, []
+    return getattr(hint, "__name__", str(hint).replace("typing.", "")), []
+
+
+def format_value(value) -> str:
+    """A default or choice as it is written in a YAML config or a key=value override."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+    return text[:-3].strip() if text.endswith("\n...") else text
+
+
+def _field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def config_rows(cls, prefix: str = "") -> list[dict]:
+    """One row per field of dataclass ``cls`` (nested dataclasses flattened to ``a.b``): key, type,
+    default, choices (from a ``Literal`` type) and help (the field's ``metadata["help"]``)."""
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name, f.type)
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            rows += config_rows(hint, f"{prefix}{f.name}.")
+            continue
+        type_text, choices = describe_type(hint)
+        default = _field_default(f)
+        rows.append({"key": prefix + f.name, "type": type_text,
+                     "default": "(required)" if default is dataclasses.MISSING else format_value(default),
+                     "choices": [format_value(c) for c in choices], "help": f.metadata.get("help", "")})
+    return rows
+
+
+def _option_rows(options) -> list[dict] | None:
+    """Rows of one strategy's options: a dataclass (class or instance) or a ``{name: default}`` dict."""
+    if dataclasses.is_dataclass(options):
+        return config_rows(options if isinstance(options, type) else type(options), "strategy.")
+    if isinstance(options, dict):
+        return [{"key": f"strategy.{k}", "type": "any" if v is None else type(v).__name__, "default": format_value(v),
+                 "choices": [], "help": ""} for k, v in options.items()]
+    return None
+
+
+def strategy_option_rows() -> dict[str, list[dict] | None]:
+    """Per sampling strategy, the rows of its options (None where they cannot be listed). Uses
+    ``flowgrpo.samplers.strategies.strategy_options_class(name)`` (or ``options_class``) when it
+    exists, else each strategy class's ``Options`` (or ``OPTIONS``) attribute."""
+    from .samplers import strategies
+
+    options_of = getattr(strategies, "strategy_options_class", None) or getattr(strategies, "options_class", None)
+    out: dict[str, list[dict] | None] = {}
+    for name in strategies.STRATEGIES.names():
+        try:
+            if options_of is not None:
+                options = options_of(name)
+            else:
+                cls = strategies.STRATEGIES.get(name)
+                options = next((getattr(cls, a) for a in ("Options", "OPTIONS") if hasattr(cls, a)), None)
+            out[name] = _option_rows(options)
+        except Exception:  # a strategy whose options cannot be read is still listed by name
+            out[name] = None
+    return out
+
+
+def _config_table(rows: list[dict]):
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table()
+    table.add_column("key", no_wrap=True, style="bold")
+    table.add_column("type", no_wrap=True)
+    table.add_column("default")
+    table.add_column("choices")
+    table.add_column("help")
+    for r in rows:  # Text: brackets in defaults and help ([0, 3], Literal[...]) are not rich markup
+        table.add_row(*(Text(x) for x in (r["key"], r["type"], r["default"], " | ".join(r["choices"]), r["help"])))
+    return table
+
+
+def _explain_config(section: str | None = None) -> int:
+    """Print every field of the run configuration (or of one section / key) as a table."""
+    from rich.console import Console
+
+    from .config import RunConfig
+
+    hints = typing.get_type_hints(RunConfig)
+    sections = [f.name for f in dataclasses.fields(RunConfig)]
+    wanted = sections
+    if section:
+        head = section.split(".")[0]
+        if head not in sections:
+            raise UserError(f"unknown config section {head!r}; valid sections: {', '.join(sections)}")
+        wanted = [head]
+    tables, top = [], []
+    for name in wanted:
+        rows = [r for r in config_rows(RunConfig) if r["key"] == name or r["key"].startswith(name + ".")]
+        if isinstance(hints.get(name), type) and dataclasses.is_dataclass(hints[name]):
+            tables.append((name, rows))
+        else:
+            top += rows
+    if top:
+        tables.append(("top-level keys", top))
+    if "strategy" in wanted:
+        opts = strategy_option_rows()
+        tables += [(f"options of sampler.strategy={n}", r) for n, r in opts.items() if r]
+        for what, names in (("without options", [n for n, r in opts.items() if r == []]),
+                            ("whose options cannot be listed", [n for n, r in opts.items() if r is None])):
+            if names:
+                tables.append((f"sampling strategies {what}: {', '.join(names)}", []))
+    if section and "." in section:
+        keys = list(dict.fromkeys(r["key"] for _, rows in tables for r in rows if r["key"].startswith(head + ".")))
+        tables = [(t, [r for r in rows if r["key"] == section]) for t, rows in tables]
+        tables = [(t, rows) for t, rows in tables if rows]
+        if not tables:
+            raise UserError(f"unknown config key {section!r}; valid keys under {head!r}: {', '.join(keys) or '(none)'}")
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=200)  # piped or captured: do not wrap the help text at 80 columns
+    for title, rows in tables:
+        console.print(title, style="bold", markup=False, highlight=False)
+        if rows:
+            console.print(_config_table(rows))
+    return 0
+
+
+def _cmd_config(args) -> int:
+    return _explain_config(args.section)
 
 
 def _cmd_bench(args) -> int:
-    _benchmarks_on_path()
+    """Run one benchmark; its CSV/PNG go into ``--out`` (None: the current directory)."""
     if args.what == "ops":
-        from benchmarks.bench_ops import run_bench_ops
+        from .benchmarks.bench_ops import run_bench_ops
 
         kw = {"repeats": args.repeats} if args.repeats else {}
-        run_bench_ops(args.json, **kw)
+        run_bench_ops(args.json, out_dir=args.out, **kw)
     elif args.what == "samplers":
-        from benchmarks.bench_samplers import run_bench_samplers
+        from .benchmarks.bench_samplers import run_bench_samplers
 
-        run_bench_samplers(args.json)
+        run_bench_samplers(args.json, out_dir=args.out)
     elif args.what == "e2e":
-        from benchmarks.bench_e2e import run_bench_e2e
+        from .benchmarks.bench_e2e import run_bench_e2e
 
         kw = {"minutes": args.minutes} if args.minutes else {}
-        run_bench_e2e(args.json, **kw)
+        run_bench_e2e(args.json, out_dir=args.out, **kw)
     elif args.what == "profile":
-        from benchmarks.bench_profile import run_bench_profile
+        from .benchmarks.bench_profile import run_bench_profile
 
-        run_bench_profile(args.json)
+        run_bench_profile(args.json, out_dir=args.out)
     return 0
 
 
@@ -153,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", default="shapes", help="preset name (see `flowgrpo presets`)")
     t.add_argument("--config", default=None, help="YAML config file applied on top of the preset")
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run")
+    t.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
+                   help="explain the config keys (of one section) and exit; same as `flowgrpo config explain`")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     t.set_defaults(fn=_cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a run or checkpoint (deterministic)")
@@ -161,9 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=_cmd_eval)
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(fn=_cmd_presets)
+    c = sub.add_parser("config", help="explain the run configuration")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    ce = csub.add_parser("explain", help="every config key: type, default, choices and help")
+    ce.add_argument("section", nargs="?", default=None, metavar="SECTION",
+                    help="a section (model, sampler, loss, ...) or one key (loss.beta); default: all")
+    ce.set_defaults(fn=_cmd_config)
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
     b.add_argument("what", choices=["ops", "samplers", "e2e", "profile"])
-    b.add_argument("--json", default=None, help="also write the results as JSON here")
+    b.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for the CSV and PNG (created; default: the current directory)")
+    b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
     b.add_argument("--repeats", type=int, default=0, help="timed repetitions (ops; 0 = the benchmark's default)")
     b.add_argument("--minutes", type=float, default=0.0,
                    help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")

@@ -5,14 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ sits at the repository root (not installed)
-
-from benchmarks.bench_samplers import BASELINE, ROW_KEYS, bench_config, bench_presets, run_bench_samplers  # noqa: E402
+from flowgrpo.benchmarks.bench_samplers import BASELINE, ROW_KEYS, bench_config, bench_presets, run_bench_samplers
 
 T, PROMPTS, LEAVES = 5, 1, 2
 
