@@ -214,7 +214,7 @@ def test_trainer_pruning_leaves_rollout_and_rewards_alone(shapes_model_dir):
 
     common = [f"model.path={shapes_model_dir}", "sampler.strategy=branch_grpo", "sampler.num_steps=4",
               "strategy.splits=[0, 2]", "advantage.estimator=branch_grpo", "data.prompts_per_iteration=2",
-              "data.group_size=1", "reward.weights={shapes: 1.0, jpeg_compressibility: 0.01}",
+              "data.trees_per_prompt=1", "reward.weights={shapes: 1.0, jpeg_compressibility: 0.01}",
               "loss.backend=reference", "train.threads=1"]
     runs = {}
     for name, extra in (("plain", []), ("pruned", ["strategy.width_prune=top", "strategy.depth_prune=1"])):
