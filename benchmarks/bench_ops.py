@@ -58,8 +58,7 @@ def _time_interleaved(impls: dict, args, kwargs, repeats: int, warmup: int = 2) 
         mu = state[name]
         mu.grad = None
         t0 = time.perf_counter()
-        loss, _ = impls[name](x, mu, *rest, **kwargs)
-        loss.backward()
+        impls[name](x, mu, *rest, **kwargs).loss.backward()  # a GRPOLossOutput
         return time.perf_counter() - t0
 
     for name in impls:  # warm-up (torch.compile compiles here)

@@ -9,7 +9,7 @@ compressibility), the same prompts and the same
   windows, split steps, branch factors — stay the preset's);
 * **prompts per iteration**: ``data.prompts_per_iteration`` = ``prompts_per_iteration``;
 * **leaves per prompt** (the group size): a chain has one leaf per tree, so chain presets get
-  ``data.group_size = group_size`` trees per prompt; a tree preset gets
+  ``data.trees_per_prompt = group_size`` trees per prompt; a tree preset gets
   ``max(1, round(group_size / leaves_per_tree))`` trees per prompt (BranchGRPO(+Mix) and
   Dynamic-TreeRPO with the presets' options have 8 leaves per tree, so 1 tree = 8 leaves per prompt;
   TempFlow-GRPO and G2RPO have 12 and 16 leaves per tree, whose groups are the K siblings of one
@@ -122,7 +122,7 @@ def bench_presets(presets=None) -> list[str]:
 def _overrides(model: str, prompts_file: str, num_steps: int, trees: int, prompts_per_iteration: int,
                resolution: int) -> list[str]:
     ov = [f"model.name={model}", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts_file}",
-          f"data.prompts_per_iteration={prompts_per_iteration}", f"data.group_size={trees}",
+          f"data.prompts_per_iteration={prompts_per_iteration}", f"data.trees_per_prompt={trees}",
           f"sampler.num_steps={num_steps}", "loss.backend=reference", "train.threads=1", "log.progress=false"]
     if model.startswith("sd3"):
         ov += [f"model.resolution={resolution}", "sampler.shift=3.0"]

@@ -47,16 +47,19 @@ def _cmd_train(args) -> int:
     else:
         cfg = load_config(args.preset, args.config, args.overrides)
         summary = train(cfg)
-    b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
-    print(f"done: {summary['iterations']} iterations, {summary['train_seconds'] / 60:.1f} min of training; "
-          f"held-out accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
+    done = f"done: {summary['iterations']} iterations, {summary['train_seconds'] / 60:.1f} min of training"
+    if summary["eval_before"] is None:
+        print(f"{done}; {summary['evaluation']}")
+    else:
+        b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
+        print(f"{done}; held-out accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
     return 0
 
 
 def _cmd_eval(args) -> int:
     import torch
 
-    from .evaluate import evaluate_policy
+    from .evaluation import build_evaluator
     from .policies import build_policy
     from .trainer.checkpoint import latest_checkpoint, load_checkpoint
     from .trainer.run import load_run_config
@@ -75,8 +78,11 @@ def _cmd_eval(args) -> int:
     policy = build_policy(cfg.model)
     state = load_checkpoint(ckpt)["trainer"]
     policy.load_trainable_state_dict(state["ema"] if state.get("ema") else state["trainable"])
+    evaluator, note = build_evaluator(cfg.eval, policy, cfg.sampler.shift)
+    if evaluator is None:
+        raise UserError(note)
     # the JSON keeps the per-sample verdicts ("correct"), so two evaluations can be compared sample by sample
-    res = evaluate_policy(policy, cfg.eval.num_prompts, cfg.eval.seeds_per_prompt, cfg.eval.num_steps, cfg.sampler.shift)
+    res = evaluator.evaluate(policy).to_json(with_correct=True)
     res["checkpoint"] = str(ckpt)
     from rich.console import Console
     from rich.table import Table

@@ -75,7 +75,7 @@ def test_equal_leaves_per_prompt(tmp_path):
                                            ("tree-rpo", 8, 1)]:
         cfg, lpt, n = bench_config(preset, prompts_file=str(prompts), num_steps=20, group_size=8)
         assert (lpt, n) == (leaves_per_tree, trees)
-        assert cfg.sampler.num_steps == 20 and cfg.data.group_size == trees
+        assert cfg.sampler.num_steps == 20 and cfg.data.trees_per_prompt == trees
         assert cfg.model.name == "sd3-tiny" and cfg.reward.weights == {"jpeg_compressibility": 1.0}
 
 

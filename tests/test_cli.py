@@ -351,3 +351,21 @@ def test_bench_profile_writes_into_the_current_directory(shapes_model_dir, tmp_p
     rows = list(csv.reader((tmp_path / "profile.csv").open()))
     assert rows == [["phase", "seconds_per_iteration", "share"]] + [
         [p, f"{res['seconds'][p]:.4f}", f"{res['share'][p]:.4f}"] for p in PHASES]
+
+
+def test_bench_ops_csv_speedups_and_timing_loop(tmp_path):
+    from flowgrpo.benchmarks.bench_ops import _inputs, _time_interleaved, _write_csv
+    from flowgrpo.ops import grpo_loss_ref
+
+    rows = [{"D": 8, "impl": "fused", "seconds": 1.0, "gbps": 5.0}, {"D": 8, "impl": "eager", "seconds": 4.0, "gbps": 1.25},
+            {"D": 8, "impl": "compiled", "seconds": 2.0, "gbps": 2.5}]
+    _write_csv(tmp_path / "ops.csv", rows, copy_gbps=10.0)
+    assert list(csv.reader((tmp_path / "ops.csv").open())) == [
+        ["D", "impl", "seconds", "gbps", "pct_of_copy", "speedup_vs_eager", "speedup_vs_compiled"],
+        ["8", "fused", "1.000000", "5.000", "50.0", "4.000", "2.000"],
+        ["8", "eager", "4.000000", "1.250", "12.5", "1.000", "0.500"],
+        ["8", "compiled", "2.000000", "2.500", "25.0", "2.000", "1.000"]]
+    # the timing loop runs forward + backward of the loss as the ops package returns it
+    args, kwargs = _inputs(4, 16)
+    secs = _time_interleaved({"eager": grpo_loss_ref}, args, kwargs, repeats=1, warmup=1)
+    assert set(secs) == {"eager"} and secs["eager"] > 0
