@@ -114,34 +114,3 @@ def check_choices(cfg: Any, prefix: str = "") -> None:
             check_choices(value, f"{prefix}{f.name}.")
         elif choices_of(h[f.name]) is not None:
             coerce(value, h[f.name], f"{prefix}{f.name}")
-
-
-def describe(cls: type, prefix: str = "") -> list[dict]:
-    """One row per leaf field of dataclass ``cls``: key, type, default, choices, help (for help screens)."""
-    rows = []
-    h = hints(cls)
-    for f in dataclasses.fields(cls):
-        hint = h[f.name]
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            rows.extend(describe(hint, f"{prefix}{f.name}."))
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = None
-        rows.append({"key": f"{prefix}{f.name}", "type": type_name(hint), "default": default,
-                     "choices": choices_of(hint), "help": f.metadata.get("help", "")})
-    return rows
-
-
-def type_name(hint: Any) -> str:
-    """A short readable name of a type hint (``float``, ``int | None``, ``one of a, b``)."""
-    if typing.get_origin(hint) is Literal:
-        return "choice"
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " | ".join(type_name(a) for a in typing.get_args(hint))
-    if hint is type(None):
-        return "None"
-    return getattr(hint, "__name__", str(hint))

@@ -5,10 +5,14 @@ consume downstream.
 """
 
 from .schedule import shift_sigmas, sigma_grid
-from .steps import SDE_KINDS, SDEStepOutput, euler_step, gaussian_log_prob, sde_step
+from .sde import DEFAULT_NOISE_LEVEL, SDE_KINDS, SDEKind, sde_kind
+from .steps import SDEStepOutput, euler_step, gaussian_log_prob, sde_step
 
 __all__ = [
+    "DEFAULT_NOISE_LEVEL",
+    "SDEKind",
     "SDE_KINDS",
+    "sde_kind",
     "SDEStepOutput",
     "euler_step",
     "gaussian_log_prob",

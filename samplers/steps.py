@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sde import DEFAULT_NOISE_LEVEL, SDE_KINDS, bcast, sde_kind
+from .sde import DEFAULT_NOISE_LEVEL, bcast, sde_kind
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 

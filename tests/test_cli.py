@@ -16,7 +16,7 @@ from typing import Literal
 import pytest
 from conftest import RUN_ITERATIONS, run_cli, tiny_overrides
 
-from flowgrpo import cli
+from flowgrpo import config_help
 from flowgrpo.cli import main
 from flowgrpo.config import RunConfig, preset_names, read_preset
 from flowgrpo.shapes.prompts import parse_prompt
@@ -197,7 +197,7 @@ def test_config_rows_of_a_hand_built_config():
     def row(key, type_, default, choices=(), help=""):
         return {"key": key, "type": type_, "default": default, "choices": list(choices), "help": help}
 
-    assert cli.config_rows(_Outer) == [
+    assert config_help.config_rows(_Outer) == [
         row("inner.mode", "str", "a", ["a", "b"], "the mode"),
         row("inner.level", "int", "1", ["1", "2"], "the level"),
         row("inner.size", "int | None", "null", [], "a size, or none"),
@@ -236,7 +236,7 @@ def test_config_explain_one_key_and_everything(capsys):
     rc, out = _explain(capsys, ["config", "explain"])
     assert rc == 0
     keys = {ln.split()[1] for ln in out.splitlines() if ln.startswith("│ ") and ln.split()[1] != "│"}
-    expected = {r["key"] for r in cli.config_rows(RunConfig)}
+    expected = {r["key"] for r in config_help.config_rows(RunConfig)}
     assert expected <= keys and {"train.lr", "sampler.strategy", "strategy", "description"} <= keys
 
 
@@ -246,68 +246,24 @@ def test_config_explain_bad_section_and_key(capsys):
     one_line_error(rc, capsys.readouterr().err, "'trainer'", "valid sections: " + ", ".join(sections))
     rc = main(["train", "--help-config", "nope"])
     one_line_error(rc, capsys.readouterr().err, "'nope'", "loss, train")
-    loss_keys = [r["key"] for r in cli.config_rows(RunConfig) if r["key"].startswith("loss.")]
+    loss_keys = [r["key"] for r in config_help.config_rows(RunConfig) if r["key"].startswith("loss.")]
     rc = main(["config", "explain", "loss.bta"])
     one_line_error(rc, capsys.readouterr().err, "'loss.bta'", ", ".join(loss_keys))
 
 
-@dataclass
-class _WindowOptions:
-    window: int = field(default=4, metadata={"help": "steps in the SDE window"})
-    mode: Literal["progressive", "frozen"] = field(default="progressive", metadata={"help": "how it moves"})
+def test_strategy_options_are_each_strategys_option_dataclass():
+    from flowgrpo.samplers.strategies import STRATEGIES
 
+    rows = config_help.strategy_option_rows()
+    assert set(rows) == set(STRATEGIES.names())
+    assert rows["flow_grpo"] == []  # no options
+    mix = {r["key"]: r for r in rows["mix_grpo"]}
+    assert mix["strategy.window"]["default"] == "4" and mix["strategy.window"]["type"] == "int"
+    assert mix["strategy.mode"]["choices"] == ["progressive", "random", "frozen"]
+    assert mix["strategy.shift_every"]["help"] == "iterations between window moves tau"
+    assert [r["key"] for r in rows["mix_grpo_flash_star"]] == ["strategy.window", "strategy.compress"]
+    assert {r["key"] for r in rows["tempflow_grpo"]} == {"strategy.branch", "strategy.branch_steps"}
 
-_WINDOW_ROWS = [
-    {"key": "strategy.window", "type": "int", "default": "4", "choices": [], "help": "steps in the SDE window"},
-    {"key": "strategy.mode", "type": "str", "default": "progressive", "choices": ["progressive", "frozen"],
-     "help": "how it moves"},
-]
-
-
-def test_strategy_options_from_an_options_class_function(monkeypatch):
-    from flowgrpo.samplers import strategies
-
-    def options_class(name):
-        if name == "mix_grpo":
-            return _WindowOptions
-        raise KeyError(name)
-
-    monkeypatch.setattr(strategies, "strategy_options_class", options_class, raising=False)
-    rows = cli.strategy_option_rows()
-    assert set(rows) == set(strategies.STRATEGIES.names())
-    assert rows["mix_grpo"] == _WINDOW_ROWS
-    assert all(r is None for n, r in rows.items() if n != "mix_grpo")  # listed by name only
-
-
-def test_strategy_options_from_class_attributes(monkeypatch, capsys):
-    """``Options``/``OPTIONS`` as a dataclass (class or instance) or a ``{name: default}`` dict; none at all."""
-    from flowgrpo.registry import Registry
-    from flowgrpo.samplers import strategies
-
-    reg = Registry("sampling strategy")
-    for name, attr, options in (("plain", "OPTIONS", {}), ("dicty", "OPTIONS", {"window": 4, "eta": None, "splits": [0, 3]}),
-                                ("typed", "Options", _WindowOptions), ("instance", "OPTIONS", _WindowOptions(window=6)),
-                                ("odd", "OPTIONS", 42), ("bare", "other", None)):
-        reg.register(name)(type(name, (), {attr: options}))
-    monkeypatch.setattr(strategies, "STRATEGIES", reg)
-    for fn in ("strategy_options_class", "options_class"):
-        monkeypatch.delattr(strategies, fn, raising=False)
-    rows = cli.strategy_option_rows()
-    assert rows["plain"] == [] and rows["odd"] is None and rows["bare"] is None
-    assert rows["typed"] == rows["instance"] == _WINDOW_ROWS
-    assert rows["dicty"] == [
-        {"key": "strategy.window", "type": "int", "default": "4", "choices": [], "help": ""},
-        {"key": "strategy.eta", "type": "any", "default": "null", "choices": [], "help": ""},
-        {"key": "strategy.splits", "type": "list", "default": "[0, 3]", "choices": [], "help": ""},
-    ]
-    rc, out = _explain(capsys, ["config", "explain", "strategy"])
-    assert rc == 0
-    assert "options of sampler.strategy=dicty" in out and "options of sampler.strategy=typed" in out
-    assert "sampling strategies without options: plain" in out
-    assert "sampling strategies whose options cannot be listed: bare, odd" in out
-
-
-# --------------------------------------------------------------------------- bench: where results go
 
 BENCHES = [("ops", "bench_ops", "run_bench_ops"), ("samplers", "bench_samplers", "run_bench_samplers"),
            ("e2e", "bench_e2e", "run_bench_e2e"), ("profile", "bench_profile", "run_bench_profile")]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
