@@ -57,6 +57,7 @@ class DataConfig:
 class RewardConfig:
     weights: dict = _f({"shapes": 1.0}, "reward name -> weight (names from `flowgrpo.rewards.REWARDS`)")
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = _f("sum_then_normalize", "sum_then_normalize (Flow-GRPO) | normalize_then_sum (MixGRPO, Pref-GRPO)")
+    options: dict = _f({}, "reward name -> {option: value} passed to the reward's factory (e.g. reward.options.hpsv2.checkpoint=/path/HPS_v2.1_compressed.pt); `flowgrpo.rewards.build_reward` lists a reward's valid options on a miss")
     renormalize: bool = _f(False, "normalize_then_sum with several rewards: z-score the weighted sum of z-scores again per group (the references do not)")
 
 
@@ -178,8 +179,9 @@ def _move_renamed(data: dict) -> dict:
 def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
     """Merge a nested dict into ``cfg`` in place, refusing unknown keys and wrong types.
 
-    On a :class:`RunConfig`: renamed keys are moved (with a warning), and a layer that selects
-    another ``sampler.strategy`` starts the ``strategy`` options from that strategy's defaults.
+    On a :class:`RunConfig`: renamed keys are moved (with a warning), ``reward.options`` merges key
+    by key, and a layer that selects another ``sampler.strategy`` starts the ``strategy`` options
+    from that strategy's defaults.
     """
     if isinstance(cfg, RunConfig) and isinstance(data, dict):
         data = _move_renamed(data)
@@ -188,7 +190,13 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
         if new_strategy is not None and new_strategy != cfg.sampler.strategy:
             cfg.strategy = {}
         options = data.pop("strategy", None)
+        reward = data.get("reward")
+        reward_options = reward.pop("options", None) if isinstance(reward, dict) else None
         merge_into(cfg, data, prefix)
+        if reward_options is not None:  # per-reward options merge key by key, like the strategy's
+            if not isinstance(reward_options, dict):
+                raise ConfigError("config key 'reward.options' must be a mapping of reward name -> options")
+            _deep_merge(cfg.reward.options, reward_options)
         if options is not None:
             if not isinstance(options, dict):
                 raise ConfigError(f"config section 'strategy' must be a mapping, got {type(options).__name__}")
@@ -304,6 +312,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'train.timestep_fraction' must be in (0, 1], got {cfg.train.timestep_fraction}")
     if not cfg.reward.weights:
         raise ConfigError("config key 'reward.weights' needs at least one reward")
+    for name, opts in cfg.reward.options.items():
+        if name not in cfg.reward.weights:
+            raise ConfigError(f"config key 'reward.options.{name}': {name!r} is not one of the run's rewards "
+                              f"(reward.weights: {', '.join(cfg.reward.weights)})")
+        if not isinstance(opts, dict):
+            raise ConfigError(f"config key 'reward.options.{name}' must be a mapping of option -> value")
     # names are checked against the registries here, before any model is built (no heavy imports)
     from .advantages import ESTIMATORS
     from .policies import POLICIES

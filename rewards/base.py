@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import Tensor
 
+from flowgrpo.errors import ConfigError
 from flowgrpo.registry import Registry
 
 
@@ -31,3 +33,22 @@ class Reward(Protocol):
 
 
 REWARDS: Registry = Registry("reward")
+
+
+def check_options(name: str, factory, options: dict) -> None:
+    """Refuse options that ``factory`` (a reward class or function) does not take, naming the valid ones."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no introspectable signature: let the call decide
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and k != "self"]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)} for reward {name!r}; "
+                          f"valid options: {', '.join(valid) or '(none)'}")
+    missing = [k for k, p in params.items() if k in valid and p.default is inspect.Parameter.empty and k not in options]
+    if missing:
+        raise ConfigError(f"reward {name!r} needs option(s) {', '.join(missing)} "
+                          f"(set reward.options.{name}.{missing[0]}=...)")

@@ -25,21 +25,24 @@ def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:
 
 @REWARDS.register("jpeg_compressibility")
 class JpegCompressibility:
-    """Reward = -(JPEG size in kB): smaller files score higher."""
+    """Reward = -(JPEG size in kB): smaller files score higher. Option ``quality`` (DDPO: 95)."""
 
     name = "jpeg_compressibility"
 
+    def __init__(self, quality: int = 95):
+        self.quality = int(quality)
+
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
-        kb = jpeg_kilobytes(images)
+        kb = jpeg_kilobytes(images, self.quality)
         return RewardOutput(-kb, {"jpeg_kb": kb})
 
 
 @REWARDS.register("jpeg_incompressibility")
-class JpegIncompressibility:
-    """Reward = +(JPEG size in kB): busier images score higher."""
+class JpegIncompressibility(JpegCompressibility):
+    """Reward = +(JPEG size in kB): busier images score higher. Option ``quality`` (DDPO: 95)."""
 
     name = "jpeg_incompressibility"
 
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
-        kb = jpeg_kilobytes(images)
+        kb = jpeg_kilobytes(images, self.quality)
         return RewardOutput(kb, {"jpeg_kb": kb})

@@ -234,3 +234,19 @@ def test_choices_set_in_code_are_checked_by_validate():
     cfg.loss.kl_sigma = "sigma"
     with pytest.raises(ConfigError, match="'loss.kl_sigma' = 'sigma' is not one of: sigma_t, transition_std"):
         validate(cfg)
+
+
+def test_reward_options_merge_and_reach_the_factory(tmp_path):
+    from flowgrpo.rewards import build_reward
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("reward:\n  weights: {shapes: 1.0, jpeg_compressibility: 0.5}\n"
+                        "  options: {jpeg_compressibility: {quality: 80}}\n")
+    cfg = load_config("shapes", str(cfg_file), ["reward.options.jpeg_compressibility.quality=50"])
+    assert cfg.reward.options == {"jpeg_compressibility": {"quality": 50}}
+    reward = build_reward("jpeg_compressibility", **cfg.reward.options["jpeg_compressibility"])
+    assert reward.quality == 50
+    with pytest.raises(ConfigError, match="'reward.options.hpsv2': 'hpsv2' is not one of the run's rewards"):
+        load_config("shapes", None, ["reward.options.hpsv2.checkpoint=/x"])
+    with pytest.raises(ConfigError, match="unknown option\\(s\\) colour for reward 'shapes'; valid options: "):
+        build_reward("shapes", colour=1)

@@ -80,7 +80,7 @@ class GRPOTrainer:
         self.optimizer = self.accelerator.prepare(self.optimizer)
         self.strategy = build_strategy(cfg.sampler, cfg.strategy, grid=self._model_grid())
         self.sampler = ForestSampler(self.policy, cfg.sampler.max_micro_batch)
-        self.rewards = {name: build_reward(name) for name in cfg.reward.weights}
+        self.rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
         self.prompts = PromptSource(cfg.data.prompts, tc.seed)
         self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
         if cfg.loss.backend == "reference":
