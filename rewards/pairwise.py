@@ -1,19 +1,24 @@
 """Pairwise preference rewards (Pref-GRPO, DESIGN §4): judge pairs within a group, reward = win rate.
 
-A **pairwise judge** answers which of two images better follows a prompt::
+A **pairwise judge** (:class:`PairwiseJudge`; subclass :class:`PairwiseJudgeBase`) answers which
+of two images better follows a prompt::
 
-    judge.judge(prompt, image_a, image_b) -> "a" | "b" | "tie" | anything else (unparseable)
+    judge.judge(prompt, image_a, image_b) -> "a" | "b" | "tie" | None (failed) | other text
+    judge.judge_batch([(prompt, image_a, image_b), ...]) -> one answer per query
 
-``image_a`` / ``image_b`` are float tensors [3, H, W] in [0, 1]. A judge may also offer
-``judge_batch(list of (prompt, image_a, image_b)) -> list of answers`` to answer many pairs at once
-(an HTTP multimodal-LLM judge sends them concurrently); :func:`win_rates` uses it when present.
-Free-text answers can be mapped with :func:`parse_verdict`.
+``image_a`` / ``image_b`` are float tensors [3, H, W] in [0, 1]. :func:`win_rates` always calls
+``judge_batch``; the base class loops over ``judge``, an HTTP multimodal-LLM judge sends the
+queries concurrently. Free-text answers are mapped with :func:`parse_verdict`.
 
 **Win-rate transform**: in a group of G images of one prompt all G(G-1)/2 pairs are judged; a win
-gives 1 to the winner and 0 to the loser, a tie or an unparseable answer 0.5 to each, and
-r_i = wins_i / (G - 1). The trainer then z-scores r within the group as usual. The reference judges
-every pair once in a fixed order (i < j: the lower index is image "a"); ``swap=True`` judges both
-orders and averages the two credits, removing position bias at twice the cost.
+gives 1 to the winner and 0 to the loser, a tie 0.5 to each. A query answered None or with text
+:func:`parse_verdict` cannot read has **failed**: it is excluded (not a tie) and counted in the
+stats' ``failed``. r_i = credit_i / judged_i over the judged queries involving image i, so with
+no failures r_i = wins_i / (G - 1); an image none of whose pairs was judged gets NaN (the trainer
+drops it), a member of a singleton group 0.5. The trainer then z-scores r within the group as usual.
+The reference judges every pair once in a fixed order (i < j: the lower index is image "a");
+``swap=True`` judges both orders (each order then weighs half a pair), removing position bias at
+twice the cost.
 """
 
 from __future__ import annotations
@@ -33,7 +38,22 @@ VERDICTS = ("a", "b", "tie")
 class PairwiseJudge(Protocol):
     """Compares two images for one prompt; see the module docstring for the answer protocol."""
 
-    def judge(self, prompt: str, image_a: Tensor, image_b: Tensor) -> str: ...
+    def judge(self, prompt: str, image_a: Tensor, image_b: Tensor) -> str | None: ...
+
+    def judge_batch(self, queries: Sequence[tuple[str, Tensor, Tensor]]) -> list[str | None]: ...
+
+
+class PairwiseJudgeBase:
+    """Base class of pairwise judges: implement :meth:`judge`; :meth:`judge_batch` loops over it
+    (override it to answer many queries at once)."""
+
+    def judge(self, prompt: str, image_a: Tensor, image_b: Tensor) -> str | None:
+        """"a" if ``image_a`` follows ``prompt`` better, "b" if ``image_b`` does, "tie", or None (failed)."""
+        raise NotImplementedError
+
+    def judge_batch(self, queries: Sequence[tuple[str, Tensor, Tensor]]) -> list[str | None]:
+        """One answer per (prompt, image_a, image_b) query, in order."""
+        return [self.judge(p, a, b) for p, a, b in queries]
 
 
 _ALIASES = {
@@ -47,8 +67,9 @@ def parse_verdict(answer) -> str | None:
     """Map a judge's answer to "a" | "b" | "tie", or None when it cannot be parsed.
 
     Accepts the canonical answers and a few common spellings ("Image A", "first", "2", "equal"),
-    case- and punctuation-insensitive. A free-text answer is searched for a final line such as
-    "Answer: B"; anything ambiguous is unparseable (None), which the win rate counts as a tie.
+    case- and punctuation-insensitive. A free-text answer is searched for a line such as
+    "Answer: B" or "Answer: Image 2"; anything ambiguous is unparseable (None), which the win rate
+    excludes as a failed query.
     """
     if not isinstance(answer, str):
         return None
@@ -57,44 +78,39 @@ def parse_verdict(answer) -> str | None:
     norm = re.sub(r"\s+", " ", norm).strip()
     if norm in _ALIASES:
         return _ALIASES[norm]
-    m = re.findall(r"(?:answer|verdict|winner|better)\s*(?:is)?\s*[:=]?\s*(image a|image b|a|b|tie)\b", norm)
+    m = re.findall(r"(?:answer|verdict|winner|better)\s*(?:is)?\s*[:=]?\s*(image [ab12]|[ab12]|tie)\b", norm)
     if m and len(set(m)) == 1:
         return _ALIASES[m[0]]
     return None
 
 
-def _credit(verdict: str | None) -> tuple[float, float]:
-    """(credit to image a, credit to image b) for one verdict."""
-    if verdict == "a":
-        return 1.0, 0.0
-    if verdict == "b":
-        return 0.0, 1.0
-    return 0.5, 0.5  # tie or unparseable
+_CREDIT = {"a": (1.0, 0.0), "b": (0.0, 1.0), "tie": (0.5, 0.5)}  # (credit to image a, to image b)
 
 
-def _ask(judge, queries: list[tuple[str, Tensor, Tensor]]) -> list[str | None]:
+def _ask(judge: PairwiseJudge, queries: list[tuple[str, Tensor, Tensor]]) -> tuple[list[str | None], int]:
+    """Parsed verdicts (None: failed) and how many answers were text that could not be parsed."""
     if not queries:
-        return []
-    if hasattr(judge, "judge_batch"):
-        answers = list(judge.judge_batch(queries))
-        if len(answers) != len(queries):
-            raise ValueError(f"judge_batch returned {len(answers)} answers for {len(queries)} pairs")
-    else:
-        answers = [judge.judge(p, a, b) for p, a, b in queries]
-    return [parse_verdict(a) for a in answers]
+        return [], 0
+    answers = list(judge.judge_batch(queries))
+    if len(answers) != len(queries):
+        raise ValueError(f"judge_batch returned {len(answers)} answers for {len(queries)} pairs")
+    verdicts = [parse_verdict(a) for a in answers]
+    return verdicts, sum(v is None and a is not None for a, v in zip(answers, verdicts))
 
 
 def win_rates(images: Tensor, prompts: Sequence[str], groups: Tensor | None, judge: PairwiseJudge,
               swap: bool = False) -> tuple[Tensor, dict]:
-    """Per-image win rate within its group.
+    """Per-image win rate within its group over the judged queries (failed ones are excluded).
 
     Args:
         images: [L, 3, H, W] in [0, 1]; prompts: [L]; groups: [L] long group ids (None: group by prompt).
-        judge: a :class:`PairwiseJudge`. swap: judge both orders of every pair and average.
+        judge: a :class:`PairwiseJudge`. swap: judge both orders of every pair.
 
-    Returns: (rates [L] float32 in [0, 1]; a member of a singleton group gets 0.5, stats with
-    ``pairs`` judged, ``ties`` and ``unparseable`` counts and ``position_bias`` (fraction of
-    judged queries answered "a" minus the fraction answered "b")).
+    Returns: (rates [L] float32 in [0, 1]: NaN for an image with no judged query, 0.5 for a member
+    of a singleton group; stats with ``pairs``, ``queries``, ``judged``, ``ties``, ``failed``
+    (queries answered None or unparseably; ``unparseable`` counts the latter), ``position_bias``
+    (fraction of judged queries answered "a" minus the fraction answered "b") and per-image
+    ``ties_per_image`` / ``failed_per_image`` arrays [L]).
     """
     n = len(prompts)
     if groups is None:
@@ -107,25 +123,32 @@ def win_rates(images: Tensor, prompts: Sequence[str], groups: Tensor | None, jud
     for g in groups.unique().tolist():
         members = (groups == g).nonzero(as_tuple=True)[0].tolist()
         pairs += [(i, j) for k, i in enumerate(members) for j in members[k + 1:]]
-    queries = [(prompts[i], images[i], images[j]) for i, j in pairs]
-    if swap:
-        queries += [(prompts[i], images[j], images[i]) for i, j in pairs]
-    verdicts = _ask(judge, queries)
-    wins = np.zeros(n)
-    for k, (i, j) in enumerate(pairs):
-        ci, cj = _credit(verdicts[k])
-        if swap:  # second query has j as "a"
-            cj2, ci2 = _credit(verdicts[len(pairs) + k])
-            ci, cj = (ci + ci2) / 2, (cj + cj2) / 2
-        wins[i] += ci
-        wins[j] += cj
+    order = pairs + ([(j, i) for i, j in pairs] if swap else [])  # (image "a", image "b") of each query
+    verdicts, unparseable = _ask(judge, [(prompts[i], images[i], images[j]) for i, j in order])
+    credit, judged, ties, failed = (np.zeros(n) for _ in range(4))
+    for (i, j), v in zip(order, verdicts):
+        if v is None:
+            failed[[i, j]] += 1
+            continue
+        ci, cj = _CREDIT[v]
+        credit[i] += ci
+        credit[j] += cj
+        judged[[i, j]] += 1
+        ties[[i, j]] += v == "tie"
     size = torch.bincount(groups)[groups].numpy()
-    rates = np.where(size > 1, wins / np.maximum(size - 1, 1), 0.5)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rates = np.where(size > 1, np.where(judged > 0, credit / judged, np.nan), 0.5)
+    ok = [v for v in verdicts if v is not None]
     stats = {
         "pairs": len(pairs),
-        "ties": sum(v == "tie" for v in verdicts),
-        "unparseable": sum(v is None for v in verdicts),
-        "position_bias": (sum(v == "a" for v in verdicts) - sum(v == "b" for v in verdicts)) / max(1, len(verdicts)),
+        "queries": len(verdicts),
+        "judged": len(ok),
+        "ties": sum(v == "tie" for v in ok),
+        "failed": len(verdicts) - len(ok),
+        "unparseable": unparseable,
+        "position_bias": (sum(v == "a" for v in ok) - sum(v == "b" for v in ok)) / max(1, len(ok)),
+        "ties_per_image": ties,
+        "failed_per_image": failed,
     }
     return torch.tensor(rates, dtype=torch.float32), stats
 
@@ -133,8 +156,9 @@ def win_rates(images: Tensor, prompts: Sequence[str], groups: Tensor | None, jud
 class PairwiseReward:
     """A reward whose score is the win rate of each leaf within its group (it needs ``groups``).
 
-    The trainer calls ``reward(images, prompts, groups=leaf_group_ids)``. Components (per sample, for
-    logging): the number of unparseable answers and ties that involved the sample.
+    The trainer calls ``reward(images, prompts, groups=leaf_group_ids)``. Components (for logging):
+    per sample the number of tied and of failed queries that involved it (``ties``, ``failed``), and
+    the batch's ``position_bias``.
     """
 
     name = "pairwise"
@@ -145,18 +169,19 @@ class PairwiseReward:
 
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
         rates, stats = win_rates(images, prompts, groups, self.judge, self.swap)
-        n = len(rates)
-        comps = {k: torch.full((n,), float(stats[k])) for k in ("ties", "unparseable", "position_bias")}
+        comps = {"ties": torch.as_tensor(stats["ties_per_image"], dtype=torch.float32),
+                 "failed": torch.as_tensor(stats["failed_per_image"], dtype=torch.float32),
+                 "position_bias": torch.full((len(rates),), float(stats["position_bias"]))}
         return RewardOutput(rates, comps)
 
 
 # --------------------------------------------------------------------------- the shapes world's judge
 
 
-class ShapesPairwiseJudge:
+class ShapesPairwiseJudge(PairwiseJudgeBase):
     """Judges two shapes-world images against the prompt's spec with the verifier's partial credit
     (:func:`flowgrpo.shapes.verify.verify`): the higher score wins; scores within ``tol`` tie.
-    A prompt that is not a shapes prompt gets an unparseable answer ("?"), i.e. a tie.
+    A prompt that is not a shapes prompt cannot be verified: neither image is better, a "tie".
     """
 
     def __init__(self, tol: float = 1e-9):
@@ -174,7 +199,7 @@ class ShapesPairwiseJudge:
         try:
             sa, sb = self._score_cached(prompt, image_a), self._score_cached(prompt, image_b)
         except ValueError:
-            return "?"
+            return "tie"
         if abs(sa - sb) <= self.tol:
             return "tie"
         return "a" if sa > sb else "b"
@@ -187,8 +212,9 @@ class ShapesPairwiseJudge:
         return self._cache[key]
 
     def judge_batch(self, queries):
+        """Answers every query, scoring each image once (the score cache lives for one batch)."""
         try:
-            return [self.judge(p, a, b) for p, a, b in queries]
+            return super().judge_batch(queries)
         finally:
             self._cache.clear()
 

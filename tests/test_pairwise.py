@@ -1,4 +1,4 @@
-"""Pref-GRPO pairwise rewards: win rates with ties and unparseable answers, order swapping, the shapes judge."""
+"""Pref-GRPO pairwise rewards: win rates with ties and failed (unparseable) answers, order swapping, the shapes judge."""
 
 import os
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flowgrpo.rewards import REWARDS, build_reward
-from flowgrpo.rewards.pairwise import PairwiseReward, ShapesPairwiseJudge, parse_verdict, win_rates
+from flowgrpo.rewards.pairwise import (PairwiseJudgeBase, PairwiseReward, ShapesPairwiseJudge, parse_verdict,
+                                       win_rates)
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.world import render
 from flowgrpo.trainer.trainer import GRPOTrainer
@@ -31,7 +32,7 @@ def ident(img):
     return int(round(float(img[0, 0, 0]) * 100))
 
 
-class TableJudge:
+class TableJudge(PairwiseJudgeBase):
     """Answers from a table keyed by (id of image a, id of image b); records every query."""
 
     def __init__(self, table):
@@ -48,20 +49,40 @@ def test_parse_verdict():
     for text, want in [("a", "a"), (" B ", "b"), ("TIE", "tie"), ("Image A", "a"), ("image 2", "b"),
                        ("equal", "tie"), ("Answer: B", "b"), ("The better image is: A.", None),
                        ("winner: image b", "b"), ("answer: a, no wait answer: b", None), ("", None),
+                       ("Answer: Image 2", "b"), ("answer: 1", "a"),
                        ("maybe", None), (None, None), (3, None)]:
         assert parse_verdict(text) == want, text
 
 
-def test_win_rates_ties_and_unparseable():
+def test_win_rates_ties_and_failed_queries():
     # group of G = 4 (ids 0..3), all 6 pairs judged once with the lower index as image "a"
     table = {(0, 1): "a", (0, 2): "tie", (0, 3): "a", (1, 2): "b", (1, 3): "I cannot decide", (2, 3): "a"}
     judge = TableJudge(table)
     rates, stats = win_rates(tagged([0, 1, 2, 3]), ["p"] * 4, torch.zeros(4, dtype=torch.long), judge)
-    # wins: 0: 1 + .5 + 1 = 2.5; 1: 0 + 0 + .5 = .5; 2: .5 + 1 + 1 = 2.5; 3: 0 + .5 + 0 = .5 ; / (G - 1)
-    torch.testing.assert_close(rates, torch.tensor([2.5, 0.5, 2.5, 0.5]) / 3)
+    # the unparseable (1, 3) is excluded, not a tie: credit / judged queries of each image
+    # 0: (1 + .5 + 1) / 3; 1: (0 + 0) / 2; 2: (.5 + 1 + 1) / 3; 3: (0 + 0) / 2
+    torch.testing.assert_close(rates, torch.tensor([2.5 / 3, 0.0, 2.5 / 3, 0.0]))
     assert sorted((a, b) for _, a, b in judge.queries) == sorted(table)
-    assert stats["pairs"] == 6 and stats["ties"] == 1 and stats["unparseable"] == 1
-    assert float(rates.mean()) == pytest.approx(0.5)  # every pair hands out exactly one point
+    assert stats["pairs"] == 6 and stats["judged"] == 5 and stats["ties"] == 1
+    assert stats["failed"] == 1 and stats["unparseable"] == 1
+    assert stats["failed_per_image"].tolist() == [0, 1, 0, 1]
+    # with every answer readable each pair hands out exactly one point
+    table[(1, 3)] = "tie"
+    full, st = win_rates(tagged([0, 1, 2, 3]), ["p"] * 4, None, TableJudge(table))
+    torch.testing.assert_close(full, torch.tensor([2.5, 0.5, 2.5, 0.5]) / 3)
+    assert float(full.mean()) == pytest.approx(0.5) and st["failed"] == 0 and st["ties"] == 2
+
+
+def test_failed_queries_are_dropped_not_ties():
+    # None (the judge gave up after retries) and unreadable text both fail; an image whose every
+    # query failed gets NaN (the trainer drops it), a singleton group still 0.5
+    table = {(0, 1): None, (0, 2): "??", (1, 2): "b", (3, 4): "b"}
+    rates, stats = win_rates(tagged(range(6)), ["p"] * 3 + ["q"] * 2 + ["r"], None, TableJudge(table))
+    assert torch.isnan(rates[0]) and not torch.isnan(rates[1:]).any()
+    torch.testing.assert_close(rates[1:], torch.tensor([0.0, 1.0, 0.0, 1.0, 0.5]))
+    assert stats["failed"] == 2 and stats["unparseable"] == 1 and stats["judged"] == 2
+    out = PairwiseReward(TableJudge(table))(tagged(range(6)), ["p"] * 3 + ["q"] * 2 + ["r"])
+    assert out.components["failed"].tolist() == [2, 1, 1, 0, 0, 0]
 
 
 def test_groups_are_judged_separately():
@@ -93,15 +114,15 @@ def test_order_swapping_removes_position_bias():
     two, _ = win_rates(tagged(range(4)), ["p"] * 4, None, TableJudge(table), swap=True)
     torch.testing.assert_close(one, two)
     torch.testing.assert_close(one, torch.tensor([0.0, 1.0, 2.0, 3.0]) / 3)
-    # swap with an unparseable answer in one order: that order counts as a tie
+    # swap with an unparseable answer in one order: that order is excluded, the other still counts
     table[(0, 3)] = "??"
     mixed, st3 = win_rates(tagged(range(4)), ["p"] * 4, None, TableJudge(table), swap=True)
-    torch.testing.assert_close(mixed, torch.tensor([0.25, 1.0, 2.0, 2.75]) / 3)
-    assert st3["unparseable"] == 1
+    torch.testing.assert_close(mixed, one)
+    assert st3["unparseable"] == 1 and st3["failed"] == 1 and st3["judged"] == 11
 
 
 def test_judge_batch_is_used():
-    class Batched:
+    class Batched(PairwiseJudgeBase):
         def __init__(self):
             self.calls = 0
 
@@ -133,7 +154,7 @@ def test_shapes_judge_and_reward():
     assert judge.judge(prompt, good, blank) == "a"
     assert judge.judge(prompt, blank, good) == "b"
     assert judge.judge(prompt, blank, blank.clone()) == "tie"
-    assert judge.judge("a photo of a cat", good, blank) == "?"  # not a shapes prompt: unparseable
+    assert judge.judge("a photo of a cat", good, blank) == "tie"  # not a shapes prompt: no preference
     reward = build_reward("shapes_pairwise")
     assert "shapes_pairwise" in REWARDS.names()
     images = torch.stack([good, other, blank, good, blank])
@@ -141,13 +162,14 @@ def test_shapes_judge_and_reward():
     out = reward(images, prompts, groups=torch.tensor([0, 0, 0, 1, 1]))
     # group 0: good beats other and blank; other (a blue square: no red circle, one object) vs blank
     assert float(out.scores[0]) == 1.0 and float(out.scores[1:3].sum()) == pytest.approx(0.5)  # 3 points / 2
-    torch.testing.assert_close(out.scores[3:], torch.full((2,), 0.5))  # unparseable -> ties
-    assert set(out.components) >= {"ties", "unparseable"}
+    torch.testing.assert_close(out.scores[3:], torch.full((2,), 0.5))  # unverifiable prompt -> ties
+    assert set(out.components) >= {"ties", "failed"}
+    assert out.components["ties"].tolist() == [0, 1, 1, 1, 1] and not out.components["failed"].any()
     # the trainer hands the leaves' group ids to rewards that declare needs_groups
     scores, comps = GRPOTrainer.score(SimpleNamespace(rewards={"shapes_pairwise": reward}), images, prompts,
                                       torch.tensor([0, 0, 0, 1, 1]))
     torch.testing.assert_close(scores["shapes_pairwise"], out.scores)
-    assert "shapes_pairwise.unparseable" in comps
+    assert "shapes_pairwise.failed" in comps
 
 
 def test_pairwise_reward_wraps_any_judge():

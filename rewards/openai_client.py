@@ -1,0 +1,227 @@
+"""A small bounded-concurrency client for OpenAI-compatible ``/chat/completions`` endpoints.
+
+Used by the VLM judges (:mod:`flowgrpo.rewards.judge`) against vLLM, SGLang or a hosted API. The
+trainer is synchronous, so the client owns one event loop running in a daemon thread; every
+:meth:`ChatClient.complete` call submits its requests to that loop and blocks until all of them
+have an outcome. It therefore works when called repeatedly from a sync loop, and also from code
+that is itself running inside an event loop (a notebook), where ``asyncio.run`` would refuse.
+
+Every request gets at most ``1 + retries`` attempts. An attempt fails on a transport error or
+timeout, on HTTP 429 or 5xx, on a malformed response body, or when the caller's ``parse`` cannot
+read the answer; a failed attempt is retried after ``backoff * 2**attempt`` seconds. HTTP 401, 403
+and 404 mean a wrong key, model or URL: they raise :class:`JudgeEndpointError` at once instead of
+dropping every sample. Other 4xx answers fail the request without retrying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from flowgrpo.errors import ConfigError, UserError
+
+
+class JudgeEndpointError(UserError):
+    """The endpoint refuses every request (bad key, unknown model, wrong URL)."""
+
+
+@dataclass
+class Outcome:
+    """One request's result: ``value`` is ``parse(answer)`` or None when every attempt failed;
+    ``answer`` the last text received (or None), ``error`` why the last attempt failed."""
+
+    value: Any = None
+    answer: str | None = None
+    error: str | None = None
+    attempts: int = 0
+
+
+class _Retry(Exception):
+    """An attempt failed in a way worth retrying (``delay``: the server's Retry-After, if any)."""
+
+    def __init__(self, msg: str, delay: float | None = None):
+        super().__init__(msg)
+        self.delay = delay
+
+
+class _Fail(Exception):
+    """An attempt failed in a way that retrying will not fix (this request only)."""
+
+
+def message_text(data: Any) -> str:
+    """The assistant text of a chat-completions response body; raises ValueError when absent.
+
+    ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts."""
+    try:
+        content = data["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"no choices[0].message.content in the response ({type(e).__name__})") from None
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str):
+        raise ValueError("message content is not text")
+    return content
+
+
+class ChatClient:
+    """Sends chat requests concurrently (at most ``max_concurrency`` in flight) with bounded retries.
+
+    Args:
+        base_url: the API root, as for the OpenAI client (requests go to ``{base_url}/chat/completions``),
+            e.g. ``http://127.0.0.1:8000/v1`` for ``vllm serve``.
+        model: the served model name. api_key_env: name of an environment variable holding the key
+            (sent as ``Authorization: Bearer ...``); None sends no key.
+        timeout: seconds per attempt. retries: extra attempts per request. backoff: first retry delay (s).
+    """
+
+    def __init__(self, base_url: str, model: str, api_key_env: str | None = None, max_concurrency: int = 8,
+                 timeout: float = 60.0, retries: int = 2, backoff: float = 0.5, temperature: float = 0.0,
+                 max_tokens: int = 512):
+        if not base_url or not model:
+            raise ConfigError("an OpenAI-compatible judge needs base_url and model")
+        if int(max_concurrency) < 1 or int(retries) < 0 or float(timeout) <= 0 or float(backoff) < 0:
+            raise ConfigError("judge options need max_concurrency >= 1, retries >= 0, timeout > 0, backoff >= 0")
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.api_key_env = api_key_env
+        if api_key_env and not os.environ.get(api_key_env):
+            raise ConfigError(f"judge option api_key_env={api_key_env!r}: that environment variable is not set")
+        self.max_concurrency = int(max_concurrency)
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        self.temperature = float(temperature)
+        self.max_tokens = int(max_tokens)
+        self.stats = {"requests": 0, "retries": 0, "failed": 0, "http_errors": 0, "timeouts": 0, "unparsed": 0}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._http = None
+        self._pid = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the event-loop thread
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._pid != os.getpid() or not self._thread.is_alive():
+                # first use, or a forked child (the parent's loop thread does not exist here)
+                self._loop = asyncio.new_event_loop()
+                self._http = None
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="judge-http", daemon=True)
+                self._thread.start()
+            return self._loop
+
+    def close(self) -> None:
+        """Close the HTTP connections and stop the loop thread (a later call starts them again)."""
+        with self._lock:
+            loop, thread, http = self._loop, self._thread, self._http
+            self._loop = self._thread = self._http = None
+        if loop is None or self._pid != os.getpid():
+            return
+        if http is not None:
+            asyncio.run_coroutine_threadsafe(http.aclose(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+    def _client(self):
+        import httpx
+
+        if self._http is None:  # created on the loop thread, used only there
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout), limits=limits)
+        return self._http
+
+    # ------------------------------------------------------------------ requests
+
+    def complete(self, requests: Sequence[list[dict]], parse: Callable[[str], Any]) -> list[Outcome]:
+        """Send every request (a list of chat ``messages``) and return one :class:`Outcome` each, in order.
+
+        ``parse(answer text)`` returns the value to keep or None for an unreadable answer (retried)."""
+        if not requests:
+            return []
+        loop = self._ensure_loop()
+        fut = asyncio.run_coroutine_threadsafe(self._complete_all(list(requests), parse), loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    async def _complete_all(self, requests, parse) -> list[Outcome]:
+        sem = asyncio.Semaphore(self.max_concurrency)
+        tasks = [asyncio.ensure_future(self._one(messages, parse, sem)) for messages in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key_env:
+            headers["Authorization"] = f"Bearer {os.environ.get(self.api_key_env, '')}"
+        return headers
+
+    async def _one(self, messages, parse, sem) -> Outcome:
+        out = Outcome()
+        body = {"model": self.model, "messages": messages, "temperature": self.temperature,
+                "max_tokens": self.max_tokens}
+        delay = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.stats["retries"] += 1
+                await asyncio.sleep(delay if delay is not None else self.backoff * 2 ** (attempt - 1))
+            out.attempts, delay = attempt + 1, None
+            try:
+                async with sem:
+                    text = await self._post(body)
+            except _Retry as e:
+                out.error, delay = str(e), e.delay
+                continue
+            except _Fail as e:
+                out.error = str(e)
+                break
+            out.answer = text
+            value = parse(text)
+            if value is not None:
+                out.value, out.error = value, None
+                return out
+            self.stats["unparsed"] += 1
+            out.error = "unparseable answer"
+        self.stats["failed"] += 1
+        return out
+
+    async def _post(self, body: dict) -> str:
+        import httpx
+
+        self.stats["requests"] += 1
+        try:  # httpx bounds each phase; wait_for bounds the whole attempt (a server trickling bytes)
+            resp = await asyncio.wait_for(self._client().post(self.url, json=body, headers=self._headers()),
+                                          self.timeout)
+        except (httpx.TimeoutException, asyncio.TimeoutError):
+            self.stats["timeouts"] += 1
+            raise _Retry(f"timed out after {self.timeout:g} s") from None
+        except httpx.TransportError as e:
+            self.stats["http_errors"] += 1
+            raise _Retry(f"transport error: {type(e).__name__}: {e}") from None
+        if resp.status_code in (401, 403, 404):
+            raise JudgeEndpointError(f"judge endpoint {self.url} answered HTTP {resp.status_code} "
+                                     f"(check base_url, model {self.model!r} and api_key_env): {resp.text[:200]}")
+        if resp.status_code == 429 or resp.status_code >= 500:
+            self.stats["http_errors"] += 1
+            ra = resp.headers.get("retry-after", "")
+            delay = min(float(ra), 60.0) if ra.replace(".", "", 1).isdigit() else None
+            raise _Retry(f"HTTP {resp.status_code}", delay)
+        if resp.status_code >= 400:
+            self.stats["http_errors"] += 1
+            raise _Fail(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        try:
+            return message_text(resp.json())
+        except ValueError as e:  # also a body that is not JSON
+            raise _Retry(f"malformed response: {e}") from None
