@@ -25,10 +25,20 @@ REWARDS.register_lazy("judge_pairwise", "flowgrpo.rewards.judge:PairwiseJudgeRew
 def build_reward(name: str, **options) -> Reward:
     """Instantiate the reward registered as ``name`` with ``options`` (its factory's keyword
     arguments; ``reward.options.<name>.<key>=...`` in a config). Unknown names and unknown options
-    raise a :class:`~flowgrpo.errors.ConfigError` listing the valid ones."""
+    raise a :class:`~flowgrpo.errors.ConfigError` listing the valid ones.
+
+    One option every reward takes: ``frame_stride`` (int >= 1, default 1), popped before the
+    factory's options are checked. The reward is always wrapped in
+    :class:`~flowgrpo.rewards.video.FrameWise`: videos [B, F, 3, H, W] are scored on frames
+    0, s, 2s, ... and averaged per video; images [B, 3, H, W] pass through unchanged.
+    """
+    from .clip_common import positive_int
+    from .video import FrameWise
+
+    stride = positive_int(f"reward {name!r} option frame_stride", options.pop("frame_stride", 1))
     factory = REWARDS.get(name)
     check_options(name, factory, options)
-    return factory(**options)
+    return FrameWise(factory(**options), stride)
 
 
 __all__ = ["REWARDS", "Reward", "RewardOutput", "build_reward"]
