@@ -4,7 +4,8 @@
     flowgrpo eval RUN_DIR_OR_CHECKPOINT [--json PATH]
     flowgrpo presets
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
-    flowgrpo bench ops|samplers|e2e|profile [--out DIR] [--json PATH]
+    flowgrpo bench ops|samplers|e2e|profile|reward-server [--out DIR] [--json PATH]
+    flowgrpo serve-reward --reward NAME [--option k=v ...] [--host H] [--port P] [--token-env VAR]
     flowgrpo build-ext [--cuda] | doctor
 
 Benchmarks write their CSV/PNG into ``--out`` (default: the current directory), never next to the
@@ -135,7 +136,19 @@ def _cmd_bench(args) -> int:
         from .benchmarks.bench_profile import run_bench_profile
 
         run_bench_profile(args.json, out_dir=args.out)
+    elif args.what == "reward-server":
+        from .benchmarks.bench_reward_server import run_bench_reward_server
+
+        run_bench_reward_server(args.json, out_dir=args.out)
     return 0
+
+
+def _cmd_serve_reward(args) -> int:
+    from .serve import serve_reward
+
+    return serve_reward(args.reward, args.option, host=args.host, port=args.port, token_env=args.token_env,
+                        max_batch=args.max_batch, window_ms=args.window_ms, max_body_mb=args.max_body_mb,
+                        max_image_pixels=args.max_image_pixels, log_level=args.log_level)
 
 
 def _cmd_build_ext(args) -> int:
@@ -181,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a section (model, sampler, loss, ...) or one key (loss.beta); default: all")
     ce.set_defaults(fn=_cmd_config)
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
-    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile"])
+    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server"])
     b.add_argument("--out", default=None, metavar="DIR",
                    help="folder for the CSV and PNG (created; default: the current directory)")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
@@ -189,6 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--minutes", type=float, default=0.0,
                    help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
     b.set_defaults(fn=_cmd_bench)
+    s = sub.add_parser("serve-reward", help="serve a reward over HTTP (JSON; for the `remote` reward)")
+    s.add_argument("--reward", required=True, help="reward name (as in reward.weights)")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the reward (value parsed as YAML); repeatable")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --token-env)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--token-env", default=None, metavar="VAR",
+                   help="environment variable holding the bearer token clients must send")
+    s.add_argument("--max-batch", type=int, default=32, help="images per reward call")
+    s.add_argument("--window-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    s.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body in MiB")
+    s.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image (width x height)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(fn=_cmd_serve_reward)
     x = sub.add_parser("build-ext", help="build the fused loss extension ahead of time")
     x.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
                    help="build the CUDA kernels too (default: when a GPU is visible)")

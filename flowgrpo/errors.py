@@ -7,3 +7,8 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """An invalid configuration key or value."""
+
+
+class RewardUnavailableError(UserError):
+    """A reward service (the ``remote`` reward's server) did not answer within its retries: the run
+    stops with one line naming the URL; its last checkpoint is intact and ``--resume`` continues."""

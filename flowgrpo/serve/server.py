@@ -1,0 +1,158 @@
+"""Running the reward server: bind checks, token from the environment, uvicorn in the foreground
+(``flowgrpo serve-reward``), in a thread or in a subprocess (tests and the benchmark)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from ..errors import UserError
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); hostnames are not resolved."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_token(host: str, token_env: str | None) -> str | None:
+    """The bearer token read from the environment variable ``token_env`` (None: no token).
+
+    Refuses (:class:`~flowgrpo.errors.UserError`) a non-loopback ``host`` without a token, and a
+    ``token_env`` that names an unset or empty variable.
+    """
+    token = None
+    if token_env:
+        token = os.environ.get(token_env)
+        if not token:
+            raise UserError(f"--token-env {token_env}: the environment variable {token_env} is not set or empty")
+    if token is None and not is_loopback(host):
+        raise UserError(f"refusing to serve on {host} (not a loopback address) without a token: "
+                        f"export a secret in an environment variable and pass --token-env VAR")
+    return token
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``["quality=90", "name=x"]`` -> ``{"quality": 90, "name": "x"}`` (values parsed as YAML scalars)."""
+    from ..config import parse_override
+
+    options: dict = {}
+    for pair in pairs or []:
+        key = pair.split("=", 1)[0].strip()
+        if "=" not in pair or not key:
+            raise UserError(f"--option {pair!r} must look like key=value")
+        options.update(parse_override(pair))
+    return options
+
+
+def build_app(reward_name: str, options: dict, token: str | None, **limits):
+    """The reward ``build_reward(reward_name, **options)`` served by :func:`~flowgrpo.serve.app.create_app`."""
+    from ..rewards import build_reward
+    from .app import create_app
+
+    return create_app(build_reward(reward_name, **options), token=token, name=reward_name, **limits)
+
+
+def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn in the foreground until interrupted."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+
+
+def serve_reward(reward: str, options: list[str] = (), host: str = "127.0.0.1", port: int = 8000,
+                 token_env: str | None = None, max_batch: int = 32, window_ms: float = 5.0, max_body_mb: float = 64.0,
+                 max_image_pixels: int = 4096 * 4096, log_level: str = "info") -> int:
+    """``flowgrpo serve-reward``: check the bind and the limits, build the reward, serve until interrupted."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UserError("the reward server needs fastapi and uvicorn: pip install 'flowgrpo[remote]'") from None
+    token = resolve_token(host, token_env)
+    if max_batch < 1 or max_body_mb <= 0 or max_image_pixels < 1 or window_ms < 0 or not 0 <= port <= 65535:
+        raise UserError("--max-batch, --max-body-mb and --max-image-pixels must be positive, --window-ms >= 0, "
+                        "--port in 0..65535")
+    app = build_app(reward, parse_options(list(options)), token, max_batch=max_batch, window_ms=window_ms,
+                    max_body_mb=max_body_mb, max_image_pixels=max_image_pixels)
+    auth = f"bearer token from ${token_env}" if token else "no token"
+    print(f"serving reward {reward!r} on http://{host}:{port} ({auth}; max batch {max_batch})", flush=True)
+    run_server(app, host, port, log_level)
+    return 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """``with ServerThread(app) as srv: httpx.get(srv.url + "/health")``: uvicorn in a daemon thread
+    on a loopback socket bound before the thread starts (no port race)."""
+
+    def __init__(self, app, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the reward server thread did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def start_server_process(reward: str, port: int, options: list[str] = (), extra: list[str] = (),
+                         env: dict | None = None, timeout: float = 60.0) -> subprocess.Popen:
+    """``flowgrpo serve-reward`` in a subprocess on 127.0.0.1:``port``; returns once /health answers
+    (``extra``: more CLI arguments; ``env``: the child's environment)."""
+    cmd = [sys.executable, "-m", "flowgrpo.cli", "serve-reward", "--reward", reward, "--port", str(port),
+           "--log-level", "warning", *[a for o in options for a in ("--option", o)], *extra]
+    return wait_healthy(cmd, f"http://127.0.0.1:{port}", env, timeout)
+
+
+def wait_healthy(cmd: list[str], url: str, env: dict | None = None, timeout: float = 60.0) -> subprocess.Popen:
+    """Start ``cmd`` (a server), poll ``url``/health until it answers (any status) and return the
+    process; raise with the server's stderr if it exits first or does not answer within ``timeout``."""
+    import httpx
+
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            log.seek(0)
+            raise RuntimeError(f"the reward server at {url} did not start (exit code {proc.returncode}): "
+                               f"{log.read()[-2000:]}")
+        try:
+            httpx.get(f"{url}/health", timeout=1.0)
+            return proc
+        except httpx.HTTPError:
+            time.sleep(0.05)

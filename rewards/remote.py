@@ -1,0 +1,180 @@
+"""The ``remote`` reward: score images on a flowgrpo reward server (``flowgrpo serve-reward``).
+
+The wire format is JSON only (never pickle)::
+
+    POST {url}/score   {"prompts": [str], "images": [base64 PNG], "groups": [int] (optional)}
+                    -> {"scores": [float | null], "components": {name: [float | null]}}
+
+Images travel as 8-bit PNG after ``round(x * 255)``, the quantisation the shapes, JPEG and OCR
+rewards apply before scoring, so their remote scores equal the in-process ones (a reward that reads
+float pixels sees them quantised to 1/255). ``null`` (a failed sample) comes back as NaN. Requests hold at most ``batch_size`` images and never split a group (pairwise rewards
+compare within groups); without groups, images of one prompt stay together.
+
+Connection errors, timeouts, 429 and 5xx answers are retried ``retries`` times with exponential
+backoff (``backoff``, ``2 * backoff``, ...); then :class:`~flowgrpo.errors.RewardUnavailableError`
+names the URL (the trainer stops; its last checkpoint is intact and ``--resume`` continues). Any
+other 4xx answer is an immediate :class:`~flowgrpo.errors.UserError` with the server's reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import time
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flowgrpo.errors import ConfigError, RewardUnavailableError, UserError
+
+from .base import REWARDS, RewardOutput
+
+
+def to_uint8_hwc(images: Tensor) -> np.ndarray:
+    """images [B, 3, H, W] float in [0, 1] -> uint8 array [B, H, W, 3] (``round(x * 255)``)."""
+    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+def encode_png_b64(images: Tensor) -> list[str]:
+    """images [B, 3, H, W] float in [0, 1] -> B base64 strings of 8-bit RGB PNGs (lossless)."""
+    from PIL import Image
+
+    out = []
+    for img in to_uint8_hwc(images):
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(img)).save(buf, format="PNG", compress_level=1)
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out
+
+
+def pack_groups(keys: Sequence[Hashable], limit: int) -> list[list[int]]:
+    """Indices [B] packed into chunks of at most ``limit`` that never split a key's members.
+
+    Keys (group ids or prompts) are taken in order of first appearance; a key with more than
+    ``limit`` members forms a chunk of its own. Returns lists of indices into ``keys``.
+    """
+    members: dict[Hashable, list[int]] = {}
+    for i, k in enumerate(keys):
+        members.setdefault(k, []).append(i)
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    for idx in members.values():
+        if cur and len(cur) + len(idx) > limit:
+            chunks.append(cur)
+            cur = []
+        cur = cur + idx
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """``text`` with all whitespace runs collapsed to one space, cut to ``limit`` characters."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def _floats(values, n: int, what: str) -> Tensor:
+    if not isinstance(values, list) or len(values) != n:
+        raise ValueError(f"{what} is not a list of {n} numbers")
+    if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+        raise ValueError(f"{what} holds something other than numbers and null")
+    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+
+
+@REWARDS.register("remote")
+class RemoteReward:
+    """A reward computed by a flowgrpo reward server at ``url`` (see the module docstring).
+
+    Options: ``url`` (``http://host:port``), ``token_env`` (name of an environment variable holding
+    the server's bearer token; the token itself never sits in a config), ``timeout`` (seconds per
+    request), ``retries`` and ``backoff`` (seconds before the first retry, doubled each time),
+    ``batch_size`` (images per request), ``name`` (the reward's display name).
+    """
+
+    def __init__(self, url: str, token_env: str | None = None, timeout: float = 30.0, retries: int = 3,
+                 backoff: float = 1.0, batch_size: int = 64, name: str | None = None):
+        try:
+            import httpx
+        except ImportError:
+            raise ConfigError("the remote reward needs httpx: pip install 'flowgrpo[remote]'") from None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.options.remote.url must be an http(s) URL, got {url!r}")
+        if int(retries) < 0 or float(backoff) < 0 or float(timeout) <= 0 or int(batch_size) < 1:
+            raise ConfigError("reward.options.remote: retries and backoff must be >= 0, timeout > 0, batch_size >= 1")
+        self.url = url.rstrip("/")
+        self.endpoint = f"{self.url}/score"
+        self.retries, self.backoff, self.batch_size = int(retries), float(backoff), int(batch_size)
+        self.name = name or "remote"
+        headers = {}
+        if token_env:
+            token = os.environ.get(token_env)
+            if not token:
+                raise ConfigError(f"reward.options.remote.token_env: environment variable {token_env} is not set")
+            headers["Authorization"] = f"Bearer {token}"
+        self._httpx = httpx
+        self._client = httpx.Client(timeout=float(timeout), headers=headers)
+
+    def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
+        """images [B, 3, H, W] in [0, 1], prompts [B], groups [B] long or None -> scores [B] and components [B]."""
+        n = images.shape[0]
+        group_list = None if groups is None else [int(g) for g in torch.as_tensor(groups).reshape(-1).tolist()]
+        scores = torch.full((n,), float("nan"), dtype=torch.float32)
+        comps: dict[str, Tensor] = {}
+        for idx in pack_groups(group_list if group_list is not None else list(prompts), self.batch_size):
+            body = {"prompts": [prompts[i] for i in idx], "images": encode_png_b64(images[idx])}
+            if group_list is not None:
+                body["groups"] = [group_list[i] for i in idx]
+            answer = self._post(body)
+            try:
+                scores[idx] = _floats(answer.get("scores"), len(idx), "scores")
+                raw_comps = answer.get("components") or {}
+                if not isinstance(raw_comps, dict):
+                    raise ValueError("components is not a mapping")
+                for k, v in raw_comps.items():
+                    comps.setdefault(str(k), torch.full((n,), float("nan"), dtype=torch.float32))[idx] = _floats(
+                        v, len(idx), f"components.{k}")
+            except (AttributeError, ValueError) as exc:
+                raise UserError(f"reward server {self.endpoint} sent a malformed answer: {one_line(exc)}") from None
+        return RewardOutput(scores, comps)
+
+    def _post(self, body: dict) -> dict:
+        """POST one request; retry transient failures; return the decoded JSON answer."""
+        attempts = self.retries + 1
+        reason = ""
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                resp = self._client.post(self.endpoint, json=body)
+            except self._httpx.HTTPError as exc:  # connection refused/reset, timeouts, protocol errors
+                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                continue
+            if resp.status_code == 429 or resp.status_code >= 500:
+                reason = f"HTTP {resp.status_code}: {_server_reason(resp)}"
+                continue
+            if resp.status_code >= 400:
+                raise UserError(f"reward server {self.endpoint} refused the request "
+                                f"(HTTP {resp.status_code}): {one_line(_server_reason(resp))}")
+            try:
+                return resp.json()
+            except ValueError:
+                raise UserError(f"reward server {self.endpoint} answered with something other than JSON") from None
+        raise RewardUnavailableError(f"reward server {self.endpoint} unavailable after {attempts} attempt(s): "
+                                     f"{one_line(reason)}")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _server_reason(resp) -> str:
+    try:
+        data = resp.json()
+        if isinstance(data, dict) and "error" in data:
+            return str(data["error"])
+    except ValueError:
+        pass
+    return resp.text[:200] or resp.reason_phrase
