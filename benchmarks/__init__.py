@@ -1,6 +1,6 @@
 """Benchmarks, installed as ``flowgrpo.benchmarks`` (the folder sits at the repository root).
 
-Run them as ``flowgrpo bench ops|samplers|e2e|profile [--out DIR] [--json PATH]`` or
+Run them as ``flowgrpo bench ops|samplers|e2e|profile|reward-server [--out DIR] [--json PATH]`` or
 ``python -m flowgrpo.benchmarks.bench_ops``. Every benchmark writes its CSV and PNG into ``--out``
 (default: the current working directory) and its JSON to ``--json``; nothing is written next to
 the installed code. ``benchmarks/results/`` in the repository holds the reference results quoted

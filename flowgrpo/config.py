@@ -58,6 +58,7 @@ class RewardConfig:
     weights: dict = _f({"shapes": 1.0}, "reward name -> weight (names from `flowgrpo.rewards.REWARDS`)")
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = _f("sum_then_normalize", "sum_then_normalize (Flow-GRPO) | normalize_then_sum (MixGRPO, Pref-GRPO)")
     options: dict = _f({}, "reward name -> {option: value} passed to the reward's factory (e.g. reward.options.hpsv2.checkpoint=/path/HPS_v2.1_compressed.pt); `flowgrpo.rewards.build_reward` lists a reward's valid options on a miss")
+    frame_stride: int = _f(1, "videos [B, F, 3, H, W]: every reward scores frames 0, s, 2s, ... and averages per video (flowgrpo.rewards.video)")
     renormalize: bool = _f(False, "normalize_then_sum with several rewards: z-score the weighted sum of z-scores again per group (the references do not)")
 
 
@@ -301,7 +302,7 @@ def load_config(preset: str | None = "shapes", config_file: str | None = None, o
 def validate(cfg: RunConfig) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options."""
     check_choices(cfg)
-    positive = ["sampler.num_steps", "data.prompts_per_iteration", "data.trees_per_prompt", "train.iterations",
+    positive = ["reward.frame_stride", "sampler.num_steps", "data.prompts_per_iteration", "data.trees_per_prompt", "train.iterations",
                 "train.inner_epochs", "train.minibatches", "train.micro_batch", "eval.num_prompts",
                 "eval.seeds_per_prompt", "eval.num_steps", "sampler.max_micro_batch"]
     for key in positive:

@@ -19,7 +19,6 @@ from torch import Tensor, nn
 
 from flowgrpo.errors import UserError
 
-from .base import REWARDS
 from .clip_common import (PREPROCESS_MODES, OpenClipReward, check_choice, load_open_clip, load_state_dict_file,
                           load_weights, open_clip_image_cfg, positive_int, resolve_device)
 
@@ -53,7 +52,6 @@ def load_aesthetic_head(path, device: torch.device) -> AestheticHead:
     return head.to(device).eval()
 
 
-@REWARDS.register("aesthetic")
 class AestheticReward(OpenClipReward):
     """``reward(images [B, 3, H, W] in [0, 1], prompts [B]) -> aesthetic score [B]`` (prompts unused).
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import REWARDS
 from .clip_common import (PREPROCESS_MODES, OpenClipReward, check_choice, load_open_clip, open_clip_image_cfg,
                           positive_int, resolve_device)
 
@@ -23,7 +22,6 @@ FORMULAS = ("cosine", "clipscore")
 PAPER_PREFIX = "A photo depicts "
 
 
-@REWARDS.register("clipscore")
 class CLIPScoreReward(OpenClipReward):
     """``reward(images [B, 3, H, W] in [0, 1], prompts [B]) -> scale * f(cos)`` for an open_clip model.
 

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from .base import REWARDS, RewardOutput
+from .base import RewardOutput
 
 
 def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:
@@ -23,7 +23,6 @@ def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
-@REWARDS.register("jpeg_compressibility")
 class JpegCompressibility:
     """Reward = -(JPEG size in kB): smaller files score higher. Option ``quality`` (DDPO: 95)."""
 
@@ -37,7 +36,6 @@ class JpegCompressibility:
         return RewardOutput(-kb, {"jpeg_kb": kb})
 
 
-@REWARDS.register("jpeg_incompressibility")
 class JpegIncompressibility(JpegCompressibility):
     """Reward = +(JPEG size in kB): busier images score higher. Option ``quality`` (DDPO: 95)."""
 

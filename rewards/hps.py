@@ -19,12 +19,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import REWARDS
 from .clip_common import (RESIZE_MODES, OpenClipReward, check_choice, existing_file, load_open_clip,
                           open_clip_image_cfg, positive_int, resolve_device)
 
 
-@REWARDS.register("hpsv2")
 class HPSv2Reward(OpenClipReward):
     """HPS v2 / v2.1: ``reward(images [B, 3, H, W] in [0, 1], prompts [B]) -> scores [B]`` (cosine).
 

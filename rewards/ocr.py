@@ -19,7 +19,7 @@ from torch import Tensor
 
 from flowgrpo.errors import UserError
 
-from .base import REWARDS, RewardOutput
+from .base import RewardOutput
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,6 @@ def to_bgr_uint8(images: Tensor) -> np.ndarray:
     return np.ascontiguousarray(arr[..., ::-1])
 
 
-@REWARDS.register("ocr")
 class OCRReward:
     """Flow-GRPO's text-rendering reward: 1 - (clamped) edit distance / target length.
 

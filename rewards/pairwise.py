@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import REWARDS, RewardOutput
+from .base import RewardOutput
 
 VERDICTS = ("a", "b", "tie")
 
@@ -219,7 +219,6 @@ class ShapesPairwiseJudge(PairwiseJudgeBase):
             self._cache.clear()
 
 
-@REWARDS.register("shapes_pairwise")
 class ShapesPairwiseReward(PairwiseReward):
     """Pref-GRPO on the shapes world: win rate under :class:`ShapesPairwiseJudge` (one order per pair)."""
 

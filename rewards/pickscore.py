@@ -22,7 +22,6 @@ from torch import Tensor
 
 from flowgrpo.errors import UserError
 
-from .base import REWARDS
 from .clip_common import (PREPROCESS_MODES, ClipReward, check_choice, clip_pixels, first_line, positive_int,
                           resolve_device)
 
@@ -53,7 +52,6 @@ def _embedding(out) -> Tensor:
     return out if isinstance(out, Tensor) else out.pooler_output
 
 
-@REWARDS.register("pickscore")
 class PickScoreReward(ClipReward):
     """``reward(images [B, 3, H, W] in [0, 1], prompts [B]) -> logit_scale.exp() * cosine [B]``.
 

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from flowgrpo.errors import ConfigError, RewardUnavailableError, UserError
 
-from .base import REWARDS, RewardOutput
+from .base import RewardOutput
 
 
 def to_uint8_hwc(images: Tensor) -> np.ndarray:
@@ -85,7 +85,6 @@ def _floats(values, n: int, what: str) -> Tensor:
     return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
 
 
-@REWARDS.register("remote")
 class RemoteReward:
     """A reward computed by a flowgrpo reward server at ``url`` (see the module docstring).
 

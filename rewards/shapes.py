@@ -8,10 +8,9 @@ from torch import Tensor
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import verify
 
-from .base import REWARDS, RewardOutput
+from .base import RewardOutput
 
 
-@REWARDS.register("shapes")
 class ShapesReward:
     """GenEval-style reward for shapes prompts.
 
@@ -36,7 +35,6 @@ class ShapesReward:
                             {"correct": torch.tensor(correct, dtype=torch.float32)})
 
 
-@REWARDS.register("shapes_correct")
 class ShapesCorrectReward(ShapesReward):
     """The strict 0/1 GenEval rule of :class:`ShapesReward` as the score (what held-out accuracy
     measures); the partial credit is kept as component ``partial``. Sparse: a group whose samples

@@ -165,9 +165,9 @@ def test_shapes_judge_and_reward():
     torch.testing.assert_close(out.scores[3:], torch.full((2,), 0.5))  # unverifiable prompt -> ties
     assert set(out.components) >= {"ties", "failed"}
     assert out.components["ties"].tolist() == [0, 1, 1, 1, 1] and not out.components["failed"].any()
-    # the trainer hands the leaves' group ids to rewards that declare needs_groups
-    scores, comps = GRPOTrainer.score(SimpleNamespace(rewards={"shapes_pairwise": reward}), images, prompts,
-                                      torch.tensor([0, 0, 0, 1, 1]))
+    # the trainer hands the leaves' group ids to every reward
+    trainer = SimpleNamespace(rewards={"shapes_pairwise": reward}, cfg=SimpleNamespace(reward=SimpleNamespace(frame_stride=1)))
+    scores, comps = GRPOTrainer.score(trainer, images, prompts, torch.tensor([0, 0, 0, 1, 1]))
     torch.testing.assert_close(scores["shapes_pairwise"], out.scores)
     assert "shapes_pairwise.failed" in comps
 

@@ -30,6 +30,7 @@ from ..loss_weights import transition_weights
 from ..ops import grpo_loss, grpo_loss_ref
 from ..policies import build_policy
 from ..rewards import build_reward
+from ..rewards.video import score_frames
 from ..samplers.forest import Rollout, TransitionBatch
 from ..samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
 from ..samplers.rollout import ForestSampler
@@ -146,10 +147,11 @@ class GRPOTrainer:
 
     def score(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor | None = None) -> tuple[dict, dict]:
         """Rewards [L] per name, plus named components for logging. Every reward also receives the
-        leaves' group ids [L] (pairwise rewards compare within a group)."""
+        leaves' group ids [L] (pairwise rewards compare within a group); videos are scored every
+        ``reward.frame_stride``-th frame and averaged."""
         scores, comps = {}, {}
         for name, fn in self.rewards.items():
-            out = fn(images, prompts, groups=groups)
+            out = score_frames(fn, images, prompts, groups, self.cfg.reward.frame_stride)
             scores[name] = out.scores.float().cpu()
             for k, v in out.components.items():
                 comps[f"{name}.{k}"] = v.float().cpu()
