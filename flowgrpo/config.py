@@ -16,14 +16,14 @@ from typing import Any, Literal
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .fields import check_choices, help_field as _f, merge_into
 from .samplers.sde import DEFAULT_NOISE_LEVEL
 
 
 @dataclass
 class ModelConfig:
-    name: str = _f("shapes", "policy adapter: shapes | sd3 | sd3-tiny (see `flowgrpo.policies.POLICIES`)")
+    name: str = _f("shapes", "policy adapter (shapes | sd3 | sd3-tiny | flux | wan, see `flowgrpo.policies.POLICIES`), or a diffusers pipeline directory / cached hub id whose model_index.json picks the adapter")
     path: str | None = _f(None, "local weights directory (shapes: default shipped weights; sd3: a diffusers pipeline folder)")
     train_mode: Literal["lora", "full"] = _f("lora", "lora (peft adapter) | full (all transformer weights)")
     lora_rank: int = _f(32, "LoRA rank r")
@@ -321,13 +321,17 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"config key 'reward.options.{name}' must be a mapping of option -> value")
     # names are checked against the registries here, before any model is built (no heavy imports)
     from .advantages import ESTIMATORS
-    from .policies import POLICIES
+    from .policies import POLICIES, resolve_model
     from .rewards import REWARDS
     from .samplers.strategies import STRATEGIES, options_class
     from .samplers.strategy_base import parse_options
 
-    for key, registry, names in (("model.name", POLICIES, [cfg.model.name]),
-                                 ("sampler.strategy", STRATEGIES, [cfg.sampler.strategy]),
+    if cfg.model.name not in POLICIES:  # a pipeline directory or cached hub id picks its adapter
+        try:
+            resolve_model(cfg.model)
+        except UserError as exc:
+            raise ConfigError(f"config key 'model.name': {exc}") from None
+    for key, registry, names in (("sampler.strategy", STRATEGIES, [cfg.sampler.strategy]),
                                  ("advantage.estimator", ESTIMATORS, [cfg.advantage.estimator]),
                                  ("reward.weights", REWARDS, list(cfg.reward.weights))):
         for name in names:

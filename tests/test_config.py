@@ -250,3 +250,21 @@ def test_reward_options_merge_and_reach_the_factory(tmp_path):
         load_config("shapes", None, ["reward.options.hpsv2.checkpoint=/x"])
     with pytest.raises(ConfigError, match="unknown option\\(s\\) colour for reward 'shapes'; valid options: "):
         build_reward("shapes", colour=1)
+
+
+def test_model_name_may_be_a_pipeline_directory(tmp_path):
+    from flowgrpo.policies import resolve_model
+
+    sd3 = tmp_path / "sd3"
+    sd3.mkdir()
+    (sd3 / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    cfg = load_config("shapes", None, [f"model.name={sd3}"])
+    assert resolve_model(cfg.model) == ("sd3", str(sd3))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
+    with pytest.raises(ConfigError, match="'StableDiffusionXLPipeline' is not supported; supported pipelines: "
+                                          "FluxPipeline, StableDiffusion3Pipeline, WanPipeline"):
+        load_config("shapes", None, [f"model.name={other}"])
+    with pytest.raises(ConfigError, match="neither an adapter \\(flux, sd3, sd3-tiny, shapes, wan\\)"):
+        load_config("shapes", None, [f"model.name={tmp_path / 'missing'}"])

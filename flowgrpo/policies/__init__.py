@@ -1,21 +1,82 @@
 """Policy adapters: one interface (:class:`Policy`) over every supported flow model.
 
 Factories take a :class:`~flowgrpo.config.ModelConfig` and return a :class:`Policy`; heavy model
-code is imported only when its name is asked for.
+code is imported only when its name is asked for. ``model.name`` is an adapter name, or a local
+diffusers pipeline directory (or a hub id already in the local cache), whose ``model_index.json``
+names the pipeline class and so the adapter (:data:`PIPELINE_ADAPTERS`).
 """
 
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UserError
 from ..registry import Registry
 from .base import Conditioning, Policy
 
 POLICIES: Registry[Policy] = Registry("model")
-POLICIES.register_lazy("shapes", "flowgrpo.shapes.policy:build_shapes_policy")
-POLICIES.register_lazy("sd3", "flowgrpo.policies.sd3:build_sd3_policy")
-POLICIES.register_lazy("sd3-tiny", "flowgrpo.policies.sd3_tiny:build_tiny_sd3_policy")
+for _name, _target in (("shapes", "flowgrpo.shapes.policy:build_shapes_policy"),
+                       ("sd3", "flowgrpo.policies.sd3:build_sd3_policy"),
+                       ("sd3-tiny", "flowgrpo.policies.sd3_tiny:build_tiny_sd3_policy"),
+                       ("flux", "flowgrpo.policies.flux:build_flux_policy"),
+                       ("wan", "flowgrpo.policies.wan:build_wan_policy")):
+    POLICIES.register_lazy(_name, _target)
+
+#: diffusers pipeline class (``_class_name`` of ``model_index.json``) -> adapter name
+PIPELINE_ADAPTERS = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "WanPipeline": "wan",
+}
+
+
+def _pipeline_dir(name: str) -> Path | None:
+    """A local pipeline directory for ``name``: the path itself, or a hub id's snapshot in the local
+    Hugging Face cache (never downloaded)."""
+    path = Path(name).expanduser()
+    if (path / "model_index.json").is_file():
+        return path
+    if "/" in name and not path.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = Path(snapshot_download(name, local_files_only=True, allow_patterns=["model_index.json"]))
+        except Exception:  # not in the cache (or not a hub id): the caller reports it
+            return None
+        return local if (local / "model_index.json").is_file() else None
+    return None
+
+
+def resolve_model(model_cfg) -> tuple[str, str | None]:
+    """(adapter name, pipeline directory or None) for ``model_cfg.name``.
+
+    An adapter name selects that adapter (with ``model.path``); a pipeline directory or cached hub id
+    selects the adapter for its pipeline class. Anything else raises a UserError naming the valid
+    adapters and the supported pipeline classes.
+    """
+    name = model_cfg.name
+    if name in POLICIES:
+        return name, model_cfg.path
+    directory = _pipeline_dir(name)
+    if directory is None:
+        raise UserError(f"model.name {name!r} is neither an adapter ({', '.join(POLICIES.names())}) nor a "
+                        "diffusers pipeline directory (or a hub id in the local cache) with a model_index.json")
+    cls = json.loads((directory / "model_index.json").read_text()).get("_class_name")
+    if cls not in PIPELINE_ADAPTERS:
+        raise UserError(f"{directory}: pipeline class {cls!r} is not supported; supported pipelines: "
+                        f"{', '.join(sorted(PIPELINE_ADAPTERS))}")
+    return PIPELINE_ADAPTERS[cls], str(directory)
 
 
 def build_policy(model_cfg) -> Policy:
-    """Instantiate the policy named by ``model_cfg.name``."""
-    return POLICIES.build(model_cfg.name, model_cfg)
+    """Instantiate the policy for ``model_cfg.name`` (an adapter name or a pipeline directory)."""
+    import dataclasses
+
+    adapter, directory = resolve_model(model_cfg)
+    if directory is not None and directory != model_cfg.path:
+        model_cfg = dataclasses.replace(model_cfg, path=directory)
+    return POLICIES.build(adapter, model_cfg)
 
 
-__all__ = ["Conditioning", "POLICIES", "Policy", "build_policy"]
+__all__ = ["Conditioning", "PIPELINE_ADAPTERS", "POLICIES", "Policy", "build_policy", "resolve_model"]
