@@ -32,6 +32,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "model dtype (step math is always float32)")
     resolution: int = _f(64, "image resolution in pixels for latent models (sd3*)")
     max_sequence_length: int = _f(32, "T5 tokens for sd3* text encoding")
+    num_frames: int = _f(81, "video frames for video models (wan): 4k + 1")
 
 
 @dataclass

@@ -149,7 +149,13 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             it = m["iteration"]
             if cfg.log.grid_every and (it % cfg.log.grid_every == 0):
                 per_row = min(8, cfg.data.trees_per_prompt)
-                save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:8 * per_row], ncol=per_row, scale=2)
+                if out.images.ndim == 5:  # videos [B, F, 3, H, W]: the first as mp4, frames of a few as rows
+                    from ..video_io import save_frame_grid, save_mp4
+
+                    save_mp4(run_dir / "grids" / f"iter_{it:06d}.mp4", out.images[0])
+                    save_frame_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:8], scale=2)
+                else:
+                    save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:8 * per_row], ncol=per_row, scale=2)
             train_seconds += time.perf_counter() - t0
             m["train_seconds"] = train_seconds
             next_end = _next_end(train_seconds, recent + [train_seconds - spent_before])

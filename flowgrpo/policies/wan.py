@@ -1,0 +1,196 @@
+"""Policy adapter for Wan 2.1 text-to-video (diffusers ``WanPipeline`` components).
+
+Latent space: ``[z_dim, F_lat, H/8, W/8]`` with ``F_lat = (num_frames - 1) // 4 + 1`` (the Wan VAE
+compresses time 4x, keeping the first frame on its own; ``num_frames - 1`` must be a multiple of
+4, e.g. 81 -> 21 latent frames). Prompts go through the pipeline's own ``encode_prompt`` (UMT5,
+``max_sequence_length`` tokens, embeddings zeroed past each prompt's length); guidance uses the empty
+prompt as the negative one (the pipeline's default), skipped when ``guidance_scale`` is 1. Wan's
+stock pipelines use ``guidance_scale=5``; ``model.guidance_scale`` sets it here.
+
+The transformer is called with ``timestep = 1000 * sigma`` (what ``WanPipeline.__call__`` passes:
+the flow scheduler's timesteps are its sigmas times ``num_train_timesteps``). Decoding undoes the
+VAE's per-channel ``latents_mean``/``latents_std`` normalisation as the pipeline does and then uses
+the pipeline's ``video_processor`` -> videos ``[B, F, 3, H, W]`` in [0, 1].
+
+Sigma grid: the stock Wan pipelines sample with ``UniPCMultistepScheduler`` (a multistep solver,
+``flow_shift`` 3 at 480p, 5 at 720p). Flow-GRPO's SDE needs a one-step Euler-type grid, so
+:meth:`WanPolicy.sigma_grid` uses ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` with the
+pipeline scheduler's ``flow_shift`` (or its ``shift`` when it already is a flow-matching Euler
+scheduler, whose grid is then used as is). ``sampler.shift`` is ignored, as for SD3.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UserError
+from .base import Policy
+from .lora import add_lora
+from .sd3 import SD3Policy, _cast, torch_dtype
+
+# self- (attn1) and cross-attention (attn2) projections and the feed-forward of every Wan block
+WAN_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+
+
+def wan_euler_scheduler(scheduler=None):
+    """The flow-matching Euler scheduler whose grid Wan rollouts use (see the module docstring)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return copy.deepcopy(scheduler)
+    config = scheduler.config if scheduler is not None else {}
+    shift = config.get("flow_shift", config.get("shift", 3.0))
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000),
+                                           shift=float(shift if shift is not None else 3.0))
+
+
+class WanPolicy(Policy):
+    """Wraps the components of a Wan 2.1 ``WanPipeline`` (text to video).
+
+    Args:
+        transformer, vae, text_encoder, tokenizer, scheduler: the pipeline's components (the
+            scheduler only sets the sigma grid's shift; it is never stepped).
+        resolution: frame side in pixels (square frames); num_frames: frames per video (4k + 1).
+        guidance_scale, train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch,
+            gradient_checkpointing: as :class:`~flowgrpo.policies.sd3.SD3Policy`.
+        max_sequence_length: UMT5 tokens (the stock pipeline uses 512).
+    """
+
+    adapter_name = "default"
+    evaluator = None
+
+    def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler=None, *, resolution: int = 480,
+                 num_frames: int = 81, guidance_scale: float = 5.0, train_mode: str = "lora", lora_rank: int = 32,
+                 lora_alpha: float = 64.0, lora_targets: list[str] | None = None, max_sequence_length: int = 512,
+                 dtype: torch.dtype | str = torch.float32, decode_batch: int = 1,
+                 gradient_checkpointing: bool = False):
+        super().__init__(guidance_scale)
+        from diffusers import WanPipeline
+
+        if train_mode not in ("lora", "full", "frozen"):
+            raise ValueError(f"unknown train_mode {train_mode!r}; valid: lora, full, frozen")
+        self.dtype, self.train_mode, self.tokenizer = torch_dtype(dtype), train_mode, tokenizer
+        # the VAE runs in float32, the rest in the model dtype; all frozen until the adapter is added
+        self.vae = _cast(vae, torch.float32).eval().requires_grad_(False)
+        self.text_encoder = _cast(text_encoder, self.dtype).eval().requires_grad_(False)
+        self.transformer = _cast(transformer, self.dtype).requires_grad_(False)
+        self.scheduler = wan_euler_scheduler(scheduler)
+        # the stock pipeline over the same modules: its encode_prompt / video_processor are reused
+        object.__setattr__(self, "pipe", WanPipeline(tokenizer=tokenizer, text_encoder=self.text_encoder,
+                                                     vae=self.vae, scheduler=self.scheduler,
+                                                     transformer=self.transformer))
+        self.max_sequence_length = int(max_sequence_length)
+        self.decode_batch = int(decode_batch)
+        self._frozen: nn.Module | None = None
+
+        temporal, spatial = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        if num_frames < 1 or (num_frames - 1) % temporal:
+            raise ValueError(f"num_frames {num_frames}: num_frames - 1 must be a non-negative multiple of {temporal} "
+                             f"(the Wan VAE's temporal compression), e.g. 81, 49, 17 or 5")
+        patch = self.transformer.config.patch_size
+        step = spatial * max(patch[1], patch[2])
+        if resolution <= 0 or resolution % step:
+            raise ValueError(f"resolution {resolution} must be a positive multiple of {step} "
+                             f"(VAE factor {spatial} x patch size {patch[1]})")
+        self.resolution, self.num_frames = int(resolution), int(num_frames)
+        side = resolution // spatial
+        self.latent_shape = (self.vae.config.z_dim, (num_frames - 1) // temporal + 1, side, side)
+
+        if gradient_checkpointing and train_mode != "frozen":
+            self.transformer.enable_gradient_checkpointing()
+        self.transformer.requires_grad_(train_mode == "full")
+        if train_mode == "lora":
+            add_lora(self.transformer, lora_rank, lora_alpha, lora_targets or WAN_LORA_TARGETS, name=self.adapter_name)
+            for p in self.trainable_parameters():  # LoRA weights train in fp32 even when the base runs in bf16
+                p.data = p.data.float()
+
+    @classmethod
+    def from_components(cls, components: dict, **kwargs) -> "WanPolicy":
+        """From a ``pipeline.components``-style dict (Wan 2.2's ``transformer_2`` is not supported)."""
+        if components.get("transformer_2") is not None:
+            raise ValueError("two-stage Wan 2.2 pipelines (transformer_2) are not supported; use a Wan 2.1 T2V one")
+        names = ["transformer", "vae", "text_encoder", "tokenizer", "scheduler"]
+        return cls(**{n: components.get(n) for n in names}, **kwargs)
+
+    def train(self, mode: bool = True) -> "WanPolicy":
+        """Only the transformer follows ``mode``: the frozen text encoder and VAE stay in eval."""
+        super().train(mode)
+        self.vae.eval()
+        self.text_encoder.eval()
+        return self
+
+    # ------------------------------------------------------------------ prompts
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
+        embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False,
+                                            max_sequence_length=self.max_sequence_length, device=self.device,
+                                            dtype=self.dtype)
+        return {"prompt_embeds": embeds}
+
+    # ------------------------------------------------------------------ schedule
+    def sigma_grid(self, num_steps: int, shift: float | None = None) -> Tensor:
+        """``scheduler.sigmas`` after ``set_timesteps(num_steps)`` on a copy of the flow-matching Euler
+        scheduler (float32 [num_steps + 1], 1 -> 0, CPU). ``shift`` is ignored: the pipeline's
+        ``flow_shift`` owns it."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        sched = copy.deepcopy(self.scheduler)
+        sched.set_timesteps(num_steps, device="cpu")
+        return torch.as_tensor(sched.sigmas, dtype=torch.float32).detach().cpu().reshape(-1)
+
+    # ------------------------------------------------------------------ model
+    def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
+        # WanPipeline.__call__: timestep = the flow scheduler's timestep, i.e. sigma * num_train_timesteps
+        timestep = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).reshape(-1).expand(x.shape[0]) * 1000.0
+        out = self.transformer(hidden_states=x.to(self.dtype), timestep=timestep,
+                               encoder_hidden_states=enc["prompt_embeds"].to(self.dtype), return_dict=False)
+        return out[0]
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents [B, C, F_lat, h, w] -> videos [B, F, 3, H, W] in [0, 1] (``WanPipeline.__call__``'s tail)."""
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)
+        videos = []
+        for chunk in latents.split(self.decode_batch):
+            z = chunk.to(self.vae.dtype)
+            z = z * std.to(z.device, z.dtype) + mean.to(z.device, z.dtype)
+            video = self.vae.decode(z, return_dict=False)[0]
+            videos.append(self.pipe.video_processor.postprocess_video(video, output_type="pt"))
+        return torch.cat(videos).float().clamp(0.0, 1.0)
+
+    # the adapter / reference logic is SD3's (it only touches ``transformer``, ``train_mode`` and ``_frozen``)
+    trainable_parameters = SD3Policy.trainable_parameters
+    adapter_disabled = SD3Policy.adapter_disabled
+    snapshot_reference = SD3Policy.snapshot_reference
+
+    # diffusers' LoRA file (``pytorch_lora_weights.safetensors``, ``transformer.``-prefixed peft keys
+    # with the LoRA config in its metadata) is the same for every pipeline's ``save_lora_weights``:
+    # SD3's writer makes a file ``WanPipeline.load_lora_weights(directory)`` loads (tested)
+    save_lora = SD3Policy.save_lora
+
+
+def build_wan_policy(cfg) -> WanPolicy:
+    """Factory for ``model.name=wan`` (or a WanPipeline directory as ``model.name``): ``cfg.path`` is a
+    local diffusers ``WanPipeline`` folder; ``model.num_frames`` frames of ``model.resolution`` pixels."""
+    path = Path(cfg.path or "").expanduser()
+    if not cfg.path or not (path / "model_index.json").is_file():
+        raise UserError(f"model.name=wan needs model.path to be a local diffusers WanPipeline folder holding "
+                        f"model_index.json (got {cfg.path!r}); weights are never downloaded")
+    from diffusers import WanPipeline
+
+    dtype = torch_dtype(cfg.dtype)
+    options = dict(resolution=cfg.resolution, num_frames=cfg.num_frames, guidance_scale=cfg.guidance_scale,
+                   train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, dtype=dtype,
+                   max_sequence_length=cfg.max_sequence_length,
+                   gradient_checkpointing=getattr(cfg, "gradient_checkpointing", False))
+    try:
+        pipe = WanPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+        return WanPolicy.from_components(pipe.components, **options)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot build a Wan policy from {str(path)!r}: {exc}") from None
