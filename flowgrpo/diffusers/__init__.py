@@ -8,24 +8,15 @@
   :class:`~flowgrpo.samplers.forest.Rollout` chain the trainer consumes.
 * :mod:`flowgrpo.diffusers.tiny`: a tiny random FLUX pipeline built offline (tests).
 
-Submodules import diffusers lazily: ``import flowgrpo.diffusers`` is cheap.
+Importing this package imports diffusers (``rollout`` names the function, not the submodule).
 """
 
 from __future__ import annotations
 
-import importlib
+from .recorder import StepRecorder
+from .rollout import PipelineRollout, ensure_flowgrpo_scheduler, rollout
+from .scheduler import FlowGRPOScheduler, SDERecord
+from .tiny import tiny_flux_components, tiny_flux_pipeline
 
-_LAZY = {
-    "FlowGRPOScheduler": "scheduler", "SDERecord": "scheduler",
-    "StepRecorder": "recorder",
-    "rollout": "rollout", "PipelineRollout": "rollout",
-    "tiny_flux_components": "tiny", "tiny_flux_pipeline": "tiny",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["FlowGRPOScheduler", "PipelineRollout", "SDERecord", "StepRecorder", "ensure_flowgrpo_scheduler",
+           "rollout", "tiny_flux_components", "tiny_flux_pipeline"]

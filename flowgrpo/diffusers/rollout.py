@@ -1,0 +1,120 @@
+"""Run a stock diffusers pipeline as a Flow-GRPO sampler and return the trainer's ``Rollout``.
+
+:func:`rollout` calls the pipeline unchanged (``output_type="latent"`` by default) with a
+:class:`~flowgrpo.diffusers.scheduler.FlowGRPOScheduler` (swapped in from the pipeline's own
+scheduler config when it has another one) and a :class:`~flowgrpo.diffusers.recorder.StepRecorder`,
+then assembles the recorded steps into a :class:`~flowgrpo.samplers.forest.Rollout` of chains: one
+tree per (prompt, sample), ``levels[d].x`` [N, ...] the latents at depth d (N = prompts x
+group_size, prompt-major as the pipelines repeat prompts), SDE edges carrying mean / std / log-prob.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowgrpo.samplers.forest import Level, Rollout
+from flowgrpo.samplers.plan import PlanMeta, SamplingPlan, StepSpec
+
+from .recorder import StepRecorder
+from .scheduler import FlowGRPOScheduler, SDERecord
+
+#: the per-prompt sample count argument of the pipelines (images, videos)
+_PER_PROMPT_ARGS = ("num_images_per_prompt", "num_videos_per_prompt")
+
+
+@dataclass
+class PipelineRollout:
+    """What :func:`rollout` returns.
+
+    Attributes:
+        rollout: the chain forest (``rollout.transitions(...)`` feeds the loss).
+        conditioning: the pipeline's callback tensors of step 0 (prompt embeddings, ...).
+        recorder: the :class:`StepRecorder` (transformer calls for velocity recomputation).
+        records: the scheduler's per-step :class:`SDERecord` s.
+        output: the pipeline's output images / videos / latents (``output_type`` decides).
+    """
+
+    rollout: Rollout
+    conditioning: dict[str, torch.Tensor]
+    recorder: StepRecorder
+    records: list[SDERecord]
+    output: Any
+
+
+def ensure_flowgrpo_scheduler(pipe, **options) -> FlowGRPOScheduler:
+    """Give ``pipe`` a FlowGRPOScheduler built from its scheduler's config (``options`` override it)."""
+    if not isinstance(pipe.scheduler, FlowGRPOScheduler) or options:
+        pipe.scheduler = FlowGRPOScheduler.from_config(pipe.scheduler.config, **options)
+    return pipe.scheduler
+
+
+def plan_from_scheduler(scheduler: FlowGRPOScheduler, sde: list[bool]) -> SamplingPlan:
+    """A chain :class:`SamplingPlan` with the scheduler's sigmas [T + 1] and one StepSpec per step."""
+    cfg = scheduler.config
+    steps = [StepSpec(sde=s, noise_level=float(cfg.noise_level), sde_kind=cfg.sde_kind, log_prob=cfg.log_prob)
+             if s else StepSpec(sde=False) for s in sde]
+    meta = PlanMeta(window_start=cfg.window_start, window=cfg.window_size)
+    return SamplingPlan(scheduler.sigmas.detach().float().cpu().clone(), steps, meta=meta)
+
+
+def levels_from_records(records: list[SDERecord]) -> list[Level]:
+    """Depth 0 .. T chain levels from the scheduler records of one call (N = batch)."""
+    n = records[0].sample.shape[0]
+    idx = torch.arange(n, device=records[0].sample.device)
+    levels = [Level(x=records[0].sample, parent=torch.full_like(idx, -1), tree=idx)]
+    for r in records:
+        if r.sde:
+            levels.append(Level(x=r.prev_sample, parent=idx, tree=idx, mean=r.mean, std=r.std, log_prob=r.log_prob))
+        else:
+            levels.append(Level(x=r.prev_sample, parent=idx, tree=idx))
+    return levels
+
+
+def rollout(pipe, prompts: str | list[str], *, group_size: int = 1, num_inference_steps: int = 10,
+            generator: torch.Generator | None = None, output_type: str = "latent",
+            scheduler_options: dict | None = None, **pipe_kwargs) -> PipelineRollout:
+    """Sample ``group_size`` chains per prompt with the stock pipeline and record them.
+
+    Args:
+        pipe: a diffusers flow-matching pipeline (SD3, FLUX, Wan, ...).
+        prompts: P prompts; one GRPO group per prompt.
+        group_size: G samples per prompt (passed as num_images_per_prompt / num_videos_per_prompt).
+        num_inference_steps: T.
+        generator: the pipeline's generator (initial noise and SDE noise).
+        output_type: the pipeline's output type ("latent" skips decoding).
+        scheduler_options: FlowGRPOScheduler config overrides (noise_level, sde_kind, sde_steps,
+            window_start, window_size, log_prob); without them a FlowGRPOScheduler is kept as is.
+        pipe_kwargs: anything else for the pipeline (height, width, guidance_scale, ...).
+
+    Returns: :class:`PipelineRollout`; its ``rollout`` has N = P * G trees, T + 1 levels
+    (``levels[d].x`` [N, ...] float32), ``tree_prompt`` = ``tree_group`` = [N] prompt index.
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    scheduler = ensure_flowgrpo_scheduler(pipe, **(scheduler_options or {}))
+    params = inspect.signature(pipe.__call__).parameters
+    per_prompt = next((a for a in _PER_PROMPT_ARGS if a in params), None)
+    if per_prompt is None and group_size != 1:
+        raise ValueError(f"{type(pipe).__name__} takes no per-prompt sample count; use group_size=1")
+    if per_prompt is not None:
+        pipe_kwargs[per_prompt] = group_size
+    recorder = StepRecorder().attach(pipe)
+    try:
+        out = pipe(prompts, num_inference_steps=num_inference_steps, generator=generator, output_type=output_type,
+                   callback_on_step_end=recorder, callback_on_step_end_tensor_inputs=recorder.tensor_inputs(pipe),
+                   **pipe_kwargs)
+    finally:
+        recorder.detach()
+    records = list(scheduler.records)
+    if len(records) != len(scheduler.sigmas) - 1:
+        raise RuntimeError(f"the scheduler recorded {len(records)} steps for a {len(scheduler.sigmas) - 1}-step grid")
+    plan = plan_from_scheduler(scheduler, [r.sde for r in records])
+    tree_prompt = torch.arange(len(prompts)).repeat_interleave(group_size)
+    calls = sum(len(c) for c in recorder.calls)
+    forest = Rollout(plan=plan, levels=levels_from_records(records), prompts=prompts, tree_prompt=tree_prompt,
+                     tree_group=tree_prompt.clone(), nfe=calls)
+    images = out.frames if hasattr(out, "frames") else out.images
+    return PipelineRollout(forest, recorder.conditioning, recorder, records, images)
