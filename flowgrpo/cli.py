@@ -2,6 +2,7 @@
 
     flowgrpo train [--preset NAME] [--config FILE] [key.sub=value ...] [--resume RUN_DIR]
     flowgrpo eval RUN_DIR_OR_CHECKPOINT [--json PATH]
+    flowgrpo export RUN_DIR --to DIR [--fuse] [--checkpoint N] [--raw]
     flowgrpo presets
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
     flowgrpo bench ops|samplers|e2e|profile|reward-server [--out DIR] [--json PATH]
@@ -101,6 +102,13 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from .export import export_run
+
+    export_run(args.run_dir, args.to, fuse=args.fuse, checkpoint=args.checkpoint, raw=args.raw)
+    return 0
+
+
 def _cmd_presets(args) -> int:
     from .config import preset_names, read_preset
 
@@ -185,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
     e.add_argument("--json", default=None)
     e.set_defaults(fn=_cmd_eval)
+    ex = sub.add_parser("export", help="write a LoRA run's adapter in diffusers' format (or the fused pipeline)")
+    ex.add_argument("run_dir", metavar="RUN_DIR")
+    ex.add_argument("--to", required=True, metavar="DIR", help="output folder")
+    ex.add_argument("--fuse", action="store_true", help="write the base pipeline with the LoRA fused into it")
+    ex.add_argument("--checkpoint", type=int, default=None, metavar="N", help="checkpoint iteration (default: latest)")
+    ex.add_argument("--raw", action="store_true", help="the raw trained weights instead of their EMA")
+    ex.set_defaults(fn=_cmd_export)
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(fn=_cmd_presets)
     c = sub.add_parser("config", help="explain the run configuration")

@@ -33,6 +33,12 @@ class ModelConfig:
     resolution: int = _f(64, "image resolution in pixels for latent models (sd3*)")
     max_sequence_length: int = _f(32, "T5 tokens for sd3* text encoding")
     num_frames: int = _f(81, "video frames for video models (wan): 4k + 1")
+    gradient_checkpointing: bool = _f(False, "recompute transformer blocks in the backward pass (less memory, ~30 % slower; diffusers models)")
+    vae_slicing: bool = _f(False, "decode one image at a time through the VAE (less memory; same images)")
+    vae_tiling: bool = _f(False, "decode large images in overlapping VAE tiles (less memory at high resolution)")
+    offload_text_encoders: bool = _f(False, "keep the text encoders on the CPU between encodings; encodings are cached per prompt (LRU)")
+    attention_backend: Literal["sdpa", "xformers"] = _f("sdpa", "attention kernels: sdpa (PyTorch) | xformers (needs xformers and CUDA)")
+    compile_transformer: bool = _f(False, "torch.compile the transformer's forward (slow first iterations)")
 
 
 @dataclass

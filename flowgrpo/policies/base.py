@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from ..errors import UserError
+
 
 @dataclass
 class Conditioning:
@@ -77,6 +79,20 @@ class Policy(nn.Module, ABC):
         The trainer calls it once, before the first update, when a term needs the base model (KL,
         anchor). Full fine-tuning policies must override it; LoRA needs none (the adapter is
         disabled instead), which is this default."""
+
+    def save_lora(self, directory, weights: dict[str, Tensor] | None = None):
+        """Write the LoRA adapter in diffusers' format to ``directory`` (returned as a Path), so that the
+        stock pipeline's ``load_lora_weights(directory)`` reproduces this policy.
+
+        ``weights``: a :meth:`trainable_state_dict`-keyed dict (e.g. the trainer's EMA) saved instead
+        of the live adapter (which is left untouched). Adapters of diffusers models override this;
+        the default raises a UserError (``flowgrpo export`` and the end-of-run export rely on it)."""
+        raise UserError(f"model {type(self).__name__} has no diffusers LoRA format")
+
+    @property
+    def exports_lora(self) -> bool:
+        """Whether this adapter implements :meth:`save_lora`."""
+        return type(self).save_lora is not Policy.save_lora
 
     def sigma_grid(self, num_steps: int, shift: float = 1.0) -> Tensor:
         """The sigma grid [num_steps + 1] (1 -> 0, float32) rollouts of this model use.

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -83,6 +85,13 @@ class SD3Policy(Policy):
             are kept in float32). Velocities are returned in this dtype; callers cast.
         decode_batch: largest VAE decode batch.
         gradient_checkpointing: recompute transformer blocks in backward (memory for real SD3).
+        vae_slicing, vae_tiling: decode one image at a time / in overlapping tiles (VAE memory).
+        offload_text_encoders: keep the text encoders on the CPU between encodings (moved to the
+            transformer's device only to encode); encodings are cached per prompt in an LRU dict of
+            ``prompt_cache_size`` entries, so repeated prompts never reach the encoders again.
+        attention_backend: "sdpa" (PyTorch's scaled_dot_product_attention, diffusers' default) or
+            "xformers" (needs xformers installed and CUDA).
+        compile_transformer: ``torch.compile`` the transformer's forward (``nn.Module.compile``).
         scheduler: the pipeline's scheduler; it defines the rollout sigma grid (:meth:`sigma_grid`)
             and is never stepped or modified. None: SD3's stock one (:func:`default_sd3_scheduler`).
     """
@@ -93,7 +102,9 @@ class SD3Policy(Policy):
                  tokenizer_3=None, *, resolution: int = 512, guidance_scale: float = 1.0, train_mode: str = "lora",
                  lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None,
                  max_sequence_length: int = 256, dtype: torch.dtype | str = torch.float32, decode_batch: int = 8,
-                 gradient_checkpointing: bool = False, scheduler=None):
+                 gradient_checkpointing: bool = False, scheduler=None, vae_slicing: bool = False,
+                 vae_tiling: bool = False, offload_text_encoders: bool = False, attention_backend: str = "sdpa",
+                 compile_transformer: bool = False, prompt_cache_size: int = 1024):
         super().__init__(guidance_scale)
         if train_mode not in ("lora", "full", "frozen"):
             raise ValueError(f"unknown train_mode {train_mode!r}; valid: lora, full, frozen")
@@ -139,6 +150,25 @@ class SD3Policy(Policy):
             self.transformer.requires_grad_(True)
         if gradient_checkpointing and train_mode != "frozen":
             self.transformer.enable_gradient_checkpointing()
+        if vae_slicing:
+            self.vae.enable_slicing()
+        if vae_tiling:
+            self.vae.enable_tiling()
+        self.offload_text_encoders = bool(offload_text_encoders)
+        self.prompt_cache_size = int(prompt_cache_size)
+        self._prompt_cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
+        if self.offload_text_encoders:
+            self._text_encoders_to("cpu")
+        if attention_backend == "xformers":
+            if importlib.util.find_spec("xformers") is None or not torch.cuda.is_available():
+                raise UserError("model.attention_backend=xformers needs the xformers package and a CUDA GPU; "
+                                "use model.attention_backend=sdpa")
+            self.transformer.enable_xformers_memory_efficient_attention()
+        elif attention_backend != "sdpa":
+            raise UserError(f"unknown model.attention_backend {attention_backend!r}; valid: sdpa, xformers")
+        self.attention_backend = attention_backend
+        if compile_transformer:
+            self.transformer.compile()  # compiles forward in place: parameter names and peft are unchanged
 
     @classmethod
     def from_components(cls, components: dict, **kwargs) -> "SD3Policy":
@@ -168,9 +198,34 @@ class SD3Policy(Policy):
         out = encoder(ids, output_hidden_states=True)
         return out.hidden_states[-2], out[0]  # penultimate layer, projected pooled embedding
 
+    def _text_encoders_to(self, device) -> None:
+        for module in (self.text_encoder, self.text_encoder_2, self.text_encoder_3):
+            if module is not None:
+                module.to(device)
+
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
         prompts = list(prompts)
+        if not self.offload_text_encoders:
+            return self._encode_now(prompts)
+        cache = self._prompt_cache
+        missing = [p for p in dict.fromkeys(prompts) if p not in cache]
+        if missing:
+            self._text_encoders_to(self.device)
+            try:
+                enc = self._encode_now(missing)
+            finally:
+                self._text_encoders_to("cpu")
+            for i, p in enumerate(missing):
+                cache[p] = {k: v[i] for k, v in enc.items()}
+        for p in prompts:
+            cache.move_to_end(p)
+        out = {k: torch.stack([cache[p][k] for p in prompts]) for k in cache[prompts[0]]}
+        while len(cache) > self.prompt_cache_size:
+            cache.popitem(last=False)
+        return out
+
+    def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
         hidden_1, pooled_1 = self._clip(prompts, self.tokenizer, self.text_encoder)
         hidden_2, pooled_2 = self._clip(prompts, self.tokenizer_2, self.text_encoder_2)
         joint_dim = self.transformer.config.joint_attention_dim
@@ -271,14 +326,23 @@ class SD3Policy(Policy):
             object.__setattr__(self, "_frozen", frozen)  # not a submodule: not trained, not checkpointed
 
     # ------------------------------------------------------------------ export
-    def save_lora(self, directory: str | Path) -> Path:
+    def save_lora(self, directory: str | Path, weights: dict[str, Tensor] | None = None) -> Path:
         """Save the adapter so that ``StableDiffusion3Pipeline.load_lora_weights(directory)`` loads it.
 
         Writes ``pytorch_lora_weights.safetensors`` (diffusers' key layout, with the LoRA config —
-        rank, alpha, targets — in the file's metadata so the loaded scale matches).
+        rank, alpha, targets — in the file's metadata so the loaded scale matches). ``weights`` (keyed
+        as :meth:`trainable_state_dict`, e.g. the trainer's EMA) are saved instead of the live adapter,
+        which is restored afterwards.
         """
         if self.train_mode != "lora":
             raise ValueError(f"save_lora needs train_mode='lora' (this policy is {self.train_mode!r})")
+        if weights is not None:
+            live = self.trainable_state_dict()
+            self.load_trainable_state_dict(weights)
+            try:
+                return self.save_lora(directory)
+            finally:
+                self.load_trainable_state_dict(live)
         from diffusers import StableDiffusion3Pipeline
         from peft.utils import get_peft_model_state_dict
 
@@ -290,6 +354,13 @@ class SD3Policy(Policy):
         StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state,
                                                    transformer_lora_adapter_metadata=metadata)
         return directory
+
+
+def sd3_runtime_options(cfg) -> dict:
+    """The memory/speed switches of a ``ModelConfig`` as :class:`SD3Policy` keyword arguments."""
+    names = ("gradient_checkpointing", "vae_slicing", "vae_tiling", "offload_text_encoders", "attention_backend",
+             "compile_transformer")
+    return {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
 
 
 def build_sd3_policy(cfg) -> SD3Policy:
@@ -313,7 +384,7 @@ def build_sd3_policy(cfg) -> SD3Policy:
         return SD3Policy.from_components(
             pipe.components, resolution=cfg.resolution, guidance_scale=cfg.guidance_scale,
             train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-            max_sequence_length=cfg.max_sequence_length, dtype=dtype,
+            max_sequence_length=cfg.max_sequence_length, dtype=dtype, **sd3_runtime_options(cfg),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -5,6 +5,8 @@ RUN_DIR/
   metrics.jsonl        one line per iteration
   tensorboard/         TensorBoard events
   checkpoints/ckpt_N/  atomic checkpoints (trainable weights, optimizer, EMA, iteration, clock)
+  lora/                LoRA runs of diffusers models: pytorch_lora_weights.safetensors (EMA weights
+                       when train.ema is on) for the stock pipeline's load_lora_weights (flowgrpo.export)
   grids/               rollout sample grids during training
   eval_before.json     held-out evaluation of the base model
   before_after.png     held-out samples before (top) and after (bottom) training
@@ -181,6 +183,8 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             bar.update(task, completed=done, info=info)
     if latest_checkpoint(run_dir) is None or int(latest_checkpoint(run_dir).name.split("_")[1]) != trainer.iteration:
         save_checkpoint(run_dir, trainer.iteration, {"trainer": trainer.state_dict(), "train_seconds": train_seconds})
+    if cfg.model.train_mode == "lora" and trainer.policy.exports_lora:  # diffusers' format, EMA weights (flowgrpo.export)
+        trainer.policy.save_lora(run_dir / "lora", trainer.ema)
     logger.close()
     records = read_metrics(run_dir)
     summary = {"preset": cfg.preset, "evaluation": evaluator.name if evaluator is not None else eval_note,

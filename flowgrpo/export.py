@@ -1,0 +1,88 @@
+"""LoRA of a run in diffusers' format, and ``flowgrpo export``.
+
+At the end of a LoRA run on a diffusers model, :func:`flowgrpo.trainer.run.train` writes
+``RUN_DIR/lora/pytorch_lora_weights.safetensors``: the EMA weights when ``train.ema`` is on (the
+weights flowgrpo evaluates), else the live adapter. A stock pipeline loaded from the run's base
+model then reproduces the trained policy::
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(base)
+    pipe.load_lora_weights(RUN_DIR / "lora")
+
+``flowgrpo export RUN_DIR --to DIR`` writes the same file from any checkpoint (``--checkpoint N``,
+default the latest; ``--raw`` for the raw instead of the EMA weights), or with ``--fuse`` the whole
+pipeline with the adapter fused into the transformer (``save_pretrained`` layout, loadable without
+peft). A model adapter takes part by implementing :meth:`flowgrpo.policies.Policy.save_lora`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+
+LORA_DIRNAME = "lora"
+
+
+def checkpoint_weights(run_dir: Path, checkpoint: int | None = None, raw: bool = False):
+    """(config, checkpoint folder, weights, "ema" | "raw") of a LoRA run's checkpoint."""
+    from .trainer.checkpoint import CKPT_PREFIX, list_checkpoints, load_checkpoint
+    from .trainer.run import load_run_config
+
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    if cfg.model.train_mode != "lora":
+        raise UserError(f"{run_dir} is not a LoRA run (model.train_mode={cfg.model.train_mode}); "
+                        "only LoRA adapters can be exported")
+    ckpts = list_checkpoints(run_dir)
+    if not ckpts:
+        raise UserError(f"run directory {run_dir} has no checkpoint yet")
+    if checkpoint is None:
+        ckpt = ckpts[-1]
+    else:
+        ckpt = run_dir / "checkpoints" / f"{CKPT_PREFIX}{checkpoint:06d}"
+        if ckpt not in ckpts:
+            have = ", ".join(str(int(p.name[len(CKPT_PREFIX):])) for p in ckpts)
+            raise UserError(f"{run_dir} has no checkpoint {checkpoint} (available: {have})")
+    state = load_checkpoint(ckpt)["trainer"]
+    if not raw and state.get("ema"):
+        return cfg, ckpt, state["ema"], "ema"
+    return cfg, ckpt, state["trainable"], "raw"
+
+
+def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoint: int | None = None,
+               raw: bool = False) -> Path:
+    """Export a LoRA run's adapter to ``to`` (diffusers LoRA format), or with ``fuse`` the base
+    pipeline with the adapter fused in. Returns ``to``."""
+    import torch
+
+    from .policies import build_policy, resolve_model
+    from .policies.sd3 import torch_dtype
+
+    cfg, ckpt, weights, which = checkpoint_weights(Path(run_dir), checkpoint, raw)
+    adapter, base = resolve_model(cfg.model)
+    if fuse and not base:
+        raise UserError(f"--fuse needs the base pipeline folder (model.path), which model {adapter!r} "
+                        f"of {run_dir} does not have")
+    torch.manual_seed(cfg.train.seed)
+    policy = build_policy(cfg.model)
+    if not policy.exports_lora:
+        policy.save_lora(to)  # the base hook's one-line UserError
+    to = Path(to)
+    if not fuse:
+        policy.save_lora(to, weights)
+        print(f"wrote {to / 'pytorch_lora_weights.safetensors'} ({which} weights of {ckpt})")
+        return to
+    from diffusers import DiffusionPipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lora_dir = policy.save_lora(Path(tmp) / LORA_DIRNAME, weights)
+        del policy
+        pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch_dtype(cfg.model.dtype), local_files_only=True)
+        pipe.load_lora_weights(str(lora_dir))
+        with torch.no_grad():
+            pipe.fuse_lora()
+        pipe.unload_lora_weights()
+    pipe.save_pretrained(to)
+    print(f"wrote {to} ({type(pipe).__name__} with the {which} LoRA of {ckpt} fused into its weights)")
+    return to
