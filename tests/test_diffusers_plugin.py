@@ -1,5 +1,6 @@
 """The diffusers plug-in (flowgrpo.diffusers): FlowGRPOScheduler, StepRecorder and rollout() on
-tiny random stock SD3 and FLUX pipelines (built offline).
+tiny random stock SD3, FLUX and Wan 2.1 pipelines (built offline; SD3 and Wan with
+classifier-free guidance, batched [uncond; cond] in SD3, two transformer calls per step in Wan).
 
 * noise_level 0 reproduces the stock scheduler's output exactly (latents and decoded images);
 * with noise, the recorded log-probs equal sde_step's on the recorded tensors, and a fresh
@@ -16,15 +17,17 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from flowgrpo.diffusers import FlowGRPOScheduler, rollout
+from flowgrpo.diffusers import FlowGRPOScheduler, ensure_flowgrpo_scheduler, rollout
 from flowgrpo.diffusers.tiny import tiny_flux_pipeline
 from flowgrpo.ops import grpo_loss_ref
 from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+from flowgrpo.policies.wan_tiny import tiny_wan_pipeline
 from flowgrpo.samplers.steps import sde_step
 
 KW = {"sd3": dict(height=32, width=32, max_sequence_length=32, guidance_scale=4.5),
-      "flux": dict(height=32, width=32, max_sequence_length=32)}
-BUILD = {"sd3": tiny_sd3_pipeline, "flux": tiny_flux_pipeline}
+      "flux": dict(height=32, width=32, max_sequence_length=32),
+      "wan": dict(height=32, width=32, num_frames=5, max_sequence_length=32, guidance_scale=4.0)}
+BUILD = {"sd3": tiny_sd3_pipeline, "flux": tiny_flux_pipeline, "wan": tiny_wan_pipeline}
 PROMPTS = ["a red cube", "two blue spheres"]
 
 
@@ -39,18 +42,24 @@ def pipes():
 
 
 def _call(pipe, kw, output_type, steps=4):
-    return pipe(PROMPTS, num_inference_steps=steps, generator=torch.Generator().manual_seed(0),
-                output_type=output_type, **kw).images
+    out = pipe(PROMPTS, num_inference_steps=steps, generator=torch.Generator().manual_seed(0),
+               output_type=output_type, **kw)
+    return out.frames if hasattr(out, "frames") else out.images
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "wan"])
 def test_noise_level_zero_equals_stock_scheduler(pipes, name):
     pipe = pipes[name]
     stock = pipe.scheduler
-    assert type(stock) is FlowMatchEulerDiscreteScheduler
     try:
+        if name == "wan":  # Wan ships UniPC on flow sigmas: compare with stock flow-matching Euler there
+            assert type(stock).__name__ == "UniPCMultistepScheduler"
+            pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=stock.config.flow_shift)
+        assert type(pipe.scheduler) is FlowMatchEulerDiscreteScheduler
         ref = {t: _call(pipe, KW[name], t) for t in ("latent", "pt")}
-        pipe.scheduler = FlowGRPOScheduler.from_config(stock.config, noise_level=0.0)
+        pipe.scheduler = stock
+        sched = ensure_flowgrpo_scheduler(pipe, noise_level=0.0)
+        assert sched.config.shift == 3.0 and pipe.scheduler is sched
         got = {t: _call(pipe, KW[name], t) for t in ("latent", "pt")}
         records = pipe.scheduler.records
     finally:
@@ -62,7 +71,7 @@ def test_noise_level_zero_equals_stock_scheduler(pipes, name):
     assert len(records) == 4 and not any(r.sde for r in records)
 
 
-@pytest.mark.parametrize("name", ["sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "wan"])
 def test_log_probs_and_first_ratio(pipes, name):
     pipe = pipes[name]
     stock = pipe.scheduler
@@ -167,3 +176,22 @@ def test_rollout_structure(pipes):
     assert tuple(pr.output.shape) == (n, 3, 32, 32)
     assert pr.conditioning["prompt_embeds"].shape[0] == n
     assert r.nfe == 3
+
+
+def test_step_dtype_and_reproducibility():
+    """An SDE step returns the model's dtype (math and records in float32) and is reproducible."""
+    sched = FlowGRPOScheduler(shift=3.0, noise_level=0.7)
+    outs = []
+    for _ in range(2):
+        sched.set_timesteps(4)
+        x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
+        v = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+        prev = sched.step(v, sched.timesteps[0], x, generator=torch.Generator().manual_seed(5)).prev_sample
+        assert prev.dtype == torch.bfloat16 and len(sched.records) == 1
+        rec = sched.records[0]
+        assert rec.sde and rec.prev_sample.dtype == torch.float32 and rec.log_prob.shape == (2,)
+        assert (rec.prev_sample.bfloat16() == prev).all()
+        outs.append(prev)
+    assert torch.equal(outs[0], outs[1])
+    euler = x.float() + (rec.sigma_next - rec.sigma) * v.float()
+    assert (euler - outs[0].float()).abs().max() > 1e-2  # noise was added

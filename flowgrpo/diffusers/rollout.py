@@ -46,9 +46,17 @@ class PipelineRollout:
 
 
 def ensure_flowgrpo_scheduler(pipe, **options) -> FlowGRPOScheduler:
-    """Give ``pipe`` a FlowGRPOScheduler built from its scheduler's config (``options`` override it)."""
+    """Give ``pipe`` a FlowGRPOScheduler built from its scheduler's config (``options`` override it).
+
+    A flow-sigma scheduler of another family (Wan's ``UniPCMultistepScheduler`` with ``flow_shift``)
+    becomes flow-matching Euler with ``shift = flow_shift`` on the same sigma grid.
+    """
     if not isinstance(pipe.scheduler, FlowGRPOScheduler) or options:
-        pipe.scheduler = FlowGRPOScheduler.from_config(pipe.scheduler.config, **options)
+        config = dict(pipe.scheduler.config)
+        if "shift" not in config and config.get("flow_shift") is not None:
+            options = {"shift": float(config["flow_shift"]), **options}
+        known = inspect.signature(FlowGRPOScheduler.__init__).parameters
+        pipe.scheduler = FlowGRPOScheduler.from_config({k: v for k, v in config.items() if k in known}, **options)
     return pipe.scheduler
 
 
