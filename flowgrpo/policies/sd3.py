@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from .base import Policy
-from .lora import add_lora, lora_disabled
+from .diffusers_common import load_policy, make_trainable, scheduler_grid
+from .lora import lora_disabled
 
 # Attention (both streams, and the second attention of SD3.5-M dual-attention blocks, which share
 # the names to_q/to_k/to_v/to_out.0) and feed-forward projections of SD3's MMDiT blocks.
@@ -141,15 +142,9 @@ class SD3Policy(Policy):
         self.resolution = int(resolution)
         self.latent_shape = (self.vae.config.latent_channels, side, side)
 
-        if train_mode == "lora":
-            add_lora(self.transformer, lora_rank, lora_alpha, lora_targets or SD3_LORA_TARGETS, name=self.adapter_name)
-            for p in self.transformer.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()  # LoRA weights train in fp32 even when the base runs in bf16
-        elif train_mode == "full":
-            self.transformer.requires_grad_(True)
-        if gradient_checkpointing and train_mode != "frozen":
-            self.transformer.enable_gradient_checkpointing()
+        make_trainable(self.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                       lora_targets=lora_targets or SD3_LORA_TARGETS, adapter_name=self.adapter_name,
+                       gradient_checkpointing=gradient_checkpointing)
         if vae_slicing:
             self.vae.enable_slicing()
         if vae_tiling:
@@ -256,10 +251,7 @@ class SD3Policy(Policy):
         pipelines), so ``sampler.shift`` has no effect on an SD3 policy's grid. To change it, change
         the pipeline's ``scheduler_config.json`` (or pass another ``scheduler``).
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        sched = copy.deepcopy(self.scheduler)
-        config = sched.config
+        config = self.scheduler.config
         kwargs = {}
         if config.get("use_dynamic_shifting", False):
             # StableDiffusion3Pipeline.__call__: mu from the number of image tokens (latent patches)
@@ -269,13 +261,7 @@ class SD3Policy(Policy):
             base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.16)
             slope = (max_shift - base_shift) / (max_len - base_len)
             kwargs["mu"] = seq_len * slope + base_shift - slope * base_len
-        sched.set_timesteps(num_steps, device="cpu", **kwargs)
-        sigmas = torch.as_tensor(sched.sigmas, dtype=torch.float32).detach().cpu().reshape(-1)
-        if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0 or not bool((sigmas[1:] < sigmas[:-1]).all()):
-            raise ValueError(f"{type(sched).__name__} gives {len(sigmas)} sigmas for {num_steps} steps "
-                             f"({sigmas.tolist()[:4]}...): a flow-matching Euler-type scheduler with "
-                             "num_steps + 1 decreasing sigmas ending at 0 is required")
-        return sigmas
+        return scheduler_grid(self.scheduler, num_steps, **kwargs)
 
     # ------------------------------------------------------------------ model
     def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
@@ -373,18 +359,7 @@ def build_sd3_policy(cfg) -> SD3Policy:
         what = "does not exist" if not path.exists() else "has no model_index.json"
         raise UserError(f"model.path {str(path)!r} {what}: it must be a local diffusers StableDiffusion3Pipeline "
                         "folder (e.g. from `huggingface-cli download` or pipeline.save_pretrained)")
-    dtype = torch_dtype(cfg.dtype)
     from diffusers import StableDiffusion3Pipeline
 
-    try:
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load an SD3 pipeline from {str(path)!r}: {exc}") from None
-    try:
-        return SD3Policy.from_components(
-            pipe.components, resolution=cfg.resolution, guidance_scale=cfg.guidance_scale,
-            train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-            max_sequence_length=cfg.max_sequence_length, dtype=dtype, **sd3_runtime_options(cfg),
-        )
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    return load_policy(SD3Policy, StableDiffusion3Pipeline, path, cfg, torch_dtype(cfg.dtype), "an SD3",
+                       **sd3_runtime_options(cfg))
