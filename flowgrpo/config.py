@@ -37,8 +37,8 @@ class ModelConfig:
     vae_slicing: bool = _f(False, "decode one image at a time through the VAE (less memory; same images)")
     vae_tiling: bool = _f(False, "decode large images in overlapping VAE tiles (less memory at high resolution)")
     offload_text_encoders: bool = _f(False, "keep the text encoders on the CPU between encodings; encodings are cached per prompt (LRU)")
-    attention_backend: Literal["sdpa", "xformers"] = _f("sdpa", "attention kernels: sdpa (PyTorch) | xformers (needs xformers and CUDA)")
     compile_transformer: bool = _f(False, "torch.compile the transformer's forward (slow first iterations)")
+    attention_backend: Literal["sdpa", "xformers"] = _f("sdpa", "attention kernels: sdpa (PyTorch) | xformers (needs xformers and CUDA)")
 
 
 @dataclass
