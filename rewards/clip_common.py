@@ -15,6 +15,7 @@ Heavy libraries (open_clip, transformers) are imported inside functions only.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 import logging
 import os
 from pathlib import Path
@@ -246,7 +247,7 @@ def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
 # --------------------------------------------------------------------------- the shared __call__
 
 
-class ClipReward:
+class ClipReward(ABC):
     """Base of the CLIP-based rewards: subclasses set ``name``, ``device``, ``batch_size`` and
     ``preprocess`` ("tensor" | "pil") and implement :meth:`tensor_pixels`, :meth:`pil_pixels` and
     :meth:`score_pixels`; ``__call__`` chunks the batch and gathers scores and components."""
@@ -256,17 +257,17 @@ class ClipReward:
     batch_size: int = 16
     preprocess: str = "tensor"
 
+    @abstractmethod
     def tensor_pixels(self, images: Tensor) -> Tensor:
         """Images [b, 3, H, W] in [0, 1] on ``self.device`` -> model input [b, 3, S, S]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def pil_pixels(self, pils: list) -> Tensor:
         """b PIL images -> model input [b, 3, S, S] (the library's own preprocessing)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def score_pixels(self, pixels: Tensor, prompts: list[str]) -> dict[str, Tensor]:
         """Model input [b, 3, S, S] and b prompts -> {"score": [b], component: [b], ...}."""
-        raise NotImplementedError
 
     def pixels(self, images: Tensor) -> Tensor:
         """Images [b, 3, H, W] in [0, 1] -> model input [b, 3, S, S] on ``self.device``."""

@@ -24,6 +24,7 @@ twice the cost.
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -43,13 +44,13 @@ class PairwiseJudge(Protocol):
     def judge_batch(self, queries: Sequence[tuple[str, Tensor, Tensor]]) -> list[str | None]: ...
 
 
-class PairwiseJudgeBase:
+class PairwiseJudgeBase(ABC):
     """Base class of pairwise judges: implement :meth:`judge`; :meth:`judge_batch` loops over it
     (override it to answer many queries at once)."""
 
+    @abstractmethod
     def judge(self, prompt: str, image_a: Tensor, image_b: Tensor) -> str | None:
         """"a" if ``image_a`` follows ``prompt`` better, "b" if ``image_b`` does, "tie", or None (failed)."""
-        raise NotImplementedError
 
     def judge_batch(self, queries: Sequence[tuple[str, Tensor, Tensor]]) -> list[str | None]:
         """One answer per (prompt, image_a, image_b) query, in order."""
