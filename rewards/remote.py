@@ -19,6 +19,7 @@ other 4xx answer is an immediate :class:`~flowgrpo.errors.UserError` with the se
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import time
@@ -170,10 +171,8 @@ class RemoteReward:
 
 
 def _server_reason(resp) -> str:
-    try:
+    with contextlib.suppress(ValueError):  # a body that is not JSON: its text is the reason
         data = resp.json()
         if isinstance(data, dict) and "error" in data:
             return str(data["error"])
-    except ValueError:
-        pass
     return resp.text[:200] or resp.reason_phrase

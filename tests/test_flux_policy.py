@@ -17,14 +17,6 @@ RES, SEQ, GUIDANCE = 32, 16, 3.5
 PROMPTS = ["a photo of a cat", "a red circle on a white table"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def flux_dir(tmp_path_factory):
     return save_tiny_flux_pipeline(tmp_path_factory.mktemp("tiny-flux"), seed=0, guidance_embeds=True)

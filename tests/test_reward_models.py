@@ -98,6 +98,14 @@ def open_clip_val_pixels(pils):
     return torch.stack([transform(p) for p in pils])
 
 
+def outputs_both_ways(reward, images):
+    """(output with ``preprocess="pil"``, output with ``preprocess="tensor"``); leaves the reward on "tensor"."""
+    reward.preprocess = "pil"
+    pil_out = reward(images, PROMPTS)
+    reward.preprocess = "tensor"
+    return pil_out, reward(images, PROMPTS)
+
+
 def max_diff(a, b) -> float:
     return float((torch.as_tensor(a).double() - torch.as_tensor(b).double()).abs().max())
 
@@ -202,9 +210,7 @@ def test_pickscore_matches_the_authors_formula(tiny_pickscore, images):
         expected = torch.diagonal(model(**inputs).logits_per_image)  # logit_scale.exp() * cosine
         from_pixels = reward.score_pixels(inputs["pixel_values"], PROMPTS)
         tensor_pixels = reward.tensor_pixels(images)
-    tensor_out = reward(images, PROMPTS)
-    reward.preprocess = "pil"
-    pil_out = reward(images, PROMPTS)
+    pil_out, tensor_out = outputs_both_ways(reward, images)
     print(f"pickscore max|pil - authors| = {max_diff(pil_out.scores, expected):.2e}, "
           f"max|tensor - authors| = {max_diff(tensor_out.scores, expected):.2e}, "
           f"max|tensor pixels - processor pixels| = {max_diff(tensor_pixels, inputs['pixel_values']):.2e}")
@@ -245,9 +251,7 @@ def test_clipscore_matches_the_formula(tiny_clip, images, formula, prefix):
         expected = 1.5 * (2.5 * cos.clamp(min=0) if formula == "clipscore" else cos)
         from_pixels = reward.score_pixels(pixels, PROMPTS)["score"]
         tensor_pixels = reward.tensor_pixels(images)
-    pil_out = reward(images, PROMPTS)
-    reward.preprocess = "tensor"
-    tensor_out = reward(images, PROMPTS)
+    pil_out, tensor_out = outputs_both_ways(reward, images)
     print(f"clipscore[{formula}] max|pil - ref| = {max_diff(pil_out.scores, expected):.2e}, "
           f"max|tensor - ref| = {max_diff(tensor_out.scores, expected):.2e}, "
           f"max|tensor pixels - open_clip pixels| = {max_diff(tensor_pixels, pixels):.2e}")
@@ -307,9 +311,7 @@ def test_aesthetic_matches_the_predictor(tiny_clip, aesthetic_head, images):
         emb = emb / np.linalg.norm(emb, axis=-1, keepdims=True)  # the authors' numpy normalisation
         expected = mlp(torch.from_numpy(emb).float()).squeeze(-1)
         from_pixels = reward.score_pixels(pixels, PROMPTS)["score"]
-    pil_out = reward(images, PROMPTS)
-    reward.preprocess = "tensor"
-    tensor_out = reward(images, PROMPTS)
+    pil_out, tensor_out = outputs_both_ways(reward, images)
     print(f"aesthetic max|pil - ref| = {max_diff(pil_out.scores, expected):.2e}, "
           f"max|tensor - ref| = {max_diff(tensor_out.scores, expected):.2e}")
     assert max_diff(from_pixels, expected) <= EXACT

@@ -18,15 +18,6 @@ PROMPTS = ["a red circle left of a blue square", "two green triangles", "a photo
 SEQ = 32  # T5 tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models: threading only adds overhead (and thrashes when the CPU is shared)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_policy(**kw) -> SD3Policy:
     kw.setdefault("resolution", 64)
     kw.setdefault("max_sequence_length", SEQ)

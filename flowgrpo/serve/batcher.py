@@ -14,6 +14,7 @@ If a batch fails, its parts are retried one by one so that one bad request fails
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -90,10 +91,8 @@ class Batcher:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     async def score(self, images: list[Tensor], prompts: list[str], groups: list[int] | None
