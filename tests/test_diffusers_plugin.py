@@ -18,7 +18,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from flowgrpo.diffusers import FlowGRPOScheduler, ensure_flowgrpo_scheduler, rollout
-from flowgrpo.diffusers.tiny import tiny_flux_pipeline
+from flowgrpo.policies.flux_tiny import tiny_flux_pipeline
 from flowgrpo.ops import grpo_loss_ref
 from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
 from flowgrpo.policies.wan_tiny import tiny_wan_pipeline
@@ -162,7 +162,9 @@ def test_rollout_structure(pipes):
         pipe.scheduler = stock
     r = pr.rollout
     n = len(PROMPTS) * 3
-    assert len(r.levels) == 4 and all(tuple(lv.x.shape) == (n, 64, 16) for lv in r.levels)
+    # FLUX's packed latents: (H / (8 * 2)) * (W / (8 * 2)) tokens of 4 * C channels
+    packed = ((KW["flux"]["height"] // (pipe.vae_scale_factor * 2)) ** 2, pipe.transformer.config.in_channels)
+    assert len(r.levels) == 4 and all(tuple(lv.x.shape) == (n, *packed) for lv in r.levels)
     assert r.tree_prompt.tolist() == [0, 0, 0, 1, 1, 1] and r.tree_group.tolist() == r.tree_prompt.tolist()
     assert torch.equal(r.levels[1].parent, torch.arange(n)) and r.levels[0].mean is None
     # cps into sigma' = 0 is deterministic: the last step runs as an Euler step
@@ -171,7 +173,7 @@ def test_rollout_structure(pipes):
     assert r.num_leaves == n and r.leaf_prompts == [p for p in PROMPTS for _ in range(3)]
     tb = r.transitions([None] + [torch.arange(len(lv)).float() for lv in r.levels[1:]])
     assert len(tb) == 2 * n and tb.step.tolist() == [0] * n + [1] * n
-    assert tuple(tb.mean_old.shape) == (2 * n, 64, 16) and tuple(tb.std.shape) == (2 * n,)
+    assert tuple(tb.mean_old.shape) == (2 * n, *packed) and tuple(tb.std.shape) == (2 * n,)
     assert tb.prompt.tolist() == r.tree_prompt.tolist() * 2
     assert tuple(pr.output.shape) == (n, 3, 32, 32)
     assert pr.conditioning["prompt_embeds"].shape[0] == n

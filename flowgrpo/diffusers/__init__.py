@@ -6,7 +6,6 @@
   latents and the conditioning tensors of each step.
 * :func:`~flowgrpo.diffusers.rollout.rollout`: runs a stock pipeline with both and returns a
   :class:`~flowgrpo.samplers.forest.Rollout` chain the trainer consumes.
-* :mod:`flowgrpo.diffusers.tiny`: a tiny random FLUX pipeline built offline (tests).
 
 Importing this package imports diffusers (``rollout`` names the function, not the submodule).
 """
@@ -16,7 +15,6 @@ from __future__ import annotations
 from .recorder import StepRecorder
 from .rollout import PipelineRollout, ensure_flowgrpo_scheduler, rollout
 from .scheduler import FlowGRPOScheduler, SDERecord
-from .tiny import tiny_flux_components, tiny_flux_pipeline
 
 __all__ = ["FlowGRPOScheduler", "PipelineRollout", "SDERecord", "StepRecorder", "ensure_flowgrpo_scheduler",
-           "rollout", "tiny_flux_components", "tiny_flux_pipeline"]
+           "rollout"]
