@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from .base import Policy
+from .diffusers_common import scheduler_grid
 from .lora import add_lora
 from .sd3 import SD3Policy, _cast, torch_dtype
 
@@ -136,11 +137,7 @@ class WanPolicy(Policy):
         """``scheduler.sigmas`` after ``set_timesteps(num_steps)`` on a copy of the flow-matching Euler
         scheduler (float32 [num_steps + 1], 1 -> 0, CPU). ``shift`` is ignored: the pipeline's
         ``flow_shift`` owns it."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        sched = copy.deepcopy(self.scheduler)
-        sched.set_timesteps(num_steps, device="cpu")
-        return torch.as_tensor(sched.sigmas, dtype=torch.float32).detach().cpu().reshape(-1)
+        return scheduler_grid(self.scheduler, num_steps)
 
     # ------------------------------------------------------------------ model
     def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
