@@ -124,6 +124,7 @@ class EvalConfig:
     num_steps: int = _f(20, "ODE steps for evaluation")
     every: int = _f(0, "evaluate every N iterations during training (0 = only before and after)")
     every_minutes: float = _f(0.0, "evaluate every N minutes of training wall-clock (0 = off); the clock is paused while evaluating")
+    options: dict = _f({}, "options of the selected evaluator (e.g. eval.options.judge_url=... for unigenbench); the evaluator lists its valid options on a miss")
 
 
 @dataclass
