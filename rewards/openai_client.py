@@ -11,6 +11,11 @@ timeout, on HTTP 429 or 5xx, on a malformed response body, or when the caller's 
 read the answer; a failed attempt is retried after ``backoff * 2**attempt`` seconds. HTTP 401, 403
 and 404 mean a wrong key, model or URL: they raise :class:`JudgeEndpointError` at once instead of
 dropping every sample. Other 4xx answers fail the request without retrying.
+
+Large requests (an image each) can be passed as zero-argument callables that build the messages:
+they are built in a worker thread shortly before they are sent (at most ``2 * max_concurrency`` are
+held at once), so a long list never holds every payload in memory. ``on_outcome(i, outcome)`` is
+called as each request finishes, so a caller can record results as they arrive.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -31,12 +37,14 @@ class JudgeEndpointError(UserError):
 @dataclass
 class Outcome:
     """One request's result: ``value`` is ``parse(answer)`` or None when every attempt failed;
-    ``answer`` the last text received (or None), ``error`` why the last attempt failed."""
+    ``answer`` the last text received (or None), ``error`` why the last attempt failed; ``seconds``
+    the wall time of the last attempt's HTTP exchange (s)."""
 
     value: Any = None
     answer: str | None = None
     error: str | None = None
     attempts: int = 0
+    seconds: float = 0.0
 
 
 class _Retry(Exception):
@@ -138,23 +146,44 @@ class ChatClient:
 
     # ------------------------------------------------------------------ requests
 
-    def complete(self, requests: Sequence[list[dict]], parse: Callable[[str], Any]) -> list[Outcome]:
-        """Send every request (a list of chat ``messages``) and return one :class:`Outcome` each, in order.
+    def complete(self, requests: Sequence[list[dict] | Callable[[], list[dict]]],
+                 parse: Callable[[str], Any] | Sequence[Callable[[str], Any]],
+                 on_outcome: Callable[[int, Outcome], None] | None = None) -> list[Outcome]:
+        """Send every request and return one :class:`Outcome` each, in order.
 
-        ``parse(answer text)`` returns the value to keep or None for an unreadable answer (retried)."""
+        A request is a list of chat ``messages``, or a zero-argument callable returning one (built
+        in a worker thread just before it is sent; an exception there fails that request only).
+        ``parse(answer text)`` returns the value to keep or None for an unreadable answer (retried);
+        a sequence gives one parser per request. ``on_outcome(index, outcome)`` runs (on the client's
+        loop thread) as each request finishes."""
         if not requests:
             return []
+        parsers = list(parse) if isinstance(parse, (list, tuple)) else [parse] * len(requests)
+        if len(parsers) != len(requests):
+            raise ValueError(f"{len(parsers)} parsers for {len(requests)} requests")
         loop = self._ensure_loop()
-        fut = asyncio.run_coroutine_threadsafe(self._complete_all(list(requests), parse), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._complete_all(list(requests), parsers, on_outcome), loop)
         try:
             return fut.result()
         except BaseException:
             fut.cancel()
             raise
 
-    async def _complete_all(self, requests, parse) -> list[Outcome]:
+    async def _complete_all(self, requests, parsers, on_outcome) -> list[Outcome]:
         sem = asyncio.Semaphore(self.max_concurrency)
-        tasks = [asyncio.ensure_future(self._one(messages, parse, sem)) for messages in requests]
+        ahead = asyncio.Semaphore(2 * self.max_concurrency)  # lazily built requests held at once
+
+        async def one(i: int) -> Outcome:
+            if callable(requests[i]):
+                async with ahead:
+                    out = await self._built(requests[i], parsers[i], sem)
+            else:
+                out = await self._one(requests[i], parsers[i], sem)
+            if on_outcome is not None:
+                on_outcome(i, out)
+            return out
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -168,6 +197,15 @@ class ChatClient:
             headers["Authorization"] = f"Bearer {os.environ.get(self.api_key_env, '')}"
         return headers
 
+    async def _built(self, build, parse, sem) -> Outcome:
+        """Build a request's messages in a worker thread, then send it (a failed build fails it)."""
+        try:
+            messages = await asyncio.get_running_loop().run_in_executor(None, build)
+        except Exception as e:  # e.g. an unreadable image: this request fails, the others go on
+            self.stats["failed"] += 1
+            return Outcome(error=f"could not build the request: {type(e).__name__}: {e}")
+        return await self._one(messages, parse, sem)
+
     async def _one(self, messages, parse, sem) -> Outcome:
         out = Outcome()
         body = {"model": self.model, "messages": messages, "temperature": self.temperature,
@@ -178,16 +216,19 @@ class ChatClient:
                 self.stats["retries"] += 1
                 await asyncio.sleep(delay if delay is not None else self.backoff * 2 ** (attempt - 1))
             out.attempts, delay = attempt + 1, None
+            t0 = time.perf_counter()
             try:
                 async with sem:
+                    t0 = time.perf_counter()
                     text = await self._post(body)
             except _Retry as e:
+                out.seconds = time.perf_counter() - t0
                 out.error, delay = str(e), e.delay
                 continue
             except _Fail as e:
-                out.error = str(e)
+                out.error, out.seconds = str(e), time.perf_counter() - t0
                 break
-            out.answer = text
+            out.answer, out.seconds = text, time.perf_counter() - t0
             value = parse(text)
             if value is not None:
                 out.value, out.error = value, None
