@@ -1,0 +1,200 @@
+"""``flowgrpo unigenbench generate``: ``{index}_{j}.png`` for every prompt of a set, resumable.
+
+The model is anything ``model.name`` accepts (an adapter such as ``sd3-tiny``, a diffusers pipeline
+folder or a cached hub id), or a run directory: then the run's config builds the policy and the
+latest checkpoint's weights are loaded into it (the EMA weights when the run kept them, as
+``flowgrpo eval`` and the run's ``lora/`` export use), so a trained LoRA is evaluated as trained.
+
+Images come from the deterministic ODE (Euler on the policy's own sigma grid, classifier-free
+guidance as configured), each from its own initial noise seeded by (``--seed``, index, j), so an
+image does not depend on the batch it was made in, and a resumed run makes the same images. Each
+PNG is written to a temporary name and renamed, so a file is either complete or absent; on start,
+every ``{index}_{j}.png`` that is complete (PNG signature and final IEND chunk) is kept and any
+other (e.g. cut short by a copy) is made again. ``generate.json`` records the settings; resuming
+into the folder with other settings is refused, so one folder never mixes two models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from .judgements import file_sha256
+from .prompts import BenchPrompt, PromptSet
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+SETTINGS_NAME = "generate.json"
+
+
+@dataclass
+class GenerateOptions:
+    """Sampling settings. ``steps``/``guidance`` None: the model config's (``eval.num_steps``,
+    ``model.guidance_scale``). ``overrides``: ``model.*`` (or other) config overrides, e.g.
+    ``model.resolution=1024``. ``batch_size``: images per model call."""
+
+    images_per_prompt: int = 4
+    seed: int = 0
+    steps: int | None = None
+    guidance: float | None = None
+    batch_size: int = 4
+    limit: int | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+def image_seed(seed: int, index: int, j: int) -> int:
+    """The noise seed of image ``j`` of prompt ``index`` (independent of batching and of ``--images-per-prompt``)."""
+    return (seed * 100_000 + index) * 100 + j
+
+
+def png_is_complete(path: Path) -> bool:
+    """Whether ``path`` is a PNG file with its signature and final IEND chunk (not cut short)."""
+    try:
+        size = path.stat().st_size
+        if size < len(PNG_SIGNATURE) + len(PNG_END):
+            return False
+        with open(path, "rb") as fh:
+            head = fh.read(len(PNG_SIGNATURE))
+            fh.seek(-len(PNG_END), os.SEEK_END)
+            return head == PNG_SIGNATURE and fh.read() == PNG_END
+    except OSError:
+        return False
+
+
+def load_generator(model: str, overrides: list[str]):
+    """(policy, config, description) for a model name / pipeline folder or a run directory."""
+    from ..config import apply_dict, load_config, parse_override, validate
+    from ..policies import build_policy
+
+    path = Path(model)
+    if (path / "config.yaml").is_file():
+        from ..trainer.checkpoint import latest_checkpoint, load_checkpoint
+        from ..trainer.run import load_run_config
+
+        cfg = load_run_config(path)
+        for ov in overrides:
+            apply_dict(cfg, parse_override(ov))
+        validate(cfg)
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise UserError(f"run directory {path} has no checkpoint yet")
+        state = load_checkpoint(ckpt)["trainer"]
+        policy = build_policy(cfg.model)
+        which = "ema" if state.get("ema") else "raw"
+        policy.load_trainable_state_dict(state["ema"] if which == "ema" else state["trainable"])
+        return policy, cfg, {"run": str(path.resolve()), "checkpoint": ckpt.name, "weights": which}
+    cfg = load_config(None, None, [f"model.name={model}", *overrides])
+    return build_policy(cfg.model), cfg, {"model": model}
+
+
+def _settings(prompt_set: PromptSet, desc: dict, cfg, opts: GenerateOptions, steps: int, guidance: float) -> dict:
+    from ..config import to_dict
+
+    return {"set": prompt_set.name, "prompts_sha256": file_sha256(prompt_set.source), **desc,
+            "model_config": to_dict(cfg)["model"], "shift": cfg.sampler.shift, "steps": steps,
+            "guidance": guidance, "seed": opts.seed, "solver": "euler"}
+
+
+def _check_settings(out: Path, settings: dict) -> None:
+    path = out / SETTINGS_NAME
+    if path.is_file():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        diff = [k for k in settings if k != "checkpoint" and old.get(k) != settings[k]]
+        if diff:
+            raise UserError(f"{out} holds images made with other settings ({', '.join(diff)} differ, see "
+                            f"{path}); use another --out to keep one model per folder")
+    path.write_text(json.dumps(settings, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def _save_png(array, path: Path) -> None:
+    from PIL import Image
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    Image.fromarray(array).save(tmp, format="PNG")
+    os.replace(tmp, path)
+
+
+def render(policy, items: list[tuple[BenchPrompt, int]], seed: int, steps: int, shift: float, batch_size: int):
+    """Yield (batch of (prompt, j), images [B, 3, H, W] float in [0, 1] on the CPU), ``batch_size`` at a time.
+
+    Euler ODE over ``policy.sigma_grid(steps, shift)`` with the policy's guidance; step math in
+    float32, the model in its own dtype; image (prompt, j) starts from the noise of :func:`image_seed`."""
+    import torch
+
+    from ..samplers.solvers import solve_ode
+
+    device = policy.device
+    model_dtype = next(policy.parameters()).dtype
+    sigmas = policy.sigma_grid(steps, shift)
+    for start in range(0, len(items), batch_size):
+        batch = items[start:start + batch_size]
+        noise = torch.stack([torch.randn(policy.latent_shape, generator=torch.Generator().manual_seed(
+            image_seed(seed, p.index, j))) for p, j in batch]).to(device)
+        with torch.no_grad():
+            cond = policy.encode_prompts([p.prompt for p, _ in batch])
+
+            def velocity(x, s):
+                return policy.velocity(x.to(model_dtype), torch.full((x.shape[0],), s, device=device), cond).float()
+
+            images = policy.decode(solve_ode(velocity, noise, sigmas)).float().cpu()
+        if images.ndim != 4:
+            raise UserError(f"{type(policy).__name__} makes videos ({tuple(images.shape)}); UniGenBench judges images")
+        yield batch, images.clamp(0, 1)
+
+
+def to_uint8(images):
+    """[B, 3, H, W] float in [0, 1] -> uint8 numpy [B, H, W, 3]."""
+    import torch
+
+    return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def generate_folder(model: str, prompt_set: PromptSet, out: str | Path, opts: GenerateOptions,
+                    progress: bool = True) -> dict:
+    """Generate the missing images of ``prompt_set`` into ``out``. Returns counts
+    ``{"images", "kept", "regenerated", "generated"}`` (regenerated: incomplete files made again)."""
+    import torch
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    if not 1 <= opts.images_per_prompt <= 100:
+        raise UserError(f"--images-per-prompt must be in 1..100, got {opts.images_per_prompt}")
+    if opts.batch_size < 1 or (opts.steps is not None and opts.steps < 1):
+        raise UserError("--batch-size and --steps must be at least 1")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for problem in prompt_set.problems:
+        print(f"warning: {problem}")
+    prompts = prompt_set.limited(opts.limit)
+    wanted = [(p, j) for p in prompts for j in range(opts.images_per_prompt)]
+    paths = [out / f"{p.index}_{j}.png" for p, j in wanted]
+    todo = [w for w, path in zip(wanted, paths) if not png_is_complete(path)]
+    broken = sum(1 for path in paths if path.exists() and not png_is_complete(path))
+    counts = {"images": len(wanted), "kept": len(wanted) - len(todo), "regenerated": broken, "generated": len(todo)}
+    if broken:
+        print(f"{broken} incomplete images will be made again")
+    if not todo:
+        print(f"all {len(wanted)} images of set {prompt_set.name} are already in {out}")
+        return counts
+    policy, cfg, desc = load_generator(model, opts.overrides)
+    policy.eval()
+    if torch.cuda.is_available():
+        policy = policy.to("cuda")
+    steps = opts.steps or cfg.eval.num_steps
+    guidance = cfg.model.guidance_scale if opts.guidance is None else opts.guidance
+    policy.guidance_scale = guidance  # before any prompt is encoded: guidance != 1 encodes the empty prompt too
+    _check_settings(out, _settings(prompt_set, desc, cfg, opts, steps, guidance))
+    if counts["kept"]:
+        print(f"resuming: {counts['kept']} of {len(wanted)} images already in {out}")
+    bar = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn(), disable=not progress)
+    with bar:
+        task = bar.add_task("generate", total=len(wanted), completed=counts["kept"])
+        for batch, images in render(policy, todo, opts.seed, steps, cfg.sampler.shift, opts.batch_size):
+            for (p, j), arr in zip(batch, to_uint8(images)):
+                _save_png(arr, out / f"{p.index}_{j}.png")
+            bar.update(task, advance=len(batch))
+    return counts
