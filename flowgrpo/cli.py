@@ -7,6 +7,7 @@
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
     flowgrpo bench ops|samplers|e2e|profile|reward-server|plugin [--out DIR] [--json PATH]
     flowgrpo serve-reward --reward NAME [--option k=v ...] [--host H] [--port P] [--token-env VAR]
+    flowgrpo unigenbench check|generate|score|compare ...   (flowgrpo.unigenbench.cli)
     flowgrpo build-ext [--cuda] | doctor
 
 Benchmarks write their CSV/PNG into ``--out`` (default: the current directory), never next to the
@@ -242,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=_cmd_build_ext)
     d = sub.add_parser("doctor", help="report the environment and which loss backend runs")
     d.set_defaults(fn=_cmd_doctor)
+    from .unigenbench.cli import register as register_unigenbench
+
+    register_unigenbench(sub)
     return ap
 
 
