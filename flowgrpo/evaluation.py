@@ -5,7 +5,9 @@ scores them; it returns an :class:`EvalResult`. ``eval.evaluator`` picks one fro
 :data:`EVALUATORS` ("auto": the policy's own, ``Policy.evaluator``; "none": skip). A model without
 an evaluator (e.g. SD3 on free-form prompts) trains without one, and the run's summary says so.
 
-Built in: ``shapes`` (verifier accuracy of the embedded shapes world, :mod:`flowgrpo.shapes.evaluate`).
+Built in: ``shapes`` (verifier accuracy of the embedded shapes world, :mod:`flowgrpo.shapes.evaluate`)
+and ``unigenbench`` (UniGenBench on a prompt subset, judged by a VLM over an OpenAI-compatible API;
+configured through ``eval.options``, :mod:`flowgrpo.unigenbench.evaluator`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .registry import Registry
 #: name -> evaluator factory ``(eval_cfg, shift: float) -> Evaluator``
 EVALUATORS: Registry = Registry("evaluator")
 EVALUATORS.register_lazy("shapes", "flowgrpo.shapes.evaluate:ShapesEvaluator")
+EVALUATORS.register_lazy("unigenbench", "flowgrpo.unigenbench.evaluator:UniGenBenchEvaluator")
 
 
 @dataclass
