@@ -14,7 +14,7 @@ service time to every answer. ``gate(n)`` lets only the first ``n`` answers out;
 (until :meth:`open_gate`), and those whose client went away meanwhile are dropped unanswered.
 
 Counters: ``received[(prompt, j)]`` requests seen, ``answered[(prompt, j)]`` answers delivered;
-``service`` the handler's own seconds per answered request. ``GET /stats`` returns them as JSON.
+``service`` the handler's own seconds per answered request; ``waiting`` requests held at the gate. ``GET /stats`` returns them as JSON.
 
 Run stand-alone (benchmarks): ``python -m flowgrpo.unigenbench.fake_judge --port 0 --service-ms 20
 --port-file PATH``.
@@ -83,6 +83,7 @@ class FakeJudge:
         self.received: Counter = Counter()
         self.answered: Counter = Counter()
         self.service: list[float] = []
+        self.waiting = 0  # requests held at the gate now
         self._limit: int | None = None
         self._delivered = 0
 
@@ -114,11 +115,20 @@ class FakeJudge:
         if self.service_seconds:
             await asyncio.sleep(self.service_seconds)
         if step == "slow":
-            await asyncio.sleep(self.slow_seconds)
-        while self._limit is not None and self._delivered >= self._limit:
-            if await disconnected():
-                return 499, "client went away"
-            await asyncio.sleep(0.01)
+            end = time.perf_counter() + self.slow_seconds
+            while time.perf_counter() < end:
+                if await disconnected():  # the client timed out: nothing to answer
+                    return 499, "client went away"
+                await asyncio.sleep(0.02)
+        if self._limit is not None and self._delivered >= self._limit:
+            self.waiting += 1
+            try:
+                while self._limit is not None and self._delivered >= self._limit:
+                    if await disconnected():
+                        return 499, "client went away"
+                    await asyncio.sleep(0.01)
+            finally:
+                self.waiting -= 1
         self._delivered += 1
         self.answered[key] += 1
         scores = self.scores(prompt, key[1], testpoints)

@@ -64,30 +64,39 @@ def png_is_complete(path: Path) -> bool:
         return False
 
 
-def load_generator(model: str, overrides: list[str]):
-    """(policy, config, description) for a model name / pipeline folder or a run directory."""
+def resolve_model(model: str, overrides: list[str]):
+    """(config, description) for a model name / pipeline folder or a run directory (nothing is loaded;
+    a run's description names its latest checkpoint, whose weights :func:`build_generator` loads)."""
     from ..config import apply_dict, load_config, parse_override, validate
-    from ..policies import build_policy
 
     path = Path(model)
-    if (path / "config.yaml").is_file():
-        from ..trainer.checkpoint import latest_checkpoint, load_checkpoint
-        from ..trainer.run import load_run_config
+    if not (path / "config.yaml").is_file():
+        return load_config(None, None, [f"model.name={model}", *overrides]), {"model": model}
+    from ..trainer.checkpoint import latest_checkpoint
+    from ..trainer.run import load_run_config
 
-        cfg = load_run_config(path)
-        for ov in overrides:
-            apply_dict(cfg, parse_override(ov))
-        validate(cfg)
-        ckpt = latest_checkpoint(path)
-        if ckpt is None:
-            raise UserError(f"run directory {path} has no checkpoint yet")
-        state = load_checkpoint(ckpt)["trainer"]
-        policy = build_policy(cfg.model)
-        which = "ema" if state.get("ema") else "raw"
-        policy.load_trainable_state_dict(state["ema"] if which == "ema" else state["trainable"])
-        return policy, cfg, {"run": str(path.resolve()), "checkpoint": ckpt.name, "weights": which}
-    cfg = load_config(None, None, [f"model.name={model}", *overrides])
-    return build_policy(cfg.model), cfg, {"model": model}
+    cfg = load_run_config(path)
+    for ov in overrides:
+        apply_dict(cfg, parse_override(ov))
+    validate(cfg)
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise UserError(f"run directory {path} has no checkpoint yet")
+    return cfg, {"run": str(path.resolve()), "checkpoint": ckpt.name}
+
+
+def build_generator(cfg, desc: dict):
+    """The policy of :func:`resolve_model`'s result, with a run's checkpoint weights loaded (its EMA
+    weights when it kept them, else the raw ones)."""
+    from ..policies import build_policy
+
+    policy = build_policy(cfg.model)
+    if "run" in desc:
+        from ..trainer.checkpoint import load_checkpoint
+
+        state = load_checkpoint(Path(desc["run"]) / "checkpoints" / desc["checkpoint"])["trainer"]
+        policy.load_trainable_state_dict(state["ema"] if state.get("ema") else state["trainable"])
+    return policy
 
 
 def _settings(prompt_set: PromptSet, desc: dict, cfg, opts: GenerateOptions, steps: int, guidance: float) -> dict:
@@ -102,7 +111,7 @@ def _check_settings(out: Path, settings: dict) -> None:
     path = out / SETTINGS_NAME
     if path.is_file():
         old = json.loads(path.read_text(encoding="utf-8"))
-        diff = [k for k in settings if k != "checkpoint" and old.get(k) != settings[k]]
+        diff = [k for k in settings if old.get(k) != settings[k]]
         if diff:
             raise UserError(f"{out} holds images made with other settings ({', '.join(diff)} differ, see "
                             f"{path}); use another --out to keep one model per folder")
@@ -174,19 +183,20 @@ def generate_folder(model: str, prompt_set: PromptSet, out: str | Path, opts: Ge
     todo = [w for w, path in zip(wanted, paths) if not png_is_complete(path)]
     broken = sum(1 for path in paths if path.exists() and not png_is_complete(path))
     counts = {"images": len(wanted), "kept": len(wanted) - len(todo), "regenerated": broken, "generated": len(todo)}
+    cfg, desc = resolve_model(model, opts.overrides)
+    steps = opts.steps or cfg.eval.num_steps
+    guidance = cfg.model.guidance_scale if opts.guidance is None else opts.guidance
+    _check_settings(out, _settings(prompt_set, desc, cfg, opts, steps, guidance))
     if broken:
         print(f"{broken} incomplete images will be made again")
     if not todo:
         print(f"all {len(wanted)} images of set {prompt_set.name} are already in {out}")
         return counts
-    policy, cfg, desc = load_generator(model, opts.overrides)
+    policy = build_generator(cfg, desc)
     policy.eval()
     if torch.cuda.is_available():
         policy = policy.to("cuda")
-    steps = opts.steps or cfg.eval.num_steps
-    guidance = cfg.model.guidance_scale if opts.guidance is None else opts.guidance
     policy.guidance_scale = guidance  # before any prompt is encoded: guidance != 1 encodes the empty prompt too
-    _check_settings(out, _settings(prompt_set, desc, cfg, opts, steps, guidance))
     if counts["kept"]:
         print(f"resuming: {counts['kept']} of {len(wanted)} images already in {out}")
     bar = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
