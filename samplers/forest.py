@@ -242,9 +242,10 @@ class Rollout:
         return out
 
     def transitions(self, edge_advantages: list[Tensor | None], steps: list[int] | None = None,
-                    edge_masks: list[Tensor | None] | None = None) -> TransitionBatch:
+                    edge_masks: list[Tensor | None] | None = None, allow_empty: bool = False) -> TransitionBatch:
         """Flatten the trainable SDE edges that start at the given plan steps (grid indices;
-        default: all trained steps).
+        default: all trained steps). ``allow_empty``: return a batch with no rows instead of raising
+        when nothing is trainable (a data-parallel shard whose trees all lost their signal).
 
         ``edge_advantages[d]`` is [N_d] for the edges into depth d (index 0 unused);
         ``edge_masks[d]`` [N_d] bool, if given, keeps only those edges (e.g. edges whose leaves
@@ -284,5 +285,16 @@ class Rollout:
             parts["node"].append(rows)
             parts["depth"].append(torch.full((n,), d, dtype=torch.long))
         if not parts["sample"]:
-            raise ValueError("the rollout has no trainable SDE transitions in the requested steps")
+            if not allow_empty:
+                raise ValueError("the rollout has no trainable SDE transitions in the requested steps")
+            return self._empty_transitions()
         return TransitionBatch(**{k: torch.cat(v) for k, v in parts.items()})
+
+    def _empty_transitions(self) -> TransitionBatch:
+        """A :class:`TransitionBatch` with zero rows (state dims and devices of this forest)."""
+        x = self.levels[0].x[:0]
+        idx = torch.zeros(0, dtype=torch.long)
+        flt = torch.zeros(0)
+        return TransitionBatch(sample=x, prev_sample=x, mean_old=x, std=x.new_zeros(0), log_prob_old=x.new_zeros(0),
+                               sigma=flt, sigma_next=flt, step=idx, tree=idx, prompt=idx, advantages=flt, node=idx,
+                               depth=idx)

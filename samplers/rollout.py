@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .forest import Level, Rollout
+from .noise import TreeNoise
 from .plan import SamplingPlan
 from .solvers import dpm2_step, lambda_step
 from .steps import euler_step, sde_step
@@ -50,31 +51,40 @@ class ForestSampler:
 
     def initial_noise(self, num_prompts: int, group_size: int, generator: torch.Generator,
                       shared_group_noise: bool) -> Tensor:
-        """[P * G, ...] float32 initial noise; identical within a group when ``shared_group_noise``."""
-        shape = tuple(self.policy.latent_shape)
-        n = num_prompts if shared_group_noise else num_prompts * group_size
-        noise = torch.randn((n, *shape), generator=generator, dtype=torch.float32)
-        if shared_group_noise:
-            noise = noise.repeat_interleave(group_size, dim=0)
-        return noise.to(self.policy.device)
+        """[P * G, ...] float32 initial noise of a whole rollout (the trees' own streams,
+        :class:`~flowgrpo.samplers.noise.TreeNoise`); identical within a group when ``shared_group_noise``."""
+        n = num_prompts * group_size
+        return TreeNoise(generator, n, range(n), group_size, self.policy.device).initial(
+            tuple(self.policy.latent_shape), shared_group_noise)
 
     @torch.no_grad()
     def rollout(self, plan: SamplingPlan, prompts: list[str], group_size: int, generator: torch.Generator,
-                shared_group_noise: bool = False, cond=None) -> Rollout:
+                shared_group_noise: bool = False, cond=None, trees: range | None = None) -> Rollout:
         """Sample ``group_size`` trees per prompt following ``plan``.
 
-        Returns a :class:`Rollout` whose leaves are the final samples ([P * G * leaves_per_tree, ...]);
-        group g of the forest holds the trees of prompt g.
+        Tree t (global id, prompt-major: tree t belongs to prompt t // group_size) draws all of its
+        noise from its own stream (:class:`~flowgrpo.samplers.noise.TreeNoise`), so ``trees``, a
+        contiguous range of tree ids (a data-parallel shard; default: all P * G), rolls out exactly
+        the trees a whole-forest rollout would have produced for those ids. ``prompts`` and
+        ``cond`` are always the whole iteration's.
+
+        Returns a :class:`Rollout` whose leaves are the final samples ([trees * leaves_per_tree, ...]);
+        node tree ids are global, and group g of the forest holds the trees of prompt g.
         """
         device = self.policy.device
         cond = cond if cond is not None else self.policy.encode_prompts(prompts)
         num_trees = len(prompts) * group_size
+        trees = range(num_trees) if trees is None else trees
+        if trees.step != 1 or trees.start < 0 or trees.stop > num_trees or len(trees) == 0:
+            raise ValueError(f"trees must be a non-empty contiguous range within [0, {num_trees}), got {trees}")
         tree_prompt = torch.arange(len(prompts), device=device).repeat_interleave(group_size)
-        x = self.initial_noise(len(prompts), group_size, generator, shared_group_noise)
-        levels = [Level(x=x, parent=torch.full((num_trees,), -1, dtype=torch.long, device=device),
-                        tree=torch.arange(num_trees, device=device),
-                        pos=torch.zeros(num_trees, dtype=torch.long, device=device),
-                        lane=torch.zeros(num_trees, dtype=torch.long, device=device))]
+        noise = TreeNoise(generator, num_trees, trees, group_size, device)
+        x = noise.initial(tuple(self.policy.latent_shape), shared_group_noise)
+        n = len(trees)
+        levels = [Level(x=x, parent=torch.full((n,), -1, dtype=torch.long, device=device),
+                        tree=torch.arange(trees.start, trees.stop, device=device),
+                        pos=torch.zeros(n, dtype=torch.long, device=device),
+                        lane=torch.zeros(n, dtype=torch.long, device=device))]
         sigmas = plan.sigmas.to(device)
         t_end = plan.num_steps
         nfe = 0
@@ -107,9 +117,9 @@ class ForestSampler:
                     part = {"parent": parent, "pos": nxt, "lane": lane if step.lane is None else step.lane,
                             "sde": step.sde, "train": step.train}
                     if step.sde:
-                        noise = self.branch_noise(step, len(members), xs, generator)
+                        eps = self.branch_noise(step, cur.tree[members], xs, noise)
                         out = sde_step(xs, vs, sigmas[i], sigmas[i + 1], noise_level=step.noise_level,
-                                       kind=step.sde_kind, generator=generator, noise=noise, sigma_max=sigmas[1],
+                                       kind=step.sde_kind, noise=eps, sigma_max=sigmas[1],
                                        log_prob=step.log_prob)
                         part.update(x=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob)
                         if keep_hist:
@@ -156,24 +166,27 @@ class ForestSampler:
         return groups
 
     @staticmethod
-    def branch_noise(step, num_parents: int, like: Tensor, generator: torch.Generator) -> Tensor | None:
-        """Standard-normal-marginal noise for the ``step.branch`` SDE children of each of ``num_parents``
-        nodes ([num_parents * K, ...], siblings adjacent), or None to let the step draw i.i.d. noise.
+    def branch_noise(step, parent_tree: Tensor, like: Tensor, noise: TreeNoise) -> Tensor:
+        """Standard-normal-marginal noise for the ``step.branch`` SDE children of each parent node
+        ([num_parents * K, ...], siblings adjacent), drawn from the parents' trees' streams
+        (``parent_tree`` [num_parents]).
 
-        "shared": xi_b = (xi_0 + c * eta_b) / sqrt(1 + c^2) with xi_0 drawn once per parent: every child
-        keeps the N(0, 1) marginal (so its log-prob is the density it was drawn from) and siblings
-        correlate by 1 / (1 + c^2). "scaled": the BranchGRPO reference code's independent noise
-        scaled by c, xi_b = c * eta_b (variance c^2: not the density its log-prob scores).
+        "iid" (and any step with K = 1): independent N(0, 1). "shared": xi_b = (xi_0 + c * eta_b) /
+        sqrt(1 + c^2) with xi_0 drawn once per parent: every child keeps the N(0, 1) marginal (so its
+        log-prob is the density it was drawn from) and siblings correlate by 1 / (1 + c^2). "scaled":
+        the BranchGRPO reference code's independent noise scaled by c, xi_b = c * eta_b (variance
+        c^2: not the density its log-prob scores).
         """
         k = step.branch
-        if k == 1 or step.branch_noise == "iid":
-            return None
-        c = float(step.branch_noise_scale)
         shape = tuple(like.shape[1:])
-        eta = torch.randn((num_parents * k, *shape), generator=generator, dtype=torch.float32)
+        child_tree = parent_tree.repeat_interleave(k) if k > 1 else parent_tree
+        eta = noise.draw(child_tree, shape)
+        if k == 1 or step.branch_noise == "iid":
+            return eta.to(like.device)
+        c = float(step.branch_noise_scale)
         if step.branch_noise == "scaled":
             return (c * eta).to(like.device)
-        xi0 = torch.randn((num_parents, *shape), generator=generator, dtype=torch.float32)
+        xi0 = noise.draw(parent_tree, shape)
         return ((xi0.repeat_interleave(k, dim=0) + c * eta) / math.sqrt(1.0 + c * c)).to(like.device)
 
     @staticmethod

@@ -63,17 +63,22 @@ def test_branch_default_tree_has_16_leaves_and_zero_mean_advantages_at_every_dep
     adv = estimate_advantages("branch_grpo", ro, leaf_rewards(ro), AdvantageConfig(fusion_beta=beta), REWARD_CFG)
     assert adv.leaf_mask.all()
     rewards = leaf_rewards(ro)["r"]
+    worst_rounding = 0.0
     for d in range(1, 21):
         a = adv.edge_advantages[d]
         tree = ro.levels[d].tree
         fused, _ = fused_node_rewards(ro, rewards, torch.ones(ro.num_leaves, dtype=torch.bool), d, beta)
         for t in range(trees):
             at, rt = a[tree == t], fused[tree == t]
-            assert abs(float(at.mean())) < 1e-5, (d, t)  # zero mean over one tree's nodes at depth d
+            # zero mean over one tree's nodes at depth d, up to float32 rounding of r - mu, which
+            # the division by a small sigma_d + eps magnifies (near-equal fused rewards at beta = 1)
+            rounding = 4 * torch.finfo(torch.float32).eps * float(rt.abs().max()) / (float(rt.std(unbiased=False)) + 1e-4)
+            assert abs(float(at.mean())) < 1e-5 + rounding, (d, t)
+            worst_rounding = max(worst_rounding, rounding)
             # A_d(n) = (r(n) - mu_d) / (sigma_d + eps), population std over the tree's nodes at depth d
             expected = (rt - rt.mean()) / (rt.std(unbiased=False) + 1e-4)
             assert torch.allclose(at, expected.clamp(-5, 5), atol=1e-5)
-    assert adv.diagnostics["depth_adv_mean_absmax"] < 1e-5
+    assert adv.diagnostics["depth_adv_mean_absmax"] < 1e-5 + worst_rounding
     # the leaves' advantages are the last depth's; the root carries nothing
     assert torch.equal(adv.leaf_advantages, adv.edge_advantages[20])
 
