@@ -38,9 +38,14 @@ def ode_depths(rollout, plan) -> list[int]:
 
 
 def ode_anchor_loss(policy, rollout, plan, cond, weight: float, num_steps: int,
-                    rng: np.random.Generator) -> Tensor | None:
+                    rng: np.random.Generator, level_sizes: list[int] | None = None) -> Tensor | None:
     """``weight * mean((v_theta - v_ref)^2)`` over ``num_steps`` random ODE depths of ``rollout``
-    (states [N_d, ...] at sigma = plan.sigmas[pos]); None when the rollout has no ODE depth."""
+    (states [N_d, ...] at sigma = plan.sigmas[pos]); None when the rollout has no ODE depth.
+
+    ``level_sizes``: nodes per depth of the whole iteration's forest when ``rollout`` is one
+    data-parallel shard of it; each depth's mean is then weighted by this shard's share of the
+    depth, so the shards' terms sum to the whole forest's. The depths chosen depend only on the plan
+    and ``rng``, so every shard picks the same ones."""
     depths = ode_depths(rollout, plan)
     if weight <= 0 or not depths or num_steps < 1:
         return None
@@ -56,5 +61,7 @@ def ode_anchor_loss(policy, rollout, plan, cond, weight: float, num_steps: int,
         with torch.no_grad():
             v_ref = policy.reference_velocity(lv.x, sigma, c).float()
         term = ((v - v_ref) ** 2).mean()
+        if level_sizes is not None:
+            term = term * (len(lv.x) / level_sizes[d])
         total = term if total is None else total + term
     return weight * total / len(chosen)

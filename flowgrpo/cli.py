@@ -20,6 +20,7 @@ problem and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,13 +30,26 @@ from .errors import UserError
 
 
 def _cmd_train(args) -> int:
-    from .config import load_config
-    from .trainer.run import load_run_config, train
+    from .trainer.launch import in_launched_process, launch
 
     if args.help_config is not None:
         from .config_help import explain_config
 
         return explain_config(args.help_config or None)
+    if args.num_processes > 1 and not in_launched_process():
+        argv = args.raw_argv[args.raw_argv.index("train") + 1:]
+        return launch(args.num_processes, _drop_option(argv, "--num-processes", "--accelerate-config"),
+                      args.accelerate_config)
+    if in_launched_process():
+        return _train_in_launched_process(args)
+    return _run_train(args)
+
+
+def _run_train(args) -> int:
+    """Train (or resume) in this process and print the outcome (the main process's)."""
+    from .config import load_config
+    from .trainer.run import load_run_config, train
+
     if args.resume:
         run_dir = Path(args.resume)
         cfg = load_run_config(run_dir)
@@ -49,6 +63,8 @@ def _cmd_train(args) -> int:
     else:
         cfg = load_config(args.preset, args.config, args.overrides)
         summary = train(cfg)
+    if "rank" in summary:  # a non-main rank of a multi-process run: the main process reports
+        return 0
     done = f"done: {summary['iterations']} iterations, {summary['train_seconds'] / 60:.1f} min of training"
     if summary["eval_before"] is None:
         print(f"{done}; {summary['evaluation']}")
@@ -56,6 +72,41 @@ def _cmd_train(args) -> int:
         b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
         print(f"{done}; held-out accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
     return 0
+
+
+def _drop_option(argv: list[str], *names: str) -> list[str]:
+    """``argv`` without the options ``names`` (``--name value`` or ``--name=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not any(a.startswith(n + "=") for n in names):
+            out.append(a)
+    return out
+
+
+def _train_in_launched_process(args) -> int:
+    """One rank of a multi-process run: a failed collective ends this rank with one line and
+    :data:`~flowgrpo.trainer.launch.PEER_LOST_EXIT` (the launcher names the rank that caused it)."""
+    import torch.distributed as dist
+
+    from .trainer.launch import PEER_LOST_EXIT, is_collective_failure
+
+    rank = os.environ.get("RANK", "?")
+    args_single = argparse.Namespace(**{**vars(args), "num_processes": 1})
+    try:
+        return _run_train(args_single)
+    except Exception as exc:  # noqa: BLE001 - anything a collective raises ends this rank the same way
+        if not is_collective_failure(exc):
+            raise
+        print(f"flowgrpo: rank {rank}: lost contact with another process ({str(exc).splitlines()[0][:160]}); "
+              "stopping", file=sys.stderr)
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # the group is already broken: nothing to tidy
+                dist.destroy_process_group()
+        os._exit(PEER_LOST_EXIT)  # skip atexit hooks that would wait on the dead peers
 
 
 def _cmd_eval(args) -> int:
@@ -192,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run")
     t.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
                    help="explain the config keys (of one section) and exit; same as `flowgrpo config explain`")
+    t.add_argument("--num-processes", type=int, default=1, metavar="N",
+                   help="run on N processes (one per GPU; gloo processes on a CPU-only machine) through accelerate launch")
+    t.add_argument("--accelerate-config", default=None, metavar="FILE",
+                   help="accelerate config for --num-processes (e.g. configs/accelerate/fsdp.yaml)")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     t.set_defaults(fn=_cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a run or checkpoint (deterministic)")
@@ -252,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.fn(args)
     except UserError as exc:

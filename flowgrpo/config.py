@@ -133,8 +133,14 @@ class LogConfig:
     run_name: str = _f("", "run directory name (default: preset + timestamp)")
     checkpoint_every: int = _f(10, "write a checkpoint every N iterations (and at the end)")
     grid_every: int = _f(25, "write a sample grid every N iterations (0 = never)")
-    tensorboard: bool = _f(True, "write TensorBoard events")
+    trackers: list = _f(["tensorboard"], "experiment trackers, through accelerate's: any of tensorboard | wandb | mlflow | comet_ml | aim | clearml | dvclive | swanlab | trackio ([] = none; metrics.jsonl is always written). Each logs from the main process into the run directory where it has a local mode (W&B: set WANDB_MODE=offline to stay local)")
+    project: str = _f("flowgrpo", "project name the trackers file the run under (the run directory's name is the run's)")
     progress: bool = _f(True, "show a rich progress bar")
+
+
+@dataclass
+class DistConfig:
+    timeout_s: float = _f(600.0, "multi-process runs: seconds a collective waits for the other processes; a rank that died or hangs longer stops the run with an error naming it (the last checkpoint resumes)")
 
 
 @dataclass
@@ -148,6 +154,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     strategy: dict = _f({}, "options of sampler.strategy (window, splits, ...; `flowgrpo config explain strategy` lists them per strategy); a preset, config file or set of overrides that selects another sampler.strategy starts from that strategy's defaults")
     preset: str = _f("", "name of the preset this config came from")
     description: str = _f("", "one line saying what this configuration is (shown by `flowgrpo presets`)")
@@ -172,6 +179,15 @@ class ConfigKeyRenamedWarning(UserWarning):
 def _move_renamed(data: dict) -> dict:
     """A copy of ``data`` with every old key moved to its new place (a warning per key)."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    log = out.get("log")
+    if isinstance(log, dict) and "tensorboard" in log:  # a switch that became a list entry
+        on = log.pop("tensorboard")
+        warnings.warn("config key 'log.tensorboard' is now the list 'log.trackers' (log.tensorboard=false is "
+                      "log.trackers=[]); please rename it", ConfigKeyRenamedWarning, stacklevel=4)
+        if not isinstance(on, bool):
+            on = str(on).strip().lower() in ("1", "true", "yes", "on")
+        if "trackers" not in log:
+            log["trackers"] = ["tensorboard"] if on else []
     for old, new in RENAMED_KEYS.items():
         osec, okey = old.split(".")
         nsec, nkey = new.split(".")
@@ -307,9 +323,21 @@ def load_config(preset: str | None = "shapes", config_file: str | None = None, o
     return cfg
 
 
+def _check_trackers(trackers: list) -> None:
+    from accelerate.utils import LoggerType
+
+    valid = sorted(t.value for t in LoggerType if t.value != "all")
+    for t in trackers:
+        if t not in valid:
+            raise ConfigError(f"config key 'log.trackers': unknown tracker {t!r}; valid choices: {', '.join(valid)}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options."""
     check_choices(cfg)
+    _check_trackers(cfg.log.trackers)
+    if cfg.dist.timeout_s <= 0:
+        raise ConfigError(f"config key 'dist.timeout_s' must be > 0, got {cfg.dist.timeout_s}")
     positive = ["reward.frame_stride", "sampler.num_steps", "data.prompts_per_iteration", "data.trees_per_prompt", "train.iterations",
                 "train.inner_epochs", "train.minibatches", "train.micro_batch", "eval.num_prompts",
                 "eval.seeds_per_prompt", "eval.num_steps", "sampler.max_micro_batch"]

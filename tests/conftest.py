@@ -104,7 +104,7 @@ def tiny_overrides(model_dir, **extra) -> list[str]:
         "eval.seeds_per_prompt": 1,
         "eval.num_steps": 4,
         "log.progress": "false",
-        "log.tensorboard": "true",
+        "log.trackers": "[tensorboard]",
         "train.iterations": 2,
         "train.threads": 1,
     }

@@ -68,7 +68,7 @@ def test_summarize_writes_into_the_current_directory_by_default(tmp_path, monkey
 
 
 def test_bench_e2e_outputs(tmp_path):
-    overrides = [f"log.out_dir={tmp_path / 'runs'}", "log.tensorboard=false", "log.progress=false",
+    overrides = [f"log.out_dir={tmp_path / 'runs'}", "log.trackers=[]", "log.progress=false",
                  "log.grid_every=0", "sampler.num_steps=5", "eval.num_steps=3", "data.prompts_per_iteration=1",
                  "data.trees_per_prompt=2", "train.threads=1"]
     res = run_bench_e2e(str(tmp_path / "e2e.json"), presets=("flow-grpo", "mix-grpo"), minutes=0.02,

@@ -57,7 +57,7 @@ TIMING = {"rollout_s", "train_s", "iter_s"}
 def overrides(model_dir, preset, world, prompt_file=None):
     ov = [f"model.path={model_dir}", f"data.prompts_per_iteration={PROMPTS}", f"data.trees_per_prompt={GROUP}",
           f"sampler.num_steps={T}", "eval.num_prompts=2", "eval.seeds_per_prompt=1", "eval.num_steps=2",
-          "train.threads=1", "log.progress=false", "log.tensorboard=false", "loss.backend=reference"]
+          "train.threads=1", "log.progress=false", "log.trackers=[]", "loss.backend=reference"]
     if preset.startswith("mix-grpo"):
         ov.append("strategy.window=2")  # T = 6: leave room for the window to move and a compressed tail
         if preset != "mix-grpo-flash-star":

@@ -113,7 +113,7 @@ def test_end_to_end_run_directory(cli_run_dir):
     for name in ("config.yaml", "metrics.jsonl", "reward_curve.png", "before_after.png", "summary.json",
                  "eval_before.json", "accuracy_curve.png"):
         assert (d / name).is_file() and (d / name).stat().st_size > 0, name
-    assert list((d / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((d / "tensorboard").rglob("events.out.tfevents.*"))  # accelerate: tensorboard/<log.project>/
     ckpts = sorted(p.name for p in (d / "checkpoints").iterdir() if p.name.startswith("ckpt_"))
     assert ckpts and ckpts[-1] == f"ckpt_{RUN_ITERATIONS:06d}"
     assert (d / "checkpoints" / ckpts[-1] / "state.pt").is_file()
@@ -295,7 +295,7 @@ def test_bench_profile_writes_into_the_current_directory(shapes_model_dir, tmp_p
     from flowgrpo.benchmarks.bench_profile import PHASES, run_bench_profile
 
     monkeypatch.chdir(tmp_path)
-    overrides = tiny_overrides(shapes_model_dir, **{"log.tensorboard": "false"}) + [f"log.out_dir={tmp_path / 'runs'}"]
+    overrides = tiny_overrides(shapes_model_dir, **{"log.trackers": "[]"}) + [f"log.out_dir={tmp_path / 'runs'}"]
     res = run_bench_profile("prof.json", iterations=1, overrides=overrides, quiet=True)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "runs") == ["prof.json", "profile.csv", "profile.png"]
     assert json.loads((tmp_path / "prof.json").read_text()) == json.loads(json.dumps(res))

@@ -36,7 +36,7 @@ def run(tmp_path_factory):
         "model.lora_rank=4", "model.lora_alpha=8", f"model.guidance_scale={GUIDANCE}",
         "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts}", "data.prompts_per_iteration=2",
         "data.trees_per_prompt=2", f"sampler.num_steps={STEPS}", "sampler.strategy=flow_grpo", "train.iterations=2", "train.threads=1",
-        "train.lr=3e-2", "train.ema_decay=0.5", "log.progress=false", "log.tensorboard=false",
+        "train.lr=3e-2", "train.ema_decay=0.5", "log.progress=false", "log.trackers=[]",
         "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run",
     ])
     train(cfg)

@@ -120,7 +120,7 @@ def test_run_with_nan_rewards_finishes_and_counts_them(tiny_config, tmp_path):
     from flowgrpo.trainer.run import train
 
     cfg = tiny_config(**{"reward.weights": f"{{{NAN_EVERY_THIRD}: 1.0}}", "train.iterations": 2,
-                         "log.tensorboard": "false"})
+                         "log.trackers": "[]"})
     summary = train(cfg, tmp_path / "run")
     leaves = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
     per_iter = len(range(0, leaves, 3))
@@ -157,7 +157,7 @@ def test_time_budget_is_never_exceeded(tiny_config, tmp_path):
 
     budget_s = 4.0
     cfg = brightness_cfg(tiny_config, **{"train.iterations": 10000, "train.max_minutes": budget_s / 60,
-                                         "log.tensorboard": "false", "log.checkpoint_every": 1000})
+                                         "log.trackers": "[]", "log.checkpoint_every": 1000})
     summary = train(cfg, tmp_path / "run")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert summary["iterations"] == len(rows) >= 2

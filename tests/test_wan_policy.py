@@ -33,7 +33,7 @@ def _overrides(wan_dir, prompt_file, *extra):
             "model.train_mode=lora", "model.max_sequence_length=16", "model.lora_rank=4", "model.lora_alpha=8", "model.guidance_scale=3.0",
             "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompt_file}", "eval.evaluator=none",
             "data.prompts_per_iteration=1", "data.trees_per_prompt=2", "sampler.num_steps=2",
-            "train.threads=1", "train.lr=1e-3", "log.progress=false", "log.tensorboard=false", *extra]
+            "train.threads=1", "train.lr=1e-3", "log.progress=false", "log.trackers=[]", *extra]
 
 
 def test_velocity_matches_stock_transformer(wan_dir, prompt_file):

@@ -1,4 +1,4 @@
-"""Metrics sinks: an append-only JSONL file and TensorBoard, both resumable."""
+"""Metrics sinks: an append-only JSONL file (always) and accelerate's trackers, both resumable."""
 
 from __future__ import annotations
 
@@ -8,40 +8,55 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    """Writes one JSON object per iteration to ``metrics.jsonl`` and scalars to TensorBoard.
+    """Writes one JSON object per iteration to ``metrics.jsonl`` and its numbers to the trackers.
 
     On resume from iteration k, lines after k are dropped (they belong to the lost tail of the
-    interrupted run) and TensorBoard purges its events past k.
+    interrupted run); the trackers were opened to purge their own tails
+    (:func:`flowgrpo.trainer.accelerator.start_trackers`).
+
+    Args:
+        run_dir: the run directory.
+        accelerator: the run's Accelerator whose trackers receive scalars and images (None: JSONL only).
+        resume_iteration: the last iteration kept on resume (None: a fresh run).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_iteration: int | None = None):
+    def __init__(self, run_dir: Path, accelerator=None, resume_iteration: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_iteration is not None and self.path.exists():
             kept = [ln for ln in self.path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("iteration", -1) <= resume_iteration]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         self._fh = self.path.open("a")
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = resume_iteration + 1 if resume_iteration is not None else None
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
+        self.accelerator = accelerator if accelerator is not None and accelerator.trackers else None
 
     def log(self, record: dict) -> None:
         self._fh.write(json.dumps(record, default=float) + "\n")
         self._fh.flush()
-        if self.tb is not None:
-            step = record["iteration"]
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration" and math.isfinite(v):
-                    self.tb.add_scalar(k.replace(".", "/"), v, step)
-            self.tb.flush()
+        if self.accelerator is not None:
+            scalars = {k.replace(".", "/"): v for k, v in record.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"
+                       and math.isfinite(v)}
+            self.accelerator.log(scalars, step=record["iteration"])
+
+    def log_image(self, name: str, path: Path, step: int) -> None:
+        """Send a written PNG (a sample grid) to the trackers that take images."""
+        if self.accelerator is None:
+            return
+        import numpy as np
+        from PIL import Image
+
+        img = np.asarray(Image.open(path).convert("RGB"))  # [H, W, 3] uint8
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard":
+                tracker.log_images({name: img[None]}, step=step, dataformats="NHWC")
+            elif tracker.name == "wandb":
+                tracker.log_images({name: [img]}, step=step)
+            # other trackers keep the scalars; the PNG stays in RUN_DIR/grids/
 
     def close(self) -> None:
         self._fh.close()
-        if self.tb is not None:
-            self.tb.close()
+        if self.accelerator is not None:
+            self.accelerator.end_training()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

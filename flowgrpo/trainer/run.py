@@ -3,7 +3,7 @@
 RUN_DIR/
   config.yaml          the full resolved config (resume reads it back)
   metrics.jsonl        one line per iteration
-  tensorboard/         TensorBoard events
+  tensorboard/         TensorBoard events (log.trackers; mlruns/ and wandb/ for those trackers)
   checkpoints/ckpt_N/  atomic checkpoints (trainable weights, optimizer, EMA, iteration, clock)
   lora/                LoRA runs of diffusers models: pytorch_lora_weights.safetensors (EMA weights
                        when train.ema is on) for the stock pipeline's load_lora_weights (flowgrpo.export)
@@ -17,6 +17,10 @@ RUN_DIR/
 
 Evaluation is whatever ``eval.evaluator`` selects (:mod:`flowgrpo.evaluation`); a model without an
 evaluator trains without one: the eval_* entries are null and ``evaluation`` says why.
+
+Multi-process runs (:mod:`flowgrpo.trainer.data_parallel`): every rank runs this loop on the same
+clock (the main process's, broadcast each iteration) and holds the same weights; only the main
+process evaluates, writes the run directory, logs, prints and draws the progress bar.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..config import RunConfig, apply_dict, to_dict, validate
 from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..plots import save_accuracy_curve, save_grid, save_labeled_grid, save_reward_curve
+from .accelerator import start_trackers
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsLogger, read_metrics
 from .trainer import GRPOTrainer
@@ -89,17 +94,34 @@ def _progress(enabled: bool, total: int):
                     TextColumn("{task.fields[info]}"), disable=not enabled, transient=False)
 
 
+def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp) -> Path:
+    """The run directory, created (fresh run) by the main process and the same on every rank."""
+    if resume:
+        assert run_dir is not None
+        return Path(run_dir)
+    outcome: tuple[str | None, str | None] = (None, None)
+    if dp.is_main:
+        try:
+            path = run_dir or make_run_dir(cfg)
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            outcome = (str(path), None)
+        except UserError as e:
+            outcome = (None, str(e))
+    path, error = dp.broadcast(outcome)
+    if error is not None:
+        raise UserError(error)
+    return Path(path)
+
+
 def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> dict:
     """Run (or resume) training. Returns the summary dict (also written to RUN_DIR/summary.json)."""
     trainer = GRPOTrainer(cfg)  # first, so that bad input fails before a run directory exists
+    dp = trainer.dp
+    main = dp.is_main
+    say = print if main else (lambda *a, **k: None)
     evaluator, eval_note = build_evaluator(cfg.eval, trainer.policy, cfg.sampler.shift)
-    if resume:
-        assert run_dir is not None
-        run_dir = Path(run_dir)
-    else:
-        run_dir = run_dir or make_run_dir(cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    run_dir = _prepare_run_dir(cfg, run_dir, resume, dp)
     train_seconds = 0.0
     start_iter = 0
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -108,13 +130,19 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
         trainer.load_state_dict(state["trainer"])
         train_seconds = state["train_seconds"]
         start_iter = trainer.iteration
-        print(f"resumed from {ckpt} at iteration {start_iter}")
-    logger = MetricsLogger(run_dir, cfg.log.tensorboard, resume_iteration=start_iter - 1 if resume else None)
+        say(f"resumed from {ckpt} at iteration {start_iter}")
+    logger = None
+    if main:
+        start_trackers(trainer.accelerator, cfg, run_dir, start_iter - 1 if resume else None)
+        logger = MetricsLogger(run_dir, trainer.accelerator, resume_iteration=start_iter - 1 if resume else None)
 
     eval_before, before_images = None, None
     before_path = run_dir / "eval_before.json"
+    # evaluation runs on the main process only; the others wait at the next collective
     if evaluator is None:
-        print(f"note: {eval_note}")
+        say(f"note: {eval_note}")
+    elif not main:
+        evaluator = None
     elif before_path.exists():
         eval_before = json.loads(before_path.read_text())
     else:
@@ -127,7 +155,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
         torch.save(before_images, run_dir / "eval_before_grid.pt")
     curve = []
     if eval_before is not None:
-        print(f"held-out accuracy before: {eval_before['accuracy']:.3f}")
+        say(f"held-out accuracy before: {eval_before['accuracy']:.3f}")
         curve = [{"iteration": 0, "train_seconds": 0.0, "accuracy": eval_before["accuracy"],
                   "accuracy_unseen": eval_before.get("accuracy_unseen")}] + [
             {"iteration": r["iteration"] + 1, "train_seconds": r["train_seconds"], "accuracy": r["eval_accuracy"],
@@ -135,21 +163,21 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     eval_every_s = cfg.eval.every_minutes * 60 if cfg.eval.every_minutes and evaluator is not None else 0.0
     next_eval_s = len(curve) * eval_every_s if eval_every_s else float("inf")
     total = cfg.train.iterations
-    with _progress(cfg.log.progress, total) as bar:
+    with _progress(cfg.log.progress and main, total) as bar:
         task = bar.add_task("train", total=total, completed=start_iter, info="")
         recent: list[float] = []  # seconds of the latest iterations, checkpoint writes included
         while trainer.iteration < total:
             # stop before an iteration that would likely end past the budget, so that train_seconds
             # stays within it (the longest of the last 5 iterations, with a 25 % margin)
-            if cfg.train.max_minutes and _next_end(train_seconds, recent) > cfg.train.max_minutes * 60:
-                print(f"time budget of {cfg.train.max_minutes} min reached at iteration {trainer.iteration}")
+            if dp.broadcast(bool(cfg.train.max_minutes) and _next_end(train_seconds, recent) > cfg.train.max_minutes * 60):
+                say(f"time budget of {cfg.train.max_minutes} min reached at iteration {trainer.iteration}")
                 break
             spent_before = train_seconds
             t0 = time.perf_counter()
             out = trainer.iteration_step()
             m = out.metrics
             it = m["iteration"]
-            if cfg.log.grid_every and (it % cfg.log.grid_every == 0):
+            if main and cfg.log.grid_every and (it % cfg.log.grid_every == 0):
                 per_row = min(8, cfg.data.trees_per_prompt)
                 if out.images.ndim == 5:  # videos [B, F, 3, H, W]: the first as mp4, frames of a few as rows
                     from ..video_io import save_frame_grid, save_mp4
@@ -158,7 +186,9 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                     save_frame_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:8], scale=2)
                 else:
                     save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:8 * per_row], ncol=per_row, scale=2)
-            train_seconds += time.perf_counter() - t0
+                logger.log_image("samples", run_dir / "grids" / f"iter_{it:06d}.png", it)
+            # one clock for every rank (the main process's), so that time-based decisions agree
+            train_seconds = dp.broadcast(train_seconds + time.perf_counter() - t0)
             m["train_seconds"] = train_seconds
             next_end = _next_end(train_seconds, recent + [train_seconds - spent_before])
             budget_left = not cfg.train.max_minutes or next_end <= cfg.train.max_minutes * 60
@@ -171,9 +201,10 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                               "accuracy_unseen": res.accuracy_unseen})
                 while train_seconds >= next_eval_s:
                     next_eval_s += eval_every_s
-            logger.log(m)
+            if main:
+                logger.log(m)
             done = trainer.iteration
-            if done % cfg.log.checkpoint_every == 0 or done == total:
+            if main and (done % cfg.log.checkpoint_every == 0 or done == total):
                 t1 = time.perf_counter()
                 save_checkpoint(run_dir, done, {"trainer": trainer.state_dict(), "train_seconds": train_seconds})
                 train_seconds += time.perf_counter() - t1
@@ -181,6 +212,9 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             info = (f"reward {m.get('reward_mean', float('nan')):.3f}  kl {m.get('approx_kl', 0):.2e}  "
                     f"clip {m.get('clipfrac_high', 0) + m.get('clipfrac_low', 0):.2f}")
             bar.update(task, completed=done, info=info)
+    dp.barrier()
+    if not main:
+        return {"iterations": trainer.iteration, "train_seconds": train_seconds, "rank": dp.rank}
     if latest_checkpoint(run_dir) is None or int(latest_checkpoint(run_dir).name.split("_")[1]) != trainer.iteration:
         save_checkpoint(run_dir, trainer.iteration, {"trainer": trainer.state_dict(), "train_seconds": train_seconds})
     if cfg.model.train_mode == "lora" and trainer.policy.exports_lora:  # diffusers' format, EMA weights (flowgrpo.export)

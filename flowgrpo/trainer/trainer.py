@@ -37,14 +37,19 @@ from ..samplers.rollout import ForestSampler
 from ..samplers.schedule import sigma_grid
 from ..samplers.strategies import build_strategy
 from ..sft import best_path_sft_loss, best_paths
+from .data_parallel import DataParallel, ForestView
 from .update_stats import UpdateStats, UpdateStatsCollector
 
 
 @dataclass
 class IterationResult:
+    """One iteration's outcome: its metrics, this rank's rollout and decoded leaves
+    ([L_local, 3, H, W] or videos [L_local, F, 3, H, W]), and the whole iteration's advantages."""
+
     metrics: dict
     rollout: Rollout
     images: torch.Tensor
+    advantages: AdvantageResult | None = None
 
 
 def _seed_for(seed: int, iteration: int, salt: int) -> int:
@@ -59,7 +64,7 @@ class GRPOTrainer:
     """
 
     def __init__(self, cfg: RunConfig, accelerator=None):
-        from accelerate import Accelerator
+        from .accelerator import make_accelerator
 
         self.cfg = cfg
         tc = cfg.train
@@ -67,7 +72,9 @@ class GRPOTrainer:
             torch.set_num_threads(tc.threads)
         if tc.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        self.accelerator = accelerator or make_accelerator(cfg)
+        self.dp = DataParallel(self.accelerator)
+        self.dp.tree_shard(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt)  # fail now if too few trees
         torch.manual_seed(tc.seed)  # adapter initialisation
         self.policy = build_policy(cfg.model).to(self.accelerator.device)
         if cfg.loss.beta > 0 or cfg.loss.anchor_weight > 0:
@@ -177,15 +184,20 @@ class GRPOTrainer:
         gen = torch.Generator().manual_seed(_seed_for(cfg.train.seed, it, 11))
         self.policy.eval()
         cond = self.policy.encode_prompts(prompts)  # once per iteration: the rollout and the update share it
+        shard = self.dp.tree_shard(len(prompts) * cfg.data.trees_per_prompt)
         rollout = self.sampler.rollout(plan, prompts, cfg.data.trees_per_prompt, gen, cfg.sampler.shared_group_noise,
-                                       cond=cond)
+                                       cond=cond, trees=shard)
         images = self.decode_leaves(rollout)
         t_rollout = time.perf_counter() - t0
-        rewards, comps = self.score(images, rollout.leaf_prompts, rollout.leaf_groups)
-        adv = estimate_advantages(cfg.advantage.estimator, rollout, rewards, cfg.advantage, cfg.reward)
-        edge_masks = [None] + [rollout.mean_over_descendants(adv.leaf_mask.float(), d) > 0
-                               for d in range(1, len(rollout.levels))]
-        pruned = self.strategy.edge_train_masks(rollout, adv, it)
+        local_rewards, local_comps = self.score(images, rollout.leaf_prompts, rollout.leaf_groups)
+        # credit assignment sees the whole iteration's forest and rewards (every rank: the same numbers)
+        view = self.dp.forest_view(rollout)
+        whole = view.whole
+        rewards, comps = view.gather_leaf_values(local_rewards), view.gather_leaf_values(local_comps)
+        adv = estimate_advantages(cfg.advantage.estimator, whole, rewards, cfg.advantage, cfg.reward)
+        edge_masks = [None] + [whole.mean_over_descendants(adv.leaf_mask.float(), d) > 0
+                               for d in range(1, len(whole.levels))]
+        pruned = self.strategy.edge_train_masks(whole, adv, it)
         pruned_edges = 0
         if pruned is not None:  # backward-only pruning: the rollout and rewards are untouched
             pruned_edges = int(sum(int((~p).sum()) for p in pruned if p is not None))
@@ -194,9 +206,11 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         train_stats = {}
         if adv.leaf_mask.any():
-            batch = rollout.transitions(adv.edge_advantages, steps, edge_masks)
+            batch = rollout.transitions([view.local(d, a) for d, a in enumerate(adv.edge_advantages)], steps,
+                                        [view.local(d, m) for d, m in enumerate(edge_masks)],
+                                        allow_empty=self.dp.world > 1)
             clip = clip_range_for(cfg.loss.clip_range, cfg.loss.clip_adapt, rewards)
-            train_stats = self.update(batch, plan, cond, it, clip, rollout, adv).metrics()
+            train_stats = self.update(batch, plan, cond, it, clip, rollout, adv, view).metrics()
             train_stats["clip_range"] = clip
         t_train = time.perf_counter() - t1
         if self.ema is not None:
@@ -218,34 +232,51 @@ class GRPOTrainer:
         if pruned is not None:
             metrics["pruned_edges"] = pruned_edges
         metrics.update(train_stats)
-        metrics.update({"nfe_rollout": rollout.nfe, "rollout_s": t_rollout, "train_s": t_train,
+        metrics.update({"nfe_rollout": whole.nfe, "rollout_s": t_rollout, "train_s": t_train,
                         "iter_s": time.perf_counter() - t0, "trained_steps": len(steps)})
         self.iteration += 1
-        return IterationResult(metrics, rollout, images)
+        return IterationResult(metrics, rollout, images, adv)
 
     def update(self, batch: TransitionBatch, plan, cond, iteration: int, clip_range: float,
-               rollout: Rollout | None = None, advantages: AdvantageResult | None = None) -> UpdateStats:
+               rollout: Rollout | None = None, advantages: AdvantageResult | None = None,
+               view: ForestView | None = None) -> UpdateStats:
         """Inner epochs x minibatches of clipped-surrogate updates over ``batch`` (M transitions).
 
         Each micro-batch re-runs the model on the stored states, asks the sampler layer for the
         transitions' means (and sigma_t for the KL), and feeds the loss op; gradients of a minibatch
-        accumulate (scaled by micro-batch share) before one clipped AdamW step."""
-        cfg, tc = self.cfg, self.cfg.train
-        trees = batch.tree.unique()
+        accumulate (each row weighted by 1 / rows of the minibatch) before one clipped AdamW step.
+
+        Data parallel (``view`` of the whole forest, ``batch`` and ``rollout`` this rank's shard):
+        minibatches are drawn over the trees of every rank, each rank back-propagates its own rows
+        of a minibatch weighted by 1 / (the minibatch's rows on all ranks), and the gradients are
+        summed over ranks before the step, which therefore equals the 1-process step."""
+        cfg, tc, dp = self.cfg, self.cfg.train, self.dp
+        # tree ids are global: the rollout's tree_prompt spans the whole iteration's trees
+        n_trees = len(rollout.tree_prompt) if rollout is not None else int(batch.tree.max()) + 1
+        tree_rows = torch.bincount(batch.tree.cpu(), minlength=n_trees)
+        if dp.world > 1:
+            tree_rows = torch.stack(dp.gather(tree_rows)).sum(0)
+        trees = tree_rows.nonzero(as_tuple=True)[0]
         rng = np.random.default_rng([tc.seed, iteration, 31])
         collect = UpdateStatsCollector(len(batch))
         weights_all = transition_weights(batch, plan, cfg.loss)
         logp_std_all = transition_log_prob_std(batch, plan)
         best = None
         if cfg.loss.sft_weight > 0 and rollout is not None and advantages is not None:
-            best = best_paths(rollout, advantages.leaf_advantages, advantages.leaf_mask)
+            whole = view.whole if view is not None else rollout
+            best = best_paths(whole, advantages.leaf_advantages, advantages.leaf_mask)
+            if view is not None:
+                best = [view.local(d, b) for d, b in enumerate(best)]
+        level_sizes = [len(lv) for lv in view.whole.levels] if view is not None and dp.world > 1 else None
+        params = self.policy.trainable_parameters()
         dtype = self.sampler.model_dtype
         for epoch in range(tc.inner_epochs):
             order = trees[torch.from_numpy(rng.permutation(len(trees)))]
             for mb_trees in torch.tensor_split(order, tc.minibatches):
-                rows = torch.isin(batch.tree, mb_trees).nonzero(as_tuple=True)[0]
-                if len(rows) == 0:
+                mb_rows = int(tree_rows[mb_trees].sum())  # on every rank
+                if mb_rows == 0:
                     continue
+                rows = torch.isin(batch.tree, mb_trees).nonzero(as_tuple=True)[0]
                 # micro-batches ordered by timestep, as in the rollout (each row is independent)
                 rows = rows[torch.argsort(batch.step[rows], stable=True)]
                 self.optimizer.zero_grad(set_to_none=True)
@@ -268,15 +299,16 @@ class GRPOTrainer:
                         sft = best_path_sft_loss(mb, mean, best, cfg.loss.sft_weight)
                         if sft is not None:
                             loss = loss + sft
-                    self.accelerator.backward(loss * (len(mrows) / len(rows)))
+                    self.accelerator.backward(loss * (len(mrows) / mb_rows))
                     collect.add(out, loss, mb.log_prob_old, mb.step)
                 if rollout is not None and cfg.loss.anchor_weight > 0:
                     anchor = ode_anchor_loss(self.policy, rollout, plan, cond, cfg.loss.anchor_weight,
-                                             cfg.loss.anchor_steps, rng)
+                                             cfg.loss.anchor_steps, rng, level_sizes)
                     if anchor is not None:
                         self.accelerator.backward(anchor)
                         collect.anchor.append(anchor.detach().reshape(1))
-                gn = self.accelerator.clip_grad_norm_(self.policy.trainable_parameters(), tc.max_grad_norm)
+                dp.sum_gradients(params)
+                gn = self.accelerator.clip_grad_norm_(params, tc.max_grad_norm)
                 collect.grad_norms.append(float(gn))
                 self.optimizer.step()
-        return collect.finish()
+        return collect.finish(dp if dp.world > 1 else None)

@@ -31,7 +31,8 @@ class UpdateStats:
     """What :meth:`GRPOTrainer.update` reports (every inner epoch and minibatch pooled).
 
     Attributes:
-        loss: mean of the micro-batch losses (policy surrogate + KL + SFT terms).
+        loss: mean over transitions of the micro-batch losses (policy surrogate + KL + SFT terms),
+            each micro-batch weighted by its rows (so it does not depend on how rows are batched).
         ratio_mean, ratio_std: importance ratio over all transitions used.
         approx_kl: 0.5 * mean((logp - logp_old)^2), the policy's drift from the rollout.
         clipfrac_high, clipfrac_low: fractions of rows with r > 1 + eps, r < 1 - eps.
@@ -81,7 +82,8 @@ class UpdateStatsCollector:
         self.low: list[Tensor] = []
         self.kl: list[Tensor] = []
         self.step: list[Tensor] = []
-        self.loss: list[Tensor] = []
+        self.loss: list[Tensor] = []  # micro-batch loss x rows
+        self.rows = 0
         self.anchor: list[Tensor] = []
         self.grad_norms: list[float] = []
         self.first_dev: float | None = None
@@ -94,13 +96,28 @@ class UpdateStatsCollector:
         self.low.append(out.clipped_low.float())
         self.kl.append(out.kl)
         self.step.append(step)
-        self.loss.append(loss.detach().reshape(1))
+        self.loss.append(loss.detach().reshape(1) * len(step))
+        self.rows += len(step)
         if self.first_dev is None:
             self.first_dev = float((out.ratio - 1).abs().max())
 
-    def finish(self) -> UpdateStats:
-        ratio, dlogp = torch.cat(self.ratio), torch.cat(self.dlogp)
-        high, low, step = torch.cat(self.high), torch.cat(self.low), torch.cat(self.step)
+    def finish(self, dp=None) -> UpdateStats:
+        """The pooled statistics; with ``dp`` (a :class:`~flowgrpo.trainer.data_parallel.DataParallel`)
+        they pool every rank's rows, so every rank reports the same numbers."""
+        def cat(parts: list[Tensor], dtype=torch.float32) -> Tensor:
+            t = torch.cat([p.detach().float().cpu() for p in parts]) if parts else torch.zeros(0)
+            t = t.to(dtype)
+            return dp.cat(t) if dp is not None else t
+
+        ratio, dlogp = cat(self.ratio), cat(self.dlogp)
+        high, low, step = cat(self.high), cat(self.low), cat(self.step, torch.long)
+        loss_sum, rows = float(cat(self.loss).sum()), int(len(step))
+        first = [self.first_dev] if dp is None else dp.gather(self.first_dev)
+        first = [f for f in first if f is not None]
+        anchor = cat(self.anchor)
+        transitions = self.transitions if dp is None else int(dp.sum_scalar(self.transitions))
+        if dp is not None and len(anchor):  # each rank holds its share of every minibatch's anchor term
+            anchor = anchor.view(dp.world, -1).sum(0)
         per_step = {}
         for s in step.unique().tolist():
             m = step == s
@@ -108,17 +125,21 @@ class UpdateStatsCollector:
             per_step[int(s)] = StepStats(transitions=int(m.sum()), ratio_mean=float(r.mean()),
                                          ratio_std=float(r.std()) if len(r) > 1 else 0.0,
                                          clipfrac=float((high[m] + low[m]).mean()))
+        if rows == 0:
+            return UpdateStats(loss=0.0, ratio_mean=1.0, ratio_std=0.0, approx_kl=0.0, clipfrac_high=0.0,
+                               clipfrac_low=0.0, kl=0.0, grad_norm=float(np.mean(self.grad_norms)) if self.grad_norms
+                               else 0.0, onpolicy_ratio_maxdev=0.0, transitions=transitions)
         return UpdateStats(
-            loss=float(torch.cat(self.loss).mean()),
+            loss=loss_sum / rows,
             ratio_mean=float(ratio.mean()),
             ratio_std=float(ratio.std()) if len(ratio) > 1 else 0.0,
             approx_kl=float(0.5 * (dlogp**2).mean()),
             clipfrac_high=float(high.mean()),
             clipfrac_low=float(low.mean()),
-            kl=float(torch.cat(self.kl).mean()),
+            kl=float(cat(self.kl).mean()),
             grad_norm=float(np.mean(self.grad_norms)) if self.grad_norms else 0.0,
-            onpolicy_ratio_maxdev=self.first_dev if self.first_dev is not None else 0.0,
-            transitions=self.transitions,
-            anchor_loss=float(torch.cat(self.anchor).mean()) if self.anchor else None,
+            onpolicy_ratio_maxdev=max(first) if first else 0.0,
+            transitions=transitions,
+            anchor_loss=float(anchor.mean()) if len(anchor) else None,
             per_step=per_step,
         )

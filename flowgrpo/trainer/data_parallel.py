@@ -1,0 +1,209 @@
+"""Data parallelism over accelerate's processes, with the statistics of the whole iteration.
+
+An iteration's trees (prompts x trees_per_prompt, prompt-major) are split into contiguous shards,
+one per rank, so a prompt's group may span ranks (Flow-GRPO's distributed k-repeat sampler).
+Every tree draws its noise from its own stream (:mod:`flowgrpo.samplers.noise`), so a rank's
+trees are exactly those a 1-process run would sample. After scoring, each rank contributes its
+shard's *structure* (parents, grid positions, lanes, SDE masks, log-probs: no states) and its
+leaves' rewards; every rank then holds the whole forest's structure (:class:`ForestView`) and
+runs the advantage estimator on it, so group statistics are computed over the full group, the
+same numbers on every rank. Each rank trains on its own transitions; gradients are summed over
+ranks once per optimizer step, with every row weighted by 1 / (rows in the global minibatch), so
+the update equals the 1-process update over the same samples up to float rounding.
+
+Why not DDP's wrapper: a rank's work per optimizer step is uneven (groups span ranks, NaN rewards
+and zero-std groups drop edges, BranchGRPO prunes), and DDP's per-backward bucketing needs every
+rank to run the same number of backward passes. One all-reduce of the flat gradient per step is
+DDP's arithmetic without that constraint (and, for LoRA-sized gradients, without a measurable
+cost). Sharded engines (FSDP, DeepSpeed ZeRO) wrap the denoiser through ``accelerator.prepare``
+instead (:mod:`flowgrpo.trainer.engines`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from ..samplers.forest import Level, Rollout
+
+
+class DataParallel:
+    """The process group as the trainer sees it (one per run; a no-op in a 1-process run).
+
+    Args:
+        accelerator: the run's :class:`accelerate.Accelerator`.
+    """
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.world = accelerator.num_processes
+        self.rank = accelerator.process_index
+        self.is_main = accelerator.is_main_process
+
+    # ------------------------------------------------------------------ sharding
+    def tree_shard(self, num_trees: int) -> range:
+        """The contiguous global tree ids this rank rolls out (balanced to within one tree)."""
+        if num_trees < self.world:
+            raise ConfigError(f"an iteration has {num_trees} trees (data.prompts_per_iteration x "
+                              f"data.trees_per_prompt) but the run has {self.world} processes: "
+                              "every process needs at least one tree")
+        return range(self.rank * num_trees // self.world, (self.rank + 1) * num_trees // self.world)
+
+    # ------------------------------------------------------------------ collectives
+    def gather(self, obj) -> list:
+        """``obj`` of every rank, in rank order (picklable objects; CPU tensors)."""
+        if self.world == 1:
+            return [obj]
+        from accelerate.utils import gather_object
+
+        return gather_object([obj])
+
+    def broadcast(self, obj):
+        """The main process's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj])[0]
+
+    def cat(self, t: Tensor) -> Tensor:
+        """Rows of ``t`` [n_r, ...] of every rank, concatenated in rank order (on the CPU)."""
+        if self.world == 1:
+            return t
+        return torch.cat([p for p in self.gather(t.detach().cpu())])
+
+    def sum_scalar(self, value: float) -> float:
+        """Sum of a number over ranks."""
+        if self.world == 1:
+            return value
+        return float(sum(self.gather(float(value))))
+
+    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Replace every parameter's gradient by its sum over ranks (one flat all-reduce).
+
+        A parameter without a gradient on this rank (no rows in the minibatch) contributes zeros."""
+        if self.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        flat = self.accelerator.reduce(flat, reduction="sum")
+        start = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[start:start + n].view_as(p).to(p.dtype)
+            start += n
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.accelerator.wait_for_everyone()
+
+    # ------------------------------------------------------------------ the whole forest
+    def forest_view(self, rollout: Rollout) -> "ForestView":
+        """Every rank's shard structure combined into the iteration's forest (see :class:`ForestView`)."""
+        if self.world == 1:
+            return ForestView(rollout, [0] * len(rollout.levels), [len(lv) for lv in rollout.levels],
+                              torch.arange(rollout.num_leaves), self)
+        mine = [_level_structure(lv) for lv in rollout.levels]
+        shards = self.gather(mine)
+        if len({len(s) for s in shards}) != 1:
+            raise RuntimeError("ranks rolled out forests of different depths: the plan must be the same on every rank")
+        levels, level_starts = [], []  # level_starts[d][r]: first node of rank r in depth d
+        for d in range(len(mine)):
+            parts, starts, start = [], [], 0
+            for r, shard in enumerate(shards):
+                part = dict(shard[d])
+                if d > 0:  # a rank's parent indices point into its own part of the previous level
+                    part["parent"] = part["parent"] + level_starts[d - 1][r]
+                starts.append(start)
+                start += len(part["parent"])
+                parts.append(part)
+            level_starts.append(starts)
+            levels.append(_merge_levels(parts))
+        offsets = [starts[self.rank] for starts in level_starts]
+        whole = Rollout(plan=rollout.plan, levels=levels, prompts=rollout.prompts, tree_prompt=rollout.tree_prompt,
+                        tree_group=rollout.tree_group, nfe=int(self.sum_scalar(rollout.nfe)))
+        # where this rank's leaves sit among the whole forest's (leaves are numbered depth by depth)
+        g_depth, g_node = whole.leaf_depth, whole.leaf_node
+        key = g_depth * (max(len(lv) for lv in levels) + 1) + g_node
+        order = torch.argsort(key)
+        off = torch.tensor(offsets, dtype=torch.long)
+        mine_key = rollout.leaf_depth * (max(len(lv) for lv in levels) + 1) + rollout.leaf_node + off[rollout.leaf_depth]
+        local_leaves = order[torch.searchsorted(key[order], mine_key)]
+        return ForestView(whole, offsets, [len(lv) for lv in rollout.levels], local_leaves, self)
+
+
+def _level_structure(lv: Level) -> dict:
+    """The CPU tensors of a level that credit assignment reads (no states)."""
+    out = {"parent": lv.parent.cpu(), "tree": lv.tree.cpu()}
+    for k in ("mean_set", "std", "log_prob", "pos", "lane", "sde", "train"):
+        if k == "mean_set":
+            out[k] = lv.mean is not None
+        else:
+            v = getattr(lv, k)
+            out[k] = None if v is None else v.cpu()
+    return out
+
+
+def _merge_levels(parts: list[dict]) -> Level:
+    """One global level from the ranks' parts (in rank order). States are [N, 0] placeholders."""
+    n = [len(p["parent"]) for p in parts]
+    any_sde = any(p["mean_set"] for p in parts)
+
+    def cat(key: str, fill):
+        vals = [p[key] if p[key] is not None else fill(p, m) for p, m in zip(parts, n)]
+        return torch.cat(vals)
+
+    def opt(key: str, fill):
+        return None if all(p[key] is None for p in parts) else cat(key, fill)
+
+    placeholder = torch.zeros(sum(n), 0)
+    sde_default = (lambda p, m: torch.full((m,), p["mean_set"], dtype=torch.bool))
+    return Level(
+        x=placeholder,
+        parent=cat("parent", None), tree=cat("tree", None),
+        mean=placeholder if any_sde else None,
+        std=opt("std", lambda p, m: torch.zeros(m)) if any_sde else None,
+        log_prob=opt("log_prob", lambda p, m: torch.zeros(m)) if any_sde else None,
+        pos=opt("pos", None), lane=opt("lane", None),
+        sde=opt("sde", sde_default) if any_sde else None,
+        train=opt("train", lambda p, m: sde_default(p, m)) if any_sde else None,
+    )
+
+
+@dataclass
+class ForestView:
+    """The iteration's whole forest as every rank sees it, and this rank's place in it.
+
+    Attributes:
+        whole: the whole forest (structure only outside a 1-process run: states are [N_d, 0]).
+        offsets, sizes: per depth, where this rank's nodes start in ``whole`` and how many it has.
+        local_leaves: [L_local] long, the position of each of this rank's leaves among ``whole``'s.
+    """
+
+    whole: Rollout
+    offsets: list[int]
+    sizes: list[int]
+    local_leaves: Tensor
+    dp: DataParallel
+
+    def local(self, depth: int, values: Tensor | None) -> Tensor | None:
+        """This rank's rows of a per-node tensor ``values`` [N_depth(whole), ...]."""
+        if values is None:
+            return None
+        return values[self.offsets[depth]:self.offsets[depth] + self.sizes[depth]]
+
+    def gather_leaf_values(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Per-leaf tensors [L_local] of every rank -> [L_whole] in the whole forest's leaf order."""
+        if self.dp.world == 1:
+            return values
+        pos = self.dp.cat(self.local_leaves)
+        out = {}
+        for name, v in values.items():
+            allv = self.dp.cat(v.float().cpu())
+            full = torch.empty(self.whole.num_leaves, dtype=allv.dtype)
+            full[pos] = allv
+            out[name] = full
+        return out

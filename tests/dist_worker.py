@@ -1,0 +1,38 @@
+"""Run N iterations of a tiny trainer and save what the data-parallel tests compare.
+
+Started by ``accelerate launch`` (several processes) or directly (one process) from
+tests/test_multiprocess.py: ``python dist_worker.py OUT_DIR ITERATIONS key=value ...``. Every rank
+writes OUT_DIR/rank{r}.pt with the whole iteration's advantages, its trainable weights after each
+iteration and the metrics.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import conftest  # noqa: E402,F401  (registers the test rewards)
+import torch  # noqa: E402
+
+from flowgrpo.config import load_config  # noqa: E402
+from flowgrpo.trainer.trainer import GRPOTrainer  # noqa: E402
+
+
+def main() -> None:
+    out, iterations, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    trainer = GRPOTrainer(load_config("shapes", None, overrides))
+    record = {"world": trainer.dp.world, "leaf_advantages": [], "edge_advantages": [], "weights": [],
+              "metrics": [], "local_trees": []}
+    for _ in range(iterations):
+        res = trainer.iteration_step()
+        record["leaf_advantages"].append(res.advantages.leaf_advantages.clone())
+        record["edge_advantages"].append([None if a is None else a.clone() for a in res.advantages.edge_advantages])
+        record["weights"].append(trainer.policy.trainable_state_dict())
+        record["metrics"].append(res.metrics)
+        record["local_trees"].append(res.rollout.levels[0].tree.cpu().tolist())
+    record["ema"] = trainer.ema
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(record, out / f"rank{trainer.dp.rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Multi-process training (accelerate, gloo on the CPU) against the 1-process run.
+
+Adam's first step is lr * g / (|g| + eps): with the default eps = 1e-8 it is lr * sign(g) for any
+gradient that is not tiny, and for a gradient near zero it flips with float rounding, which
+differs between runs that batch rows differently. These tests therefore use adam_eps = 1e-2, under
+which the update is a smooth function of the gradient, so "the same update" can be checked to
+1e-6; the data path (sharding, gathered rewards, group statistics, gradient sum) is what is tested.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cli_env, flowgrpo_command, tiny_overrides
+
+WORKER = Path(__file__).parent / "dist_worker.py"
+SMOOTH_ADAM = {"train.adam_eps": "1e-2", "train.lr": "1e-2"}
+
+
+def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of the test worker on n CPU processes."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes", str(n), str(WORKER), *args]
+    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def one_and_two(shapes_model_dir, tmp_path_factory):
+    """The test worker run for 2 iterations on 1 process and on 2 (9 trees: shards of 4 and 5, so
+    prompt 1's group of 3 spans both ranks)."""
+    out = tmp_path_factory.mktemp("dp")
+    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **{
+        "data.prompts_per_iteration": 3, "data.trees_per_prompt": 3, "train.minibatches": 2,
+        "reward.weights": "{test_brightness: 1.0}", "log.trackers": "[]"})
+    one = subprocess.run([sys.executable, str(WORKER), str(out / "one"), "2", *ov], env=cli_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _launch(2, [str(out / "two"), "2", *ov])
+    assert two.returncode == 0, two.stderr[-3000:]
+    load = lambda p: torch.load(p, weights_only=False)  # noqa: E731
+    return load(out / "one" / "rank0.pt"), [load(out / "two" / f"rank{r}.pt") for r in (0, 1)]
+
+
+def test_two_processes_shard_the_trees_so_a_group_spans_ranks(one_and_two):
+    _, (r0, r1) = one_and_two
+    assert r0["world"] == r1["world"] == 2
+    assert r0["local_trees"][0] == [0, 1, 2, 3] and r1["local_trees"][0] == [4, 5, 6, 7, 8]
+
+
+def test_two_processes_give_the_same_advantages_as_one(one_and_two):
+    one, ranks = one_and_two
+    # iteration 0 samples from the same weights: the same samples; by iteration 1 the weights differ
+    # by float rounding of the summed gradient (~1e-8), which the z-scores carry through
+    for it, tol in ((0, 1e-6), (1, 1e-4)):
+        for r in ranks:  # every rank holds the whole iteration's advantages
+            assert torch.allclose(r["leaf_advantages"][it], one["leaf_advantages"][it], atol=tol, rtol=0)
+            for a, b in zip(r["edge_advantages"][it], one["edge_advantages"][it]):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.allclose(a, b, atol=tol, rtol=0)
+
+
+def test_two_processes_make_the_same_parameter_update_as_one(one_and_two):
+    one, (r0, r1) = one_and_two
+    for it in range(2):
+        before = one["weights"][it - 1] if it else None
+        moved = 0.0
+        for name, w in one["weights"][it].items():
+            for r in (r0, r1):
+                assert (r["weights"][it][name] - w).abs().max() <= 1e-6, (it, name)
+            if before is not None:
+                moved = max(moved, float((w - before[name]).abs().max()))
+        assert before is None or moved > 1e-4  # the weights did move: the check is not vacuous
+    for key in ("grad_norm", "loss", "ratio_mean", "reward_mean", "transitions"):
+        for r in (r0, r1):
+            assert math.isclose(r["metrics"][0][key], one["metrics"][0][key], rel_tol=1e-5, abs_tol=1e-7), key
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(flowgrpo_command() + args, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _run_overrides(model_dir, out: Path, name: str, iterations: int) -> list[str]:
+    return ["train", *tiny_overrides(model_dir, **SMOOTH_ADAM, **{
+        # CLI processes know only the built-in rewards: a little compressibility gives every group signal
+        "train.iterations": iterations, "log.checkpoint_every": 1,
+        "reward.weights": "{shapes: 1.0, jpeg_compressibility: 0.01}",
+        "log.trackers": "[]", "dist.timeout_s": 60, "data.trees_per_prompt": 3}),
+        f"log.out_dir={out}", f"log.run_name={name}"]
+
+
+def _comparable(summary: dict) -> dict:
+    """The summary without wall-clock entries."""
+    def clean(d):
+        if isinstance(d, dict):
+            return {k: clean(v) for k, v in d.items() if not (k.endswith("_s") or "seconds" in k)}
+        if isinstance(d, list):
+            return [clean(v) for v in d]
+        return d
+    return clean(summary)
+
+
+def _assert_close(a, b, path=""):
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _assert_close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) or (math.isnan(a) and math.isnan(b)), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_num_processes_2_writes_the_same_summary_as_1_process(shapes_model_dir, tmp_path):
+    one = _cli(_run_overrides(shapes_model_dir, tmp_path, "one", 3))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _cli(["train", "--num-processes", "2", *_run_overrides(shapes_model_dir, tmp_path, "two", 3)[1:]])
+    assert two.returncode == 0, two.stderr[-3000:]
+    s1 = json.loads((tmp_path / "one" / "summary.json").read_text())
+    s2 = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert s2["iterations"] == 3
+    _assert_close(_comparable(s1), _comparable(s2))
+    # only the main process writes: one metrics line per iteration
+    assert len((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def _pid_of_rank(run_name: str, rank: int) -> int | None:
+    """The pid of the training process of ``rank`` whose command line names ``run_name`` (Linux /proc)."""
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+            env = (p / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(run_name.encode() in c for c in cmd) and f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return int(p.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
+def test_a_killed_rank_stops_the_run_with_one_line_and_resume_matches(shapes_model_dir, tmp_path):
+    iters = 6
+    full = _cli(["train", "--num-processes", "2", *_run_overrides(shapes_model_dir, tmp_path, "full", iters)[1:]])
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    args = ["train", "--num-processes", "2", *_run_overrides(shapes_model_dir, tmp_path, "killed", iters)[1:]]
+    proc = subprocess.Popen(flowgrpo_command() + args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    pid = _pid_of_rank("killed", 1)
+    assert pid is not None and proc.poll() is None, "the run ended before rank 1 could be killed"
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    out, err = proc.communicate(timeout=120)
+    assert time.time() - killed_at < 60 + 30  # dist.timeout_s + the launcher's own shutdown
+    assert proc.returncode != 0
+    lines = [ln for ln in err.splitlines() if ln.startswith("flowgrpo: error:")]
+    assert len(lines) == 1 and "rank 1" in lines[0] and "SIGKILL" in lines[0], err[-3000:]
+    assert "--resume" in lines[0]
+
+    resumed = _cli(["train", "--resume", str(tmp_path / "killed"), "--num-processes", "2"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    b = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert b["iterations"] == iters
+    _assert_close(_comparable(a)["final_metrics"], _comparable(b)["final_metrics"])
+    _assert_close(_comparable(a)["eval_after"], _comparable(b)["eval_after"])
