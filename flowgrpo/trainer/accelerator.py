@@ -36,8 +36,22 @@ def make_accelerator(cfg):
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist.timeout_s))
     # the run directory is not known yet: start_trackers points the trackers at it
     where = ProjectConfiguration(project_dir=cfg.log.out_dir, logging_dir=cfg.log.out_dir)
-    return Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout],
-                       log_with=list(cfg.log.trackers) or None, project_config=where)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout],
+                              log_with=list(cfg.log.trackers) or None, project_config=where)
+    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    if kind not in _DATA_PARALLEL_TYPES:
+        # Sharded engines (FSDP, DeepSpeed ZeRO) gather parameters inside every forward, so all ranks
+        # must run the same number of forward passes in lock-step; the rollout and update here give
+        # ranks uneven work (see flowgrpo.trainer.data_parallel), so they would deadlock.
+        raise ConfigError(f"accelerate distributed type {kind} is not supported by the trainer yet; it runs "
+                          f"data parallel ({', '.join(sorted(_DATA_PARALLEL_TYPES))}): use "
+                          "configs/accelerate/ddp.yaml or `flowgrpo train --num-processes N`")
+    return accelerator
+
+
+#: accelerate distributed types the trainer runs (replicated weights, gradients summed per step)
+_DATA_PARALLEL_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
+                        "MULTI_HPU", "MULTI_SDAA"}
 
 
 def _flat_config(data: dict, prefix: str = "") -> dict:
@@ -58,7 +72,7 @@ def start_trackers(accelerator, cfg, run_dir: Path, resume_iteration: int | None
     """Open the trackers of ``log.trackers`` for ``run_dir`` (main process; no-op without trackers).
 
     TensorBoard writes under RUN_DIR/tensorboard/ (on resume its events past the checkpoint are
-    purged); MLflow uses RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set; W&B keeps its files in
+    purged); MLflow uses a file store in RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set; W&B keeps its files in
     RUN_DIR and names the run after it."""
     if not cfg.log.trackers:
         return
@@ -70,8 +84,12 @@ def start_trackers(accelerator, cfg, run_dir: Path, resume_iteration: int | None
     accelerator.project_configuration.logging_dir = str(Path(run_dir) / "tensorboard")
     init_kwargs: dict = {"wandb": {"dir": str(run_dir), "name": Path(run_dir).name},
                          "mlflow": {"run_name": Path(run_dir).name}}
-    if "MLFLOW_TRACKING_URI" not in os.environ:
-        init_kwargs["mlflow"]["logging_dir"] = str(Path(run_dir) / "mlruns")
+    if "mlflow" in cfg.log.trackers and "MLFLOW_TRACKING_URI" not in os.environ:
+        # MLflow's own default is a database in the working directory; a file store in the run
+        # directory keeps the run self-contained (`mlflow ui --backend-store-uri RUN_DIR/mlruns`)
+        # (MLflow 3 keeps file stores behind an opt-in; a server or database is one env var away)
+        os.environ["MLFLOW_TRACKING_URI"] = (Path(run_dir) / "mlruns").resolve().as_uri()
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     if resume_iteration is not None:
         init_kwargs["tensorboard"] = {"purge_step": resume_iteration + 1}
     accelerator.init_trackers(cfg.log.project, config=_flat_config(to_dict(cfg)), init_kwargs=init_kwargs)

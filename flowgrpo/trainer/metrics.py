@@ -33,10 +33,14 @@ class MetricsLogger:
         self._fh.write(json.dumps(record, default=float) + "\n")
         self._fh.flush()
         if self.accelerator is not None:
-            scalars = {k.replace(".", "/"): v for k, v in record.items()
+            scalars = {k: v for k, v in record.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"
                        and math.isfinite(v)}
-            self.accelerator.log(scalars, step=record["iteration"])
+            grouped = {k.replace(".", "/"): v for k, v in scalars.items()}
+            for tracker in self.accelerator.trackers:
+                # "/" groups panels in TensorBoard and W&B; MLflow's file store would turn
+                # "reward/shapes" into a file and "reward/shapes/correct" into a folder under it
+                tracker.log(scalars if tracker.name == "mlflow" else grouped, step=record["iteration"])
 
     def log_image(self, name: str, path: Path, step: int) -> None:
         """Send a written PNG (a sample grid) to the trackers that take images."""
