@@ -1,11 +1,17 @@
 """Pieces every adapter of a diffusers transformer pipeline shares (SD3, FLUX, ...).
 
-* :func:`load_frozen`: the pipeline's modules on the policy, in their dtypes, frozen;
+* :func:`load_frozen`: the pipeline's modules on the policy, in their dtypes (:func:`cast_module`), frozen;
 * :func:`make_trainable`: what is trained for a ``train_mode`` (a peft LoRA adapter kept in
-  float32, the whole transformer, or nothing) and gradient checkpointing;
+  float32, the whole transformer, or nothing);
 * :func:`scheduler_grid`: the sigma grid a pipeline's scheduler denoises on, from a copy of it,
   checked to be a flow-matching Euler grid;
 * :func:`load_policy`: a policy from a local pipeline folder and a ``ModelConfig``.
+
+Together, ``load_frozen`` and ``make_trainable`` are the ``model.dtype`` handling of every adapter:
+transformer and text encoders in the model dtype (but for the submodules their library keeps in
+float32), the VAE in float32, LoRA master weights in float32 (peft runs the adapter in float32 and
+casts its output back to the layer's dtype). The
+memory and speed switches are :mod:`flowgrpo.policies.switches`.
 """
 
 from __future__ import annotations
@@ -22,21 +28,45 @@ TRAIN_MODES = ("lora", "full", "frozen")
 
 
 def check_train_mode(train_mode: str) -> str:
+    """``train_mode`` itself, or ValueError unless it is one of :data:`TRAIN_MODES`."""
     if train_mode not in TRAIN_MODES:
         raise ValueError(f"unknown train_mode {train_mode!r}; valid: {', '.join(TRAIN_MODES)}")
     return train_mode
 
 
+def float32_submodules(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
+    """Names of the submodules that the library's own ``from_pretrained(torch_dtype=dtype)`` keeps in
+    float32: diffusers models' ``_keep_in_fp32_modules`` for any half dtype (Wan's norms, time
+    embedder and RoPE); transformers models' ``_keep_in_fp32_modules`` for float16 only (T5's ``wo``)
+    and their ``_keep_in_fp32_modules_strict`` for float16 and bfloat16."""
+    if dtype == torch.float32:
+        return frozenset()
+    names = set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+    if not type(module).__module__.startswith("transformers.") or dtype == torch.float16:
+        names.update(getattr(module, "_keep_in_fp32_modules", None) or ())
+    return frozenset(names)
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast the floating weights and buffers of ``module`` in place to ``dtype``, except those under
+    :func:`float32_submodules` (float32), as loading the module in ``dtype`` would; only tensors whose
+    dtype differs are touched (a pipeline loaded in ``dtype`` is left as loaded, and diffusers'
+    warning about ``.to(dtype)`` casts is avoided). Returns ``module``."""
+    keep = float32_submodules(module, dtype)
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        want = torch.float32 if keep and not keep.isdisjoint(name.split(".")) else dtype
+        if tensor.is_floating_point() and tensor.dtype != want:
+            tensor.data = tensor.data.to(want)
+    return module
+
+
 def load_frozen(policy: nn.Module, dtype: torch.dtype, **modules: nn.Module | None) -> None:
     """Set ``policy.<name> = module`` for each module, frozen: the VAE (name ``vae``) in float32 and
     eval, text encoders (``text_encoder*``) in ``dtype`` and eval, anything else (the transformer) in
-    ``dtype``. None stays None. ``.to(dtype)`` only where some floating weight differs (diffusers
-    warns on every cast)."""
+    ``dtype`` (:func:`cast_module`: the submodules the library keeps in float32 stay so). None stays None."""
     for name, module in modules.items():
         if module is not None:
-            want = torch.float32 if name == "vae" else dtype
-            if any(p.is_floating_point() and p.dtype != want for p in module.parameters()):
-                module = module.to(want)
+            cast_module(module, torch.float32 if name == "vae" else dtype)
             if name == "vae" or name.startswith("text_encoder"):
                 module = module.eval()
             module.requires_grad_(False)
@@ -44,7 +74,7 @@ def load_frozen(policy: nn.Module, dtype: torch.dtype, **modules: nn.Module | No
 
 
 def make_trainable(transformer: nn.Module, train_mode: str, *, lora_rank: int, lora_alpha: float, lora_targets,
-                   adapter_name: str = "default", gradient_checkpointing: bool = False) -> None:
+                   adapter_name: str = "default") -> None:
     """Set up ``transformer`` (already frozen) for ``train_mode``.
 
     lora: a peft adapter ``adapter_name`` on ``lora_targets`` (module names or a regex), its weights
@@ -57,8 +87,6 @@ def make_trainable(transformer: nn.Module, train_mode: str, *, lora_rank: int, l
                 p.data = p.data.float()
     elif train_mode == "full":
         transformer.requires_grad_(True)
-    if gradient_checkpointing and train_mode != "frozen":
-        transformer.enable_gradient_checkpointing()
 
 
 def scheduler_grid(scheduler, num_steps: int, **set_timesteps_kwargs) -> Tensor:

@@ -39,9 +39,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .base import Policy
 from .diffusers_common import check_train_mode, load_frozen, load_policy, make_trainable, scheduler_grid
-from .sd3 import SD3Policy, torch_dtype
+from .sd3 import SD3Policy
+from .switches import SwitchedPolicy, runtime_options, torch_dtype
 
 #: every linear layer of FLUX's double-stream blocks (both streams: attention and feed-forward) and
 #: single-stream blocks (attention, fused MLP input and output); the final ``proj_out`` is left out
@@ -67,7 +67,7 @@ def _pipeline_cls():
     return FluxPipeline
 
 
-class FluxPolicy(Policy):
+class FluxPolicy(SwitchedPolicy):
     """Wraps the components of a ``FluxPipeline``.
 
     Args:
@@ -84,15 +84,17 @@ class FluxPolicy(Policy):
         max_sequence_length: T5 tokens (FLUX.1-dev: 512, schnell: 256).
         dtype: dtype of the transformer and text encoders (VAE in float32, LoRA weights in float32).
         decode_batch: largest VAE decode batch.
-        gradient_checkpointing: recompute transformer blocks in backward.
+        switches: the model switches, as :meth:`~flowgrpo.policies.switches.SwitchedPolicy.apply_switches`
+            (the same for every adapter).
     """
 
     adapter_name = "default"
+    model_name = "FLUX"
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler=None, *,
                  resolution: int = 512, guidance_scale: float = 3.5, train_mode: str = "lora", lora_rank: int = 32,
                  lora_alpha: float = 64.0, lora_targets=None, max_sequence_length: int = 512,
-                 dtype: torch.dtype | str = torch.float32, decode_batch: int = 8, gradient_checkpointing: bool = False):
+                 dtype: torch.dtype | str = torch.float32, decode_batch: int = 8, **switches):
         super().__init__(1.0)  # guidance is an input of the distilled transformer, not CFG
         self.train_mode = check_train_mode(train_mode)
         if max_sequence_length < 1 or max_sequence_length > 512:
@@ -126,7 +128,8 @@ class FluxPolicy(Policy):
 
         make_trainable(self.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
                        lora_targets=FLUX_LORA_TARGETS if lora_targets is None else lora_targets,
-                       adapter_name=self.adapter_name, gradient_checkpointing=gradient_checkpointing)
+                       adapter_name=self.adapter_name)
+        self.apply_switches(**switches)
 
     @classmethod
     def from_components(cls, components: dict, **kwargs) -> "FluxPolicy":
@@ -153,8 +156,7 @@ class FluxPolicy(Policy):
     save_lora = SD3Policy.save_lora
 
     # ------------------------------------------------------------------ prompts
-    @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
+    def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
         prompt_embeds, pooled, _ = self._text_pipeline.encode_prompt(
             list(prompts), device=self.device, max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": prompt_embeds.to(self.dtype), "pooled_prompt_embeds": pooled.to(self.dtype)}
@@ -218,4 +220,4 @@ def build_flux_policy(cfg) -> FluxPolicy:
         raise UserError(f"FLUX needs a local diffusers FluxPipeline folder (model.path or model.name); {str(path)!r} "
                         f"{what}. Weights are never downloaded")
     return load_policy(FluxPolicy, _pipeline_cls(), path, cfg, torch_dtype(cfg.dtype), "a FLUX",
-                       gradient_checkpointing=bool(getattr(cfg, "gradient_checkpointing", False)))
+                       **runtime_options(cfg))

@@ -24,36 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .base import Policy
-from .diffusers_common import load_policy, make_trainable, scheduler_grid
+from .diffusers_common import check_train_mode, load_frozen, load_policy, make_trainable, scheduler_grid
 from .lora import lora_disabled
+from .switches import SwitchedPolicy, runtime_options, torch_dtype
 
 # Attention (both streams, and the second attention of SD3.5-M dual-attention blocks, which share
 # the names to_q/to_k/to_v/to_out.0) and feed-forward projections of SD3's MMDiT blocks.
 SD3_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16`` (UserError on an unknown name)."""
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return _DTYPES[str(name).lower()]
-    except KeyError:
-        raise UserError(f"unknown model dtype {name!r}; valid: float32, bfloat16, float16") from None
-
 
 def default_sd3_scheduler():
     """The scheduler of the stock SD3 / SD3.5 pipelines (``scheduler_config.json``): flow-matching Euler,
@@ -63,14 +47,7 @@ def default_sd3_scheduler():
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 
 
-def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """``module.to(dtype)`` only where some floating parameter differs (diffusers warns on every cast)."""
-    if any(p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
-        module = module.to(dtype)
-    return module
-
-
-class SD3Policy(Policy):
+class SD3Policy(SwitchedPolicy):
     """Wraps the components of a ``StableDiffusion3Pipeline``.
 
     Args:
@@ -85,45 +62,31 @@ class SD3Policy(Policy):
         dtype: dtype of the transformer and text encoders (the VAE runs in float32; LoRA weights
             are kept in float32). Velocities are returned in this dtype; callers cast.
         decode_batch: largest VAE decode batch.
-        gradient_checkpointing: recompute transformer blocks in backward (memory for real SD3).
-        vae_slicing, vae_tiling: decode one image at a time / in overlapping tiles (VAE memory).
-        offload_text_encoders: keep the text encoders on the CPU between encodings (moved to the
-            transformer's device only to encode); encodings are cached per prompt in an LRU dict of
-            ``prompt_cache_size`` entries, so repeated prompts never reach the encoders again.
-        attention_backend: "sdpa" (PyTorch's scaled_dot_product_attention, diffusers' default) or
-            "xformers" (needs xformers installed and CUDA).
-        compile_transformer: ``torch.compile`` the transformer's forward (``nn.Module.compile``).
+        switches: the model switches (``gradient_checkpointing``, ``vae_slicing``, ``vae_tiling``,
+            ``offload_text_encoders``, ``attention_backend``, ``compile_transformer``,
+            ``prompt_cache_size``), as :meth:`~flowgrpo.policies.switches.SwitchedPolicy.apply_switches`.
         scheduler: the pipeline's scheduler; it defines the rollout sigma grid (:meth:`sigma_grid`)
             and is never stepped or modified. None: SD3's stock one (:func:`default_sd3_scheduler`).
     """
 
     adapter_name = "default"
+    model_name = "SD3"
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
                  tokenizer_3=None, *, resolution: int = 512, guidance_scale: float = 1.0, train_mode: str = "lora",
                  lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None,
                  max_sequence_length: int = 256, dtype: torch.dtype | str = torch.float32, decode_batch: int = 8,
-                 gradient_checkpointing: bool = False, scheduler=None, vae_slicing: bool = False,
-                 vae_tiling: bool = False, offload_text_encoders: bool = False, attention_backend: str = "sdpa",
-                 compile_transformer: bool = False, prompt_cache_size: int = 1024):
+                 scheduler=None, **switches):
         super().__init__(guidance_scale)
-        if train_mode not in ("lora", "full", "frozen"):
-            raise ValueError(f"unknown train_mode {train_mode!r}; valid: lora, full, frozen")
-        self.dtype = torch_dtype(dtype)
-        self.transformer = _cast(transformer, self.dtype)
-        self.vae = _cast(vae, torch.float32).eval()
-        self.text_encoder = _cast(text_encoder, self.dtype).eval()
-        self.text_encoder_2 = _cast(text_encoder_2, self.dtype).eval()
-        self.text_encoder_3 = _cast(text_encoder_3, self.dtype).eval() if text_encoder_3 is not None else None
-        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
+        self.train_mode = check_train_mode(train_mode)
         if text_encoder_3 is not None and tokenizer_3 is None:
             raise ValueError("text_encoder_3 (T5) needs tokenizer_3")
-        for module in (self.transformer, self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
-            if module is not None:
-                module.requires_grad_(False)
+        self.dtype = torch_dtype(dtype)
+        load_frozen(self, self.dtype, transformer=transformer, vae=vae, text_encoder=text_encoder,
+                    text_encoder_2=text_encoder_2, text_encoder_3=text_encoder_3)
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
         self.max_sequence_length = int(max_sequence_length)
         self.decode_batch = int(decode_batch)
-        self.train_mode = train_mode
         self._frozen: nn.Module | None = None
         self.scheduler = scheduler if scheduler is not None else default_sd3_scheduler()
 
@@ -143,27 +106,8 @@ class SD3Policy(Policy):
         self.latent_shape = (self.vae.config.latent_channels, side, side)
 
         make_trainable(self.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                       lora_targets=lora_targets or SD3_LORA_TARGETS, adapter_name=self.adapter_name,
-                       gradient_checkpointing=gradient_checkpointing)
-        if vae_slicing:
-            self.vae.enable_slicing()
-        if vae_tiling:
-            self.vae.enable_tiling()
-        self.offload_text_encoders = bool(offload_text_encoders)
-        self.prompt_cache_size = int(prompt_cache_size)
-        self._prompt_cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
-        if self.offload_text_encoders:
-            self._text_encoders_to("cpu")
-        if attention_backend == "xformers":
-            if importlib.util.find_spec("xformers") is None or not torch.cuda.is_available():
-                raise UserError("model.attention_backend=xformers needs the xformers package and a CUDA GPU; "
-                                "use model.attention_backend=sdpa")
-            self.transformer.enable_xformers_memory_efficient_attention()
-        elif attention_backend != "sdpa":
-            raise UserError(f"unknown model.attention_backend {attention_backend!r}; valid: sdpa, xformers")
-        self.attention_backend = attention_backend
-        if compile_transformer:
-            self.transformer.compile()  # compiles forward in place: parameter names and peft are unchanged
+                       lora_targets=lora_targets or SD3_LORA_TARGETS, adapter_name=self.adapter_name)
+        self.apply_switches(**switches)
 
     @classmethod
     def from_components(cls, components: dict, **kwargs) -> "SD3Policy":
@@ -192,33 +136,6 @@ class SD3Policy(Policy):
                         return_tensors="pt").input_ids.to(self.device)
         out = encoder(ids, output_hidden_states=True)
         return out.hidden_states[-2], out[0]  # penultimate layer, projected pooled embedding
-
-    def _text_encoders_to(self, device) -> None:
-        for module in (self.text_encoder, self.text_encoder_2, self.text_encoder_3):
-            if module is not None:
-                module.to(device)
-
-    @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
-        prompts = list(prompts)
-        if not self.offload_text_encoders:
-            return self._encode_now(prompts)
-        cache = self._prompt_cache
-        missing = [p for p in dict.fromkeys(prompts) if p not in cache]
-        if missing:
-            self._text_encoders_to(self.device)
-            try:
-                enc = self._encode_now(missing)
-            finally:
-                self._text_encoders_to("cpu")
-            for i, p in enumerate(missing):
-                cache[p] = {k: v[i] for k, v in enc.items()}
-        for p in prompts:
-            cache.move_to_end(p)
-        out = {k: torch.stack([cache[p][k] for p in prompts]) for k in cache[prompts[0]]}
-        while len(cache) > self.prompt_cache_size:
-            cache.popitem(last=False)
-        return out
 
     def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
         hidden_1, pooled_1 = self._clip(prompts, self.tokenizer, self.text_encoder)
@@ -342,13 +259,6 @@ class SD3Policy(Policy):
         return directory
 
 
-def sd3_runtime_options(cfg) -> dict:
-    """The memory/speed switches of a ``ModelConfig`` as :class:`SD3Policy` keyword arguments."""
-    names = ("gradient_checkpointing", "vae_slicing", "vae_tiling", "offload_text_encoders", "attention_backend",
-             "compile_transformer")
-    return {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
-
-
 def build_sd3_policy(cfg) -> SD3Policy:
     """Factory for ``model.name=sd3``: ``cfg.path`` is a local diffusers SD3/SD3.5 pipeline folder."""
     if not cfg.path:
@@ -362,4 +272,4 @@ def build_sd3_policy(cfg) -> SD3Policy:
     from diffusers import StableDiffusion3Pipeline
 
     return load_policy(SD3Policy, StableDiffusion3Pipeline, path, cfg, torch_dtype(cfg.dtype), "an SD3",
-                       **sd3_runtime_options(cfg))
+                       **runtime_options(cfg))

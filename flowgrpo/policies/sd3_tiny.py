@@ -151,11 +151,12 @@ def tiny_sd3_pipeline(seed: int = 0, shift: float = 3.0):
 
 def build_tiny_sd3_policy(cfg):
     """Factory for ``model.name=sd3-tiny``: an :class:`~flowgrpo.policies.sd3.SD3Policy` over random tiny weights."""
-    from .sd3 import SD3Policy, torch_dtype
+    from .sd3 import SD3Policy
+    from .switches import runtime_options, torch_dtype
 
     return SD3Policy.from_components(
         tiny_sd3_components(seed=0),
         resolution=cfg.resolution, guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
         lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, max_sequence_length=cfg.max_sequence_length,
-        dtype=torch_dtype(cfg.dtype),
+        dtype=torch_dtype(cfg.dtype), **runtime_options(cfg),
     )

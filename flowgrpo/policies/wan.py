@@ -28,10 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .base import Policy
-from .diffusers_common import scheduler_grid
-from .lora import add_lora
-from .sd3 import SD3Policy, _cast, torch_dtype
+from .diffusers_common import check_train_mode, load_frozen, load_policy, make_trainable, scheduler_grid
+from .sd3 import SD3Policy
+from .switches import SwitchedPolicy, runtime_options, torch_dtype
 
 # self- (attn1) and cross-attention (attn2) projections and the feed-forward of every Wan block
 WAN_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
@@ -49,36 +48,34 @@ def wan_euler_scheduler(scheduler=None):
                                            shift=float(shift if shift is not None else 3.0))
 
 
-class WanPolicy(Policy):
+class WanPolicy(SwitchedPolicy):
     """Wraps the components of a Wan 2.1 ``WanPipeline`` (text to video).
 
     Args:
         transformer, vae, text_encoder, tokenizer, scheduler: the pipeline's components (the
             scheduler only sets the sigma grid's shift; it is never stepped).
         resolution: frame side in pixels (square frames); num_frames: frames per video (4k + 1).
-        guidance_scale, train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch,
-            gradient_checkpointing: as :class:`~flowgrpo.policies.sd3.SD3Policy`.
+        guidance_scale, train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch: as
+            :class:`~flowgrpo.policies.sd3.SD3Policy`.
         max_sequence_length: UMT5 tokens (the stock pipeline uses 512).
+        switches: the model switches, as :meth:`~flowgrpo.policies.switches.SwitchedPolicy.apply_switches`
+            (the same for every adapter; Wan's ``AutoencoderKLWan`` slices and tiles like the image VAEs).
     """
 
     adapter_name = "default"
+    model_name = "Wan"
     evaluator = None
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler=None, *, resolution: int = 480,
                  num_frames: int = 81, guidance_scale: float = 5.0, train_mode: str = "lora", lora_rank: int = 32,
                  lora_alpha: float = 64.0, lora_targets: list[str] | None = None, max_sequence_length: int = 512,
-                 dtype: torch.dtype | str = torch.float32, decode_batch: int = 1,
-                 gradient_checkpointing: bool = False):
+                 dtype: torch.dtype | str = torch.float32, decode_batch: int = 1, **switches):
         super().__init__(guidance_scale)
         from diffusers import WanPipeline
 
-        if train_mode not in ("lora", "full", "frozen"):
-            raise ValueError(f"unknown train_mode {train_mode!r}; valid: lora, full, frozen")
-        self.dtype, self.train_mode, self.tokenizer = torch_dtype(dtype), train_mode, tokenizer
-        # the VAE runs in float32, the rest in the model dtype; all frozen until the adapter is added
-        self.vae = _cast(vae, torch.float32).eval().requires_grad_(False)
-        self.text_encoder = _cast(text_encoder, self.dtype).eval().requires_grad_(False)
-        self.transformer = _cast(transformer, self.dtype).requires_grad_(False)
+        self.train_mode, self.tokenizer = check_train_mode(train_mode), tokenizer
+        self.dtype = torch_dtype(dtype)
+        load_frozen(self, self.dtype, transformer=transformer, vae=vae, text_encoder=text_encoder)
         self.scheduler = wan_euler_scheduler(scheduler)
         # the stock pipeline over the same modules: its encode_prompt / video_processor are reused
         object.__setattr__(self, "pipe", WanPipeline(tokenizer=tokenizer, text_encoder=self.text_encoder,
@@ -101,13 +98,9 @@ class WanPolicy(Policy):
         side = resolution // spatial
         self.latent_shape = (self.vae.config.z_dim, (num_frames - 1) // temporal + 1, side, side)
 
-        if gradient_checkpointing and train_mode != "frozen":
-            self.transformer.enable_gradient_checkpointing()
-        self.transformer.requires_grad_(train_mode == "full")
-        if train_mode == "lora":
-            add_lora(self.transformer, lora_rank, lora_alpha, lora_targets or WAN_LORA_TARGETS, name=self.adapter_name)
-            for p in self.trainable_parameters():  # LoRA weights train in fp32 even when the base runs in bf16
-                p.data = p.data.float()
+        make_trainable(self.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                       lora_targets=lora_targets or WAN_LORA_TARGETS, adapter_name=self.adapter_name)
+        self.apply_switches(**switches)
 
     @classmethod
     def from_components(cls, components: dict, **kwargs) -> "WanPolicy":
@@ -125,8 +118,7 @@ class WanPolicy(Policy):
         return self
 
     # ------------------------------------------------------------------ prompts
-    @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
+    def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
         embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False,
                                             max_sequence_length=self.max_sequence_length, device=self.device,
                                             dtype=self.dtype)
@@ -181,13 +173,5 @@ def build_wan_policy(cfg) -> WanPolicy:
                         f"model_index.json (got {cfg.path!r}); weights are never downloaded")
     from diffusers import WanPipeline
 
-    dtype = torch_dtype(cfg.dtype)
-    options = dict(resolution=cfg.resolution, num_frames=cfg.num_frames, guidance_scale=cfg.guidance_scale,
-                   train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, dtype=dtype,
-                   max_sequence_length=cfg.max_sequence_length,
-                   gradient_checkpointing=getattr(cfg, "gradient_checkpointing", False))
-    try:
-        pipe = WanPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
-        return WanPolicy.from_components(pipe.components, **options)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot build a Wan policy from {str(path)!r}: {exc}") from None
+    return load_policy(WanPolicy, WanPipeline, path, cfg, torch_dtype(cfg.dtype), "a Wan",
+                       num_frames=cfg.num_frames, **runtime_options(cfg))

@@ -1,0 +1,198 @@
+"""The model switches of :class:`~flowgrpo.config.ModelConfig`, implemented once for every diffusers adapter.
+
+:class:`SwitchedPolicy` is the base class of the SD3, FLUX and Wan adapters; each calls
+:meth:`SwitchedPolicy.apply_switches` at the end of its constructor (after
+:func:`~flowgrpo.policies.diffusers_common.load_frozen` has set the dtypes and
+:func:`~flowgrpo.policies.diffusers_common.make_trainable` the adapter), and implements
+:meth:`SwitchedPolicy._encode_now` (its own prompt recipe) instead of ``_encode``.
+
+=========================  =====================================================================
+switch                     what it does (the same for every adapter)
+=========================  =====================================================================
+gradient_checkpointing     ``transformer.enable_gradient_checkpointing()``
+vae_slicing / vae_tiling   ``vae.enable_slicing()`` / ``vae.enable_tiling()``
+offload_text_encoders      the ``text_encoder*`` modules live on the CPU and visit the transformer's
+                           device only to encode prompts not yet seen; encodings are kept per prompt
+                           in an LRU dict of ``prompt_cache_size`` entries
+attention_backend          ``sdpa`` (diffusers' default processors) or ``xformers`` (diffusers'
+                           ``enable_xformers_memory_efficient_attention``; needs xformers and CUDA)
+compile_transformer        ``transformer.compile()`` (``torch.compile`` of its forward in place)
+=========================  =====================================================================
+
+A switch that cannot apply to a model (its VAE class lacks the method in the installed diffusers,
+its transformer does not support checkpointing, xformers or CUDA is missing) raises a
+:class:`~flowgrpo.errors.ConfigError` naming the key, the model and the reason; none is ignored.
+
+``torch.compile`` uses its default backend (inductor) unless the environment variable
+``FLOWGRPO_COMPILE_BACKEND`` names another one; the tests set ``aot_eager`` there, because a cold
+inductor build of the tiny transformers takes about a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from abc import abstractmethod
+from collections import OrderedDict
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError, UserError
+from .base import Policy
+
+#: the ``ModelConfig`` fields every diffusers adapter takes as keyword arguments (:func:`runtime_options`)
+SWITCHES = ("gradient_checkpointing", "vae_slicing", "vae_tiling", "offload_text_encoders", "attention_backend",
+            "compile_transformer")
+ATTENTION_BACKENDS = ("sdpa", "xformers")
+#: environment variable naming the ``torch.compile`` backend (unset: torch's default, inductor)
+COMPILE_BACKEND_ENV = "FLOWGRPO_COMPILE_BACKEND"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (UserError on an unknown name)."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise UserError(f"unknown model dtype {name!r}; valid: float32, bfloat16, float16") from None
+
+
+def runtime_options(cfg) -> dict:
+    """The model switches of a ``ModelConfig`` (:data:`SWITCHES`) as keyword arguments of any diffusers adapter."""
+    return {n: getattr(cfg, n) for n in SWITCHES if hasattr(cfg, n)}
+
+
+class SwitchedPolicy(Policy):
+    """A policy over a diffusers transformer pipeline that honours the model switches.
+
+    Subclasses hold ``transformer``, ``vae`` and their text encoders as submodules named
+    ``text_encoder*``, set :attr:`model_name` and implement :meth:`_encode_now`.
+    """
+
+    #: the model family named in error messages ("SD3", "FLUX", "Wan")
+    model_name = "diffusers"
+
+    def apply_switches(self, *, gradient_checkpointing: bool = False, vae_slicing: bool = False,
+                       vae_tiling: bool = False, offload_text_encoders: bool = False, attention_backend: str = "sdpa",
+                       compile_transformer: bool = False, prompt_cache_size: int = 1024) -> None:
+        """Turn the switches on (see the module docstring); ConfigError for one that cannot apply."""
+        if gradient_checkpointing:
+            if not getattr(self.transformer, "_supports_gradient_checkpointing", False):
+                raise self._cannot("gradient_checkpointing", True, f"{type(self.transformer).__name__} does not "
+                                   "support gradient checkpointing")
+            self.transformer.enable_gradient_checkpointing()
+        for key, wanted, method in (("vae_slicing", vae_slicing, "enable_slicing"),
+                                    ("vae_tiling", vae_tiling, "enable_tiling")):
+            if wanted:
+                self._enable_vae(key, method)
+        self._set_attention_backend(attention_backend)
+        self.attention_backend = attention_backend
+
+        if prompt_cache_size < 1:
+            raise ValueError(f"prompt_cache_size must be >= 1, got {prompt_cache_size}")
+        self.prompt_cache_size = int(prompt_cache_size)
+        self._prompt_cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
+        if offload_text_encoders and not self.text_encoders():
+            raise self._cannot("offload_text_encoders", True, "it has no text encoder")
+        self.offload_text_encoders = bool(offload_text_encoders)
+        if self.offload_text_encoders:
+            self._text_encoders_to("cpu")
+
+        self.compile_transformer = bool(compile_transformer)
+        if self.compile_transformer:
+            # in place (nn.Module.compile): parameter names, peft adapters and state dicts are unchanged
+            self.transformer.compile(backend=os.environ.get(COMPILE_BACKEND_ENV) or "inductor")
+
+    def _enable_vae(self, key: str, method: str) -> None:
+        """``vae.<method>()``; ConfigError where the VAE class lacks it (older diffusers, other VAEs) or
+        diffusers' ``AutoencoderMixin`` says the class does not implement it."""
+        import diffusers
+
+        enable, vae = getattr(self.vae, method, None), type(self.vae).__name__
+        if not callable(enable):
+            raise self._cannot(key, True, f"its VAE ({vae}) has no {method}() in diffusers {diffusers.__version__}")
+        try:
+            enable()
+        except NotImplementedError as exc:
+            raise self._cannot(key, True, f"its VAE ({vae}) does not implement {method}() in diffusers "
+                               f"{diffusers.__version__}: {exc}") from None
+
+    def _cannot(self, key: str, value, why: str) -> ConfigError:
+        return ConfigError(f"model.{key}={str(value).lower()} cannot apply to {self.model_name} "
+                           f"({type(self.transformer).__name__}): {why}")
+
+    def _set_attention_backend(self, backend: str) -> None:
+        if backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"unknown model.attention_backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
+        if backend == "sdpa":  # diffusers' default processors already call scaled_dot_product_attention
+            return
+        missing = [what for what, ok in (("the xformers package", importlib.util.find_spec("xformers") is not None),
+                                         ("a CUDA GPU", torch.cuda.is_available())) if not ok]
+        if missing:
+            raise self._cannot("attention_backend", backend, f"xformers attention needs {' and '.join(missing)}, "
+                               "which this machine lacks; use model.attention_backend=sdpa")
+        # diffusers' own switch: XFormers* processors on classic Attention modules (SD3), the "xformers"
+        # dispatch backend on AttentionModuleMixin ones (FLUX, Wan)
+        self.transformer.enable_xformers_memory_efficient_attention()
+
+    # ------------------------------------------------------------------ devices
+    @property
+    def device(self) -> torch.device:
+        """The transformer's device (where inputs and encodings go; offloaded text encoders stay on the CPU)."""
+        return next(self.transformer.parameters()).device
+
+    def text_encoders(self) -> list[nn.Module]:
+        """The text encoder submodules (``text_encoder``, ``text_encoder_2``, ...), in name order."""
+        return [m for name, m in sorted(self.named_children()) if name.startswith("text_encoder")]
+
+    def _text_encoders_to(self, device) -> None:
+        for module in self.text_encoders():
+            module.to(device)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (behind ``.to``, ``.cuda``, ``.half``, ...); with offloaded text encoders a move
+        off the CPU skips them, so ``policy.to("cuda")`` never puts them on the GPU (casts that stay on the
+        CPU still reach them)."""
+        if not getattr(self, "offload_text_encoders", False) or fn(torch.zeros(())).device.type == "cpu":
+            return super()._apply(fn, recurse)
+        held = {name: m for name, m in self._modules.items() if name.startswith("text_encoder") and m is not None}
+        self._modules.update(dict.fromkeys(held))
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._modules.update(held)
+
+    # ------------------------------------------------------------------ prompts
+    @abstractmethod
+    def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
+        """Prompts -> batch-first encodings through the text encoders (on :attr:`device`)."""
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
+        """:meth:`_encode_now`, or with ``offload_text_encoders`` rows of the per-prompt LRU cache (only
+        prompts not in it reach the encoders, moved to :attr:`device` for that call and back after)."""
+        prompts = list(prompts)
+        if not self.offload_text_encoders:
+            return self._encode_now(prompts)
+        cache = self._prompt_cache
+        missing = [p for p in dict.fromkeys(prompts) if p not in cache]
+        if missing:
+            self._text_encoders_to(self.device)
+            try:
+                enc = self._encode_now(missing)
+            finally:
+                self._text_encoders_to("cpu")
+            for i, p in enumerate(missing):
+                cache[p] = {k: v[i] for k, v in enc.items()}
+        for p in prompts:
+            cache.move_to_end(p)
+        # on the transformer's device even if the policy moved since the rows were cached
+        out = {k: torch.stack([cache[p][k] for p in prompts]).to(self.device) for k in cache[prompts[0]]}
+        while len(cache) > self.prompt_cache_size:
+            cache.popitem(last=False)
+        return out
