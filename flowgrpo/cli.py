@@ -5,7 +5,7 @@
     flowgrpo export RUN_DIR --to DIR [--fuse] [--checkpoint N] [--raw]
     flowgrpo presets
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
-    flowgrpo bench ops|samplers|e2e|profile|reward-server|plugin [--out DIR] [--json PATH]
+    flowgrpo bench ops|samplers|e2e|profile|reward-server|plugin|scaling [--out DIR] [--json PATH]
     flowgrpo serve-reward --reward NAME [--option k=v ...] [--host H] [--port P] [--token-env VAR]
     flowgrpo unigenbench check|generate|score|compare ...   (flowgrpo.unigenbench.cli)
     flowgrpo build-ext [--cuda] | doctor
@@ -204,6 +204,10 @@ def _cmd_bench(args) -> int:
         from .benchmarks.bench_plugin import run_bench_plugin
 
         run_bench_plugin(args.json, args.out)
+    elif args.what == "scaling":
+        from .benchmarks.bench_scaling import run_bench_scaling
+
+        run_bench_scaling(args.json, out_dir=args.out)
     return 0
 
 
@@ -269,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a section (model, sampler, loss, ...) or one key (loss.beta); default: all")
     ce.set_defaults(fn=_cmd_config)
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
-    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin"])
+    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin", "scaling"])
     b.add_argument("--out", default=None, metavar="DIR",
                    help="folder for the CSV and PNG (created; default: the current directory)")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")

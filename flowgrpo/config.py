@@ -24,20 +24,20 @@ from .samplers.sde import DEFAULT_NOISE_LEVEL
 @dataclass
 class ModelConfig:
     name: str = _f("shapes", "policy adapter (shapes | sd3 | sd3-tiny | flux | wan, see `flowgrpo.policies.POLICIES`), or a diffusers pipeline directory / cached hub id whose model_index.json picks the adapter")
-    path: str | None = _f(None, "local weights directory (shapes: default shipped weights; sd3: a diffusers pipeline folder)")
+    path: str | None = _f(None, "local weights directory (shapes: default shipped weights; sd3 / flux / wan: a diffusers pipeline folder)")
     train_mode: Literal["lora", "full"] = _f("lora", "lora (peft adapter) | full (all transformer weights)")
     lora_rank: int = _f(32, "LoRA rank r")
     lora_alpha: float = _f(64.0, "LoRA alpha (scale = alpha / r)")
     guidance_scale: float = _f(1.0, "classifier-free guidance scale during rollouts and eval (1 = off)")
-    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "model dtype (step math is always float32)")
-    resolution: int = _f(64, "image resolution in pixels for latent models (sd3*)")
-    max_sequence_length: int = _f(32, "T5 tokens for sd3* text encoding")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "model dtype (step math is always float32; LoRA weights stay float32, and modules the library keeps in float32, e.g. Wan norms or T5 wo under fp16, stay so)")
+    resolution: int = _f(64, "image (or video frame) resolution in pixels for latent models (sd3, flux, wan)")
+    max_sequence_length: int = _f(32, "T5 / UMT5 tokens of the text encoding (sd3, flux, wan)")
     num_frames: int = _f(81, "video frames for video models (wan): 4k + 1")
     gradient_checkpointing: bool = _f(False, "recompute transformer blocks in the backward pass (less memory, ~30 % slower; diffusers models)")
     vae_slicing: bool = _f(False, "decode one image at a time through the VAE (less memory; same images)")
-    vae_tiling: bool = _f(False, "decode large images in overlapping VAE tiles (less memory at high resolution)")
+    vae_tiling: bool = _f(False, "decode large images in overlapping VAE tiles (less memory at high resolution; not bit-identical once the image exceeds one tile)")
     offload_text_encoders: bool = _f(False, "keep the text encoders on the CPU between encodings; encodings are cached per prompt (LRU)")
-    compile_transformer: bool = _f(False, "torch.compile the transformer's forward (slow first iterations)")
+    compile_transformer: bool = _f(False, "torch.compile the transformer's forward (slow first iterations; backend inductor, or $FLOWGRPO_COMPILE_BACKEND)")
     attention_backend: Literal["sdpa", "xformers"] = _f("sdpa", "attention kernels: sdpa (PyTorch) | xformers (needs xformers and CUDA)")
 
 
