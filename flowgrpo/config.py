@@ -140,7 +140,7 @@ class LogConfig:
 
 @dataclass
 class DistConfig:
-    timeout_s: float = _f(600.0, "multi-process runs: seconds a collective waits for the other processes; a rank that died or hangs longer stops the run with an error naming it (the last checkpoint resumes)")
+    timeout_s: float = _f(600.0, "multi-process runs: seconds a collective waits for the other processes; a rank that died or hangs longer stops the run with an error naming it (the last checkpoint resumes). The other ranks wait while the main process evaluates and writes checkpoints, so keep it above the longest of those")
 
 
 @dataclass
