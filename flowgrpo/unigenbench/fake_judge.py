@@ -16,8 +16,7 @@ service time to every answer. ``gate(n)`` lets only the first ``n`` answers out;
 Counters: ``received[(prompt, j)]`` requests seen, ``answered[(prompt, j)]`` answers delivered;
 ``service`` the handler's own seconds per answered request; ``waiting`` requests held at the gate. ``GET /stats`` returns them as JSON.
 
-Run stand-alone (benchmarks): ``python -m flowgrpo.unigenbench.fake_judge --port 0 --service-ms 20
---port-file PATH``.
+Run stand-alone (benchmarks): ``python -m flowgrpo.unigenbench.fake_judge --port P --service-ms 20``.
 
 (No ``from __future__ import annotations`` here: FastAPI reads the handler's annotations at runtime.)
 """
@@ -28,8 +27,6 @@ import base64
 import contextlib
 import io
 import re
-import socket
-import threading
 import time
 import zlib
 from ast import literal_eval
@@ -165,45 +162,28 @@ def make_app(judge: FakeJudge):
 
 
 @contextlib.contextmanager
-def running(judge: FakeJudge, port: int = 0):
+def running(judge: FakeJudge):
     """Serve ``judge`` on 127.0.0.1 in a daemon thread; yields the API root (``http://127.0.0.1:P/v1``)."""
-    import uvicorn
+    from ..serve import ServerThread
 
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    server = uvicorn.Server(uvicorn.Config(make_app(judge), log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline and thread.is_alive():
-        time.sleep(0.02)
-    if not server.started:
-        raise RuntimeError("the fake judge did not start")
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        judge.open_gate()
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with ServerThread(make_app(judge)) as server:
+        try:
+            yield server.url + "/v1"
+        finally:
+            judge.open_gate()
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Serve a fake judge on 127.0.0.1:``--port`` until interrupted (for benchmarks in another process)."""
+    import uvicorn
+
     ap = argparse.ArgumentParser(description="a deterministic OpenAI-compatible UniGenBench judge on loopback")
-    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--service-ms", type=float, default=0.0, help="fixed service time per answer (ms)")
     ap.add_argument("--decode-images", action="store_true", help="tell images apart by grey level (tests)")
-    ap.add_argument("--port-file", default=None, help="write the bound port here once serving")
     args = ap.parse_args(argv)
     judge = FakeJudge(service_seconds=args.service_ms / 1000, decode_images=args.decode_images)
-    with running(judge, args.port) as url:
-        print(url, flush=True)
-        if args.port_file:
-            with open(args.port_file, "w") as fh:
-                fh.write(url.rsplit(":", 1)[1].split("/")[0])
-        with contextlib.suppress(KeyboardInterrupt):
-            threading.Event().wait()
+    uvicorn.run(make_app(judge), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ embedded as data URLs, the styles and the filter script are inline. It lists the
 primary dimension (click one to filter), then one card per prompt with its images, and a table of
 its checkpoints (name, what the prompt asks, the verdict per image; hover a verdict for the judge's
 analysis). Filters: a dimension (primary or sub), "a checkpoint scored 0", "failed judgements", and
-a text search over the prompts.
+a text search over the prompts; they live in the URL's ``#dim=...&show=zero&q=...``, so a filtered
+view can be bookmarked or linked.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ figure{margin:0;text-align:center;font-size:11px;color:#555}figure img{display:b
 .noimg{width:160px;height:90px;display:flex;align-items:center;justify-content:center;background:#eee}
 table{border-collapse:collapse;margin-top:8px;width:100%}td,th{border-bottom:1px solid #eee;padding:3px 6px;text-align:left;font-size:12px}
 td.v{text-align:center;width:38px;font-weight:bold;cursor:help}.v1{color:#1a8f3a}.v0{color:#c62828}.vx{color:#999}
-tr.dimmed{opacity:.35}.hidden{display:none}.chart{max-width:100%;background:#fff;border-radius:6px}
+tr.dimmed{opacity:.35}.hidden{display:none}.chart{max-width:min(100%,900px);background:#fff;border-radius:6px}
 """
 
 _SCRIPT = """
@@ -108,8 +109,10 @@ for(const c of document.querySelectorAll('.card')){let rows=[...c.querySelectorA
  if(ok&&show==='failed')ok=c.dataset.failed==='1';
  if(ok&&text)ok=c.dataset.prompt.includes(text);
  c.classList.toggle('hidden',!ok);n+=ok;}
-q('count').textContent=n+' prompts shown';}
-for(const id of ['dim','show','q'])q(id).addEventListener('input',apply);
+q('count').textContent=n+' prompts shown';
+ history.replaceState(null,'','#'+new URLSearchParams({dim:q('dim').value,show:q('show').value,q:q('q').value}));}
+const h=new URLSearchParams(location.hash.slice(1));
+for(const id of ['dim','show','q']){if(h.get(id))q(id).value=h.get(id);q(id).addEventListener('input',apply);}
 for(const d of document.querySelectorAll('.dim'))d.addEventListener('click',()=>{q('dim').value=d.dataset.dim;apply();});
 apply();
 """
