@@ -32,6 +32,7 @@ from conftest import cli_env, flowgrpo_command  # noqa: E402
 
 from flowgrpo.cli import main  # noqa: E402
 from flowgrpo.errors import ConfigError  # noqa: E402
+from flowgrpo.serve import free_port  # noqa: E402
 from flowgrpo.unigenbench.fake_judge import FakeJudge, default_scores, format_answer, level_of, running  # noqa: E402
 from flowgrpo.unigenbench.prompts import load_prompt_set, read_prompt_file  # noqa: E402
 from flowgrpo.unigenbench.protocol import judge_messages, judge_text, jpeg_data_url, parse_answer  # noqa: E402
@@ -262,9 +263,13 @@ def test_score_errors_are_one_line(tmp_path, capsys):
     assert main(["unigenbench", "score", str(tmp_path / "nowhere"), "--set", "en", "--judge-url", "http://127.0.0.1:9"]) == 2
     assert main(["unigenbench", "score", str(tmp_path / "images"), "--set", "en", "--judge-url", "ftp://x"]) == 2
     assert main(["unigenbench", "score", str(tmp_path), "--set", "zh", "--judge-url", "http://127.0.0.1:9"]) == 2
+    closed = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    assert main(["unigenbench", "score", str(tmp_path / "images"), "--set", "en", "--judge-url", closed, "--quiet",
+                 "--out", str(tmp_path / "res")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("flowgrpo: error: ") for line in err)
+    assert len(err) == 4 and all(line.startswith("flowgrpo: error: ") for line in err)
     assert "does not exist" in err[0] and "not an http(s) URL" in err[1] and "holds none of the 2400 images" in err[2]
+    assert f"cannot reach the judge at {closed}" in err[3]
 
 
 def test_compare_reports_per_dimension_deltas(tmp_path, capsys):
@@ -372,3 +377,16 @@ def test_report_renders_in_headless_chromium(fixture_set, tmp_path):
     assert shot.is_file(), proc.stderr
     pixels = np.asarray(Image.open(shot).convert("L"))
     assert pixels.shape == (900, 1200) and pixels.std() > 10  # a drawn page, not a blank one
+
+
+def test_package_data_ships_every_unigenbench_data_file():
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "flowgrpo.unigenbench" in cfg["packages"]
+    globs = cfg["package-data"]["flowgrpo.unigenbench"]
+    data = sorted(p.name for p in (root / "flowgrpo" / "unigenbench" / "data").iterdir())
+    assert {"LICENSE.txt", "ATTRIBUTION.md", "test_prompts_en_long.csv", "judge_zh.txt", "protocol.json"} <= set(data)
+    assert [n for n in data if not any(fnmatch.fnmatch(f"data/{n}", g) for g in globs)] == []

@@ -59,6 +59,9 @@ def _print_summary(summary: dict, results_dir: Path) -> None:
     table.add_row("[bold]Overall (mean of primary)", f"[bold]{'-' if overall is None else f'{100 * overall:.2f}'}",
                   str(summary["checkpoints"]))
     Console().print(table)
+    if summary["failed"]:
+        print(f"{summary['failed']} judgements failed and are left out (see {results_dir / 'judgements.jsonl'}); "
+              "--retry-failed asks for them again")
     print(f"wrote {results_dir / 'summary.json'}, scores.csv, scores.png and report.html")
 
 

@@ -81,6 +81,19 @@ def _record(task: ImageTask, outcome) -> dict:
             "seconds": round(outcome.seconds, 4)}
 
 
+def check_reachable(options: JudgeOptions) -> None:
+    """Raise a one-line UserError when nothing answers at the judge's address (any HTTP answer,
+    even an error status, counts as reachable); so a wrong port fails at once instead of
+    recording every image as failed after its retries."""
+    import httpx
+
+    url = options.base_url()
+    try:
+        httpx.get(url + "/models", timeout=min(options.timeout, 10.0))
+    except httpx.TransportError as e:
+        raise UserError(f"cannot reach the judge at {url} ({type(e).__name__}: {e}); is the server up?") from None
+
+
 def judge_images(tasks: list[ImageTask], language: str, options: JudgeOptions,
                  on_record: Callable[[dict], None] | None = None) -> tuple[list[dict], dict]:
     """Judge every task; returns (one record per task, in order; the client's request stats).
@@ -90,6 +103,7 @@ def judge_images(tasks: list[ImageTask], language: str, options: JudgeOptions,
 
     if not tasks:
         return [], {}
+    check_reachable(options)
     client = ChatClient(options.base_url(), options.model, api_key_env=options.api_key_env,
                         max_concurrency=options.workers, timeout=options.timeout, retries=options.retries,
                         backoff=options.backoff, temperature=options.temperature, max_tokens=options.max_tokens)
