@@ -39,7 +39,11 @@ def _cmd_generate(args) -> int:
     opts = GenerateOptions(images_per_prompt=args.images_per_prompt, seed=args.seed, steps=args.steps,
                            guidance=args.guidance, batch_size=args.batch_size, limit=args.limit,
                            overrides=list(args.overrides))
-    counts = generate_folder(args.model, load_prompt_set(args.set, args.csv), args.out, opts, progress=not args.quiet)
+    try:
+        counts = generate_folder(args.model, load_prompt_set(args.set, args.csv), args.out, opts, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"interrupted: the images made so far are kept in {args.out}; run the same command to go on")
+        return 130
     print(f"{args.out}: {counts['images']} images ({counts['generated']} made now, {counts['kept']} kept)")
     return 0
 
