@@ -49,14 +49,6 @@ class ForestSampler:
         """The dtype the model takes its latents in (step math itself is float32)."""
         return next(self.policy.parameters()).dtype
 
-    def initial_noise(self, num_prompts: int, group_size: int, generator: torch.Generator,
-                      shared_group_noise: bool) -> Tensor:
-        """[P * G, ...] float32 initial noise of a whole rollout (the trees' own streams,
-        :class:`~flowgrpo.samplers.noise.TreeNoise`); identical within a group when ``shared_group_noise``."""
-        n = num_prompts * group_size
-        return TreeNoise(generator, n, range(n), group_size, self.policy.device).initial(
-            tuple(self.policy.latent_shape), shared_group_noise)
-
     @torch.no_grad()
     def rollout(self, plan: SamplingPlan, prompts: list[str], group_size: int, generator: torch.Generator,
                 shared_group_noise: bool = False, cond=None, trees: range | None = None) -> Rollout:

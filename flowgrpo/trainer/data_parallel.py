@@ -135,42 +135,24 @@ class DataParallel:
         return ForestView(whole, offsets, [len(lv) for lv in rollout.levels], local_leaves, self)
 
 
+_OPTIONAL = ("std", "log_prob", "pos", "lane", "sde", "train")
+
+
 def _level_structure(lv: Level) -> dict:
-    """The CPU tensors of a level that credit assignment reads (no states)."""
-    out = {"parent": lv.parent.cpu(), "tree": lv.tree.cpu()}
-    for k in ("mean_set", "std", "log_prob", "pos", "lane", "sde", "train"):
-        if k == "mean_set":
-            out[k] = lv.mean is not None
-        else:
-            v = getattr(lv, k)
-            out[k] = None if v is None else v.cpu()
+    """The CPU tensors of a level that credit assignment reads (no states); ``has_sde`` stands for ``mean``."""
+    out = {k: None if getattr(lv, k) is None else getattr(lv, k).cpu() for k in ("parent", "tree", *_OPTIONAL)}
+    out["has_sde"] = lv.mean is not None
     return out
 
 
 def _merge_levels(parts: list[dict]) -> Level:
-    """One global level from the ranks' parts (in rank order). States are [N, 0] placeholders."""
-    n = [len(p["parent"]) for p in parts]
-    any_sde = any(p["mean_set"] for p in parts)
-
-    def cat(key: str, fill):
-        vals = [p[key] if p[key] is not None else fill(p, m) for p, m in zip(parts, n)]
-        return torch.cat(vals)
-
-    def opt(key: str, fill):
-        return None if all(p[key] is None for p in parts) else cat(key, fill)
-
-    placeholder = torch.zeros(sum(n), 0)
-    sde_default = (lambda p, m: torch.full((m,), p["mean_set"], dtype=torch.bool))
-    return Level(
-        x=placeholder,
-        parent=cat("parent", None), tree=cat("tree", None),
-        mean=placeholder if any_sde else None,
-        std=opt("std", lambda p, m: torch.zeros(m)) if any_sde else None,
-        log_prob=opt("log_prob", lambda p, m: torch.zeros(m)) if any_sde else None,
-        pos=opt("pos", None), lane=opt("lane", None),
-        sde=opt("sde", sde_default) if any_sde else None,
-        train=opt("train", lambda p, m: sde_default(p, m)) if any_sde else None,
-    )
+    """One global level from the ranks' parts (in rank order). States (and ``mean``) are [N, 0]
+    placeholders. Every tree follows the same plan, so the parts have the same fields set."""
+    if len({(p["has_sde"], *(p[k] is None for k in _OPTIONAL)) for p in parts}) != 1:
+        raise RuntimeError("ranks rolled out levels of different structure: the plan must be the same on every rank")
+    placeholder = torch.zeros(sum(len(p["parent"]) for p in parts), 0)
+    fields = {k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in ("parent", "tree", *_OPTIONAL)}
+    return Level(x=placeholder, mean=placeholder if parts[0]["has_sde"] else None, **fields)
 
 
 @dataclass
