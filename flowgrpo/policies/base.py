@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..sharded_tensors import like_param
 
 
 @dataclass
@@ -103,6 +104,15 @@ class Policy(nn.Module, ABC):
 
         return sigma_grid(num_steps, shift)
 
+    @property
+    def denoiser(self) -> nn.Module:
+        """The network every velocity runs through (the transformer), which multi-process engines
+        shard (FSDP wraps its blocks). Default: the ``transformer`` submodule."""
+        module = getattr(self, "transformer", None)
+        if not isinstance(module, nn.Module):
+            raise NotImplementedError(f"{type(self).__name__} does not say which module is its denoiser")
+        return module
+
     # ------------------------------------------------------------------ shared logic
     @property
     def device(self) -> torch.device:
@@ -147,7 +157,8 @@ class Policy(nn.Module, ABC):
             raise KeyError(f"checkpoint holds parameters this policy lacks: {missing[:5]}")
         with torch.no_grad():
             for n, t in state.items():
-                params[n].copy_(t)
+                # whole tensors (checkpoints) into a sharded denoiser: each rank keeps its slice
+                params[n].copy_(like_param(t, params[n]))
 
     def named_trainable_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         ids = {id(p) for p in self.trainable_parameters()}

@@ -234,24 +234,22 @@ class SD3Policy(SwitchedPolicy):
 
         Writes ``pytorch_lora_weights.safetensors`` (diffusers' key layout, with the LoRA config —
         rank, alpha, targets — in the file's metadata so the loaded scale matches). ``weights`` (keyed
-        as :meth:`trainable_state_dict`, e.g. the trainer's EMA) are saved instead of the live adapter,
-        which is restored afterwards.
+        as :meth:`trainable_state_dict`, e.g. the trainer's EMA) are saved instead of the live adapter.
+        The file is built from whole tensors, never from the module's state: the weights of a sharded
+        (FSDP) transformer are slices, which the trainer gathers before calling this.
         """
         if self.train_mode != "lora":
             raise ValueError(f"save_lora needs train_mode='lora' (this policy is {self.train_mode!r})")
-        if weights is not None:
-            live = self.trainable_state_dict()
-            self.load_trainable_state_dict(weights)
-            try:
-                return self.save_lora(directory)
-            finally:
-                self.load_trainable_state_dict(live)
         from diffusers import StableDiffusion3Pipeline
         from peft.utils import get_peft_model_state_dict
 
+        if weights is None:
+            weights = self.trainable_state_dict()
+        prefix = "transformer."  # trainable_state_dict names are the policy's; peft's are the transformer's
+        own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.transformer, adapter_name=self.adapter_name)
+        state = get_peft_model_state_dict(self.transformer, state_dict=own, adapter_name=self.adapter_name)
         state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         metadata = self.transformer.peft_config[self.adapter_name].to_dict()
         StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state,

@@ -47,6 +47,10 @@ class ShapesPolicy(Policy):
         elif train_mode != "frozen":
             raise ValueError(f"unknown train_mode {train_mode!r}; valid: lora, full, frozen")
 
+    @property
+    def denoiser(self) -> nn.Module:
+        return self.model.transformer
+
     def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
         hidden, pooled = self.model.encode(prompts)
         return {"hidden": hidden, "pooled": pooled}
