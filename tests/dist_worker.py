@@ -20,16 +20,27 @@ from flowgrpo.trainer.trainer import GRPOTrainer  # noqa: E402
 def main() -> None:
     out, iterations, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     trainer = GRPOTrainer(load_config("shapes", None, overrides))
-    record = {"world": trainer.dp.world, "leaf_advantages": [], "edge_advantages": [], "weights": [],
-              "metrics": [], "local_trees": []}
+    record = {"world": trainer.dp.world, "engine": trainer.engine.name, "leaf_advantages": [], "edge_advantages": [],
+              "weights": [], "metrics": [], "local_trees": [],
+              # elements of the trainable weights this rank holds (all of them unless sharded)
+              "local_numel": sum(getattr(p, "_local_tensor", p).numel() for p in trainer.policy.trainable_parameters()),
+              "numel": sum(p.numel() for p in trainer.policy.trainable_parameters())}
+    idle, run_idle = [0], trainer._idle_pass  # count the lock-step padding passes (sharded runs)
+
+    def counted_idle_pass(cond):
+        idle[0] += 1
+        run_idle(cond)
+
+    trainer._idle_pass = counted_idle_pass
     for _ in range(iterations):
         res = trainer.iteration_step()
         record["leaf_advantages"].append(res.advantages.leaf_advantages.clone())
         record["edge_advantages"].append([None if a is None else a.clone() for a in res.advantages.edge_advantages])
-        record["weights"].append(trainer.policy.trainable_state_dict())
+        record["weights"].append(trainer.state_dict()["trainable"])  # whole tensors on every rank
         record["metrics"].append(res.metrics)
         record["local_trees"].append(res.rollout.levels[0].tree.cpu().tolist())
-    record["ema"] = trainer.ema
+    record["ema"] = trainer.engine.full(trainer.ema)
+    record["idle_passes"] = idle[0]
     out.mkdir(parents=True, exist_ok=True)
     torch.save(record, out / f"rank{trainer.dp.rank}.pt")
 

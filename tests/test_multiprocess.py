@@ -27,10 +27,14 @@ WORKER = Path(__file__).parent / "dist_worker.py"
 SMOOTH_ADAM = {"train.adam_eps": "1e-2", "train.lr": "1e-2"}
 
 
-def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """``accelerate launch`` of the test worker on n CPU processes."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes", str(n), str(WORKER), *args]
+FSDP_CONFIG = Path(__file__).parent.parent / "configs" / "accelerate" / "fsdp.yaml"
+
+
+def _launch(n: int, args: list[str], timeout: float = 240, config: Path | None = None) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of the test worker on n CPU processes (with an accelerate ``config`` file)."""
+    how = ["--config_file", str(config)] if config else ["--multi_gpu", "--num_machines", "1", "--mixed_precision",
+                                                          "no", "--dynamo_backend", "no"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(n), str(WORKER), *args]
     return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -128,12 +132,19 @@ def _assert_close(a, b, path=""):
         assert a == b, (path, a, b)
 
 
-def test_num_processes_2_writes_the_same_summary_as_1_process(shapes_model_dir, tmp_path):
-    one = _cli(_run_overrides(shapes_model_dir, tmp_path, "one", 3))
+@pytest.fixture(scope="module")
+def one_process_run(shapes_model_dir, tmp_path_factory):
+    """summary.json of a 3-iteration 1-process CLI run (the reference of the multi-process runs)."""
+    out = tmp_path_factory.mktemp("ref")
+    one = _cli(_run_overrides(shapes_model_dir, out, "one", 3))
     assert one.returncode == 0, one.stderr[-3000:]
+    return json.loads((out / "one" / "summary.json").read_text())
+
+
+def test_num_processes_2_writes_the_same_summary_as_1_process(shapes_model_dir, one_process_run, tmp_path):
     two = _cli(["train", "--num-processes", "2", *_run_overrides(shapes_model_dir, tmp_path, "two", 3)[1:]])
     assert two.returncode == 0, two.stderr[-3000:]
-    s1 = json.loads((tmp_path / "one" / "summary.json").read_text())
+    s1 = one_process_run
     s2 = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert s2["iterations"] == 3
     _assert_close(_comparable(s1), _comparable(s2))
@@ -187,3 +198,95 @@ def test_a_killed_rank_stops_the_run_with_one_line_and_resume_matches(shapes_mod
     assert b["iterations"] == iters
     _assert_close(_comparable(a)["final_metrics"], _comparable(b)["final_metrics"])
     _assert_close(_comparable(a)["eval_after"], _comparable(b)["eval_after"])
+
+
+# ----------------------------------------------------------------------------- FSDP (sharded weights)
+# torch's FSDP2 runs on the CPU with gloo (torch 2.15 here); on the CPU accelerate reports MULTI_CPU for
+# an FSDP config, and flowgrpo shards from the FSDP settings the launcher exports (flowgrpo.trainer.engines).
+
+
+@pytest.fixture(scope="module")
+def one_and_fsdp(shapes_model_dir, tmp_path_factory):
+    """The test worker for 2 iterations on 1 process and on 2 FSDP processes (configs/accelerate/fsdp.yaml).
+    12 trees: shards of 6, so prompt 1's group of 4 spans both ranks; minibatches of 3 trees (which 2 ranks
+    cannot split evenly) and micro-batches of 2 rows, so in every minibatch one rank pads with idle passes."""
+    out = tmp_path_factory.mktemp("fsdp")
+    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **{
+        "data.prompts_per_iteration": 3, "data.trees_per_prompt": 4, "train.minibatches": 4, "train.micro_batch": 2,
+        "reward.weights": "{test_brightness: 1.0}", "log.trackers": "[]", "dist.timeout_s": 60})
+    one = subprocess.run([sys.executable, str(WORKER), str(out / "one"), "2", *ov], env=cli_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _launch(2, [str(out / "two"), "2", *ov], config=FSDP_CONFIG)
+    assert two.returncode == 0, two.stderr[-3000:]
+    load = lambda p: torch.load(p, weights_only=False)  # noqa: E731
+    return load(out / "one" / "rank0.pt"), [load(out / "two" / f"rank{r}.pt") for r in (0, 1)]
+
+
+def test_fsdp_shards_the_weights_and_keeps_ranks_in_step(one_and_fsdp):
+    one, (r0, r1) = one_and_fsdp
+    assert one["engine"] == "replicated" and r0["engine"] == r1["engine"] == "fsdp"
+    for r in (r0, r1):  # each rank holds about half of every trainable weight
+        assert r["numel"] == one["numel"] and r["local_numel"] <= one["numel"] // 2 + 4096
+    assert r0["local_trees"][0] == list(range(6)) and r1["local_trees"][0] == list(range(6, 12))
+    assert r0["idle_passes"] + r1["idle_passes"] > 0  # the lock-step padding path ran
+
+
+def test_fsdp_gives_the_same_advantages_and_update_as_one_process(one_and_fsdp):
+    one, ranks = one_and_fsdp
+    for it, tol in ((0, 1e-6), (1, 1e-4)):
+        for r in ranks:
+            assert torch.allclose(r["leaf_advantages"][it], one["leaf_advantages"][it], atol=tol, rtol=0)
+    for it in range(2):
+        moved = 0.0
+        for name, w in one["weights"][it].items():
+            for r in ranks:  # whole tensors gathered from the shards
+                assert (r["weights"][it][name] - w).abs().max() <= 1e-6, (it, name)
+            if it:
+                moved = max(moved, float((w - one["weights"][0][name]).abs().max()))
+        assert not it or moved > 1e-4
+    for name, w in one["ema"].items():
+        assert (ranks[0]["ema"][name] - w).abs().max() <= 1e-6
+    for key in ("grad_norm", "loss", "ratio_mean", "reward_mean", "transitions"):
+        for r in ranks:
+            assert math.isclose(r["metrics"][0][key], one["metrics"][0][key], rel_tol=1e-5, abs_tol=1e-7), key
+
+
+def test_fsdp_cli_run_resumes_to_the_same_summary_as_1_process(shapes_model_dir, one_process_run, tmp_path):
+    fsdp = ["--num-processes", "2", "--accelerate-config", str(FSDP_CONFIG)]
+    # 2 iterations, then resumed to 3: the checkpoint holds whole tensors gathered from the shards,
+    # and resuming slices them (weights, Adam moments, EMA) again
+    part = _cli(["train", *fsdp, *_run_overrides(shapes_model_dir, tmp_path, "part", 2)[1:]])
+    assert part.returncode == 0, part.stderr[-3000:]
+    resumed = _cli(["train", "--resume", str(tmp_path / "part"), *fsdp, "train.iterations=3"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    s = json.loads((tmp_path / "part" / "summary.json").read_text())
+    assert s["iterations"] == 3
+    ref = _comparable(one_process_run)
+    _assert_close(ref["final_metrics"], _comparable(s)["final_metrics"])
+    _assert_close(ref["eval_before"], _comparable(s)["eval_before"])
+    _assert_close(ref["eval_after"], _comparable(s)["eval_after"])
+
+
+def test_fsdp_lora_export_equals_the_1_process_one(tmp_path):
+    from safetensors.torch import load_file
+
+    from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+
+    tiny_sd3_pipeline(seed=0).save_pretrained(tmp_path / "base")
+    (tmp_path / "prompts.txt").write_text("a photo of a cat\na mountain lake at dawn\n")
+    ov = ["model.name=sd3", f"model.path={tmp_path / 'base'}", "model.train_mode=lora", "model.resolution=64",
+          "model.max_sequence_length=16", "model.lora_rank=4", "model.lora_alpha=8", "model.guidance_scale=2.0",
+          "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={tmp_path / 'prompts.txt'}",
+          "data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3", "sampler.strategy=flow_grpo",
+          "train.iterations=2", "train.threads=1", "train.lr=3e-2", "train.adam_eps=1e-2", "train.ema_decay=0.5",
+          "log.progress=false", "log.trackers=[]", f"log.out_dir={tmp_path}", "dist.timeout_s=60"]
+    one = _cli(["train", *ov, "log.run_name=one"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _cli(["train", "--num-processes", "2", "--accelerate-config", str(FSDP_CONFIG), *ov, "log.run_name=two"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_file(tmp_path / "one" / "lora" / "pytorch_lora_weights.safetensors")
+    b = load_file(tmp_path / "two" / "lora" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert max(float(a[k].abs().max()) for k in a if "lora_B" in k) > 1e-3  # trained: lora_B starts at zero

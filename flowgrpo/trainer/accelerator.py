@@ -39,19 +39,17 @@ def make_accelerator(cfg):
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout],
                               log_with=list(cfg.log.trackers) or None, project_config=where)
     kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
-    if kind not in _DATA_PARALLEL_TYPES:
-        # Sharded engines (FSDP, DeepSpeed ZeRO) gather parameters inside every forward, so all ranks
-        # must run the same number of forward passes in lock-step; the rollout and update here give
-        # ranks uneven work (see flowgrpo.trainer.data_parallel), so they would deadlock.
-        raise ConfigError(f"accelerate distributed type {kind} is not supported by the trainer yet; it runs "
-                          f"data parallel ({', '.join(sorted(_DATA_PARALLEL_TYPES))}): use "
-                          "configs/accelerate/ddp.yaml or `flowgrpo train --num-processes N`")
+    if kind not in _SUPPORTED_TYPES:
+        raise ConfigError(f"accelerate distributed type {kind} is not supported by the trainer; it runs "
+                          f"{', '.join(sorted(_SUPPORTED_TYPES))}: use configs/accelerate/ddp.yaml, "
+                          "configs/accelerate/fsdp.yaml or `flowgrpo train --num-processes N`")
     return accelerator
 
 
-#: accelerate distributed types the trainer runs (replicated weights, gradients summed per step)
-_DATA_PARALLEL_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
-                        "MULTI_HPU", "MULTI_SDAA"}
+#: accelerate distributed types the trainer runs: replicated weights (gradients summed per step), or
+#: FSDP2 sharding (flowgrpo.trainer.engines)
+_SUPPORTED_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
+                    "MULTI_HPU", "MULTI_SDAA", "FSDP"}
 
 
 def _flat_config(data: dict, prefix: str = "") -> dict:

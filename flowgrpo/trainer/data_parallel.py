@@ -15,8 +15,8 @@ Why not DDP's wrapper: a rank's work per optimizer step is uneven (groups span r
 and zero-std groups drop edges, BranchGRPO prunes), and DDP's per-backward bucketing needs every
 rank to run the same number of backward passes. One all-reduce of the flat gradient per step is
 DDP's arithmetic without that constraint (and, for LoRA-sized gradients, without a measurable
-cost). Sharded engines (FSDP, DeepSpeed ZeRO) wrap the denoiser through ``accelerator.prepare``
-instead (:mod:`flowgrpo.trainer.engines`).
+cost). A sharded denoiser (FSDP) reduces its gradients inside backward instead, with ranks kept in
+lock-step (:mod:`flowgrpo.trainer.engines`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class DataParallel:
         self.world = accelerator.num_processes
         self.rank = accelerator.process_index
         self.is_main = accelerator.is_main_process
+        #: every rank must roll out the same number of trees (a sharded model runs in lock-step)
+        self.equal_shards = False
 
     # ------------------------------------------------------------------ sharding
     def tree_shard(self, num_trees: int) -> range:
@@ -50,6 +52,10 @@ class DataParallel:
             raise ConfigError(f"an iteration has {num_trees} trees (data.prompts_per_iteration x "
                               f"data.trees_per_prompt) but the run has {self.world} processes: "
                               "every process needs at least one tree")
+        if self.equal_shards and num_trees % self.world:
+            raise ConfigError(f"a sharded model (FSDP) needs the same number of trees on every process: an iteration "
+                              f"has {num_trees} trees (data.prompts_per_iteration x data.trees_per_prompt), which "
+                              f"{self.world} processes do not divide")
         return range(self.rank * num_trees // self.world, (self.rank + 1) * num_trees // self.world)
 
     # ------------------------------------------------------------------ collectives

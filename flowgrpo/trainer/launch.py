@@ -34,6 +34,8 @@ def launch_args(num_processes: int, train_argv: list[str], accelerate_config: st
 
 #: exit code of a process that stopped because another one stopped answering (not the cause)
 PEER_LOST_EXIT = 3
+#: exit code of ``flowgrpo`` on a UserError / ConfigError (bad configuration or input)
+USER_ERROR_EXIT = 2  # (flowgrpo.cli.main)
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -93,6 +95,9 @@ def launch(num_processes: int, train_argv: list[str], accelerate_config: str | N
         if not failures:
             raise UserError(f"a training process failed: {e}") from None
         rank, first = _root_cause(failures)
+        if first.exitcode == USER_ERROR_EXIT:  # a configuration or input error, printed above by the rank
+            raise UserError(f"rank {rank} stopped on the configuration or input error above; fix it and run "
+                            "again (a run that wrote checkpoints goes on with --resume RUN_DIR)") from None
         others = sorted(r for r in failures if r != rank)
         also = f"; ranks {others} then stopped" if others else ""
         raise UserError(f"rank {rank} (pid {first.pid}) {_describe(first)}{also}; the run stopped. "

@@ -20,7 +20,9 @@ evaluator trains without one: the eval_* entries are null and ``evaluation`` say
 
 Multi-process runs (:mod:`flowgrpo.trainer.data_parallel`): every rank runs this loop on the same
 clock (the main process's, broadcast each iteration) and holds the same weights; only the main
-process evaluates, writes the run directory, logs, prints and draws the progress bar.
+process writes the run directory, logs, prints and draws the progress bar. With whole weights on
+every rank only the main process evaluates; a sharded model (FSDP, :mod:`flowgrpo.trainer.engines`)
+needs every rank in each forward, so there every rank evaluates and gathers checkpoints.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     trainer = GRPOTrainer(cfg)  # first, so that bad input fails before a run directory exists
     dp = trainer.dp
     main = dp.is_main
+    lockstep = trainer.engine.lockstep  # every rank takes part in evaluations and checkpoints
     say = print if main else (lambda *a, **k: None)
     evaluator, eval_note = build_evaluator(cfg.eval, trainer.policy, cfg.sampler.shift)
     run_dir = _prepare_run_dir(cfg, run_dir, resume, dp)
@@ -138,21 +141,24 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
 
     eval_before, before_images = None, None
     before_path = run_dir / "eval_before.json"
-    # evaluation runs on the main process only; the others wait at the next collective
+    # evaluation runs on the main process only (the others wait at the next collective), except in lock-step
     if evaluator is None:
         say(f"note: {eval_note}")
-    elif not main:
+    elif not (main or lockstep):
         evaluator = None
-    elif before_path.exists():
-        eval_before = json.loads(before_path.read_text())
+    elif dp.broadcast(before_path.exists()) if lockstep else before_path.exists():
+        if main:
+            eval_before = json.loads(before_path.read_text())
     else:
         res = _eval(trainer, evaluator, use_ema=False, keep_images=True)
-        eval_before = res.to_json(with_correct=True)
-        if cfg.eval.seen:
-            eval_before["seen"] = _eval(trainer, evaluator, use_ema=False, split="seen").to_json()
-        _write_json(before_path, eval_before)
-        before_images = _grid_subset(res, cfg.eval.seeds_per_prompt)
-        torch.save(before_images, run_dir / "eval_before_grid.pt")
+        seen = _eval(trainer, evaluator, use_ema=False, split="seen").to_json() if cfg.eval.seen else None
+        if main:
+            eval_before = res.to_json(with_correct=True)
+            if seen is not None:
+                eval_before["seen"] = seen
+            _write_json(before_path, eval_before)
+            before_images = _grid_subset(res, cfg.eval.seeds_per_prompt)
+            torch.save(before_images, run_dir / "eval_before_grid.pt")
     curve = []
     if eval_before is not None:
         say(f"held-out accuracy before: {eval_before['accuracy']:.3f}")
@@ -194,6 +200,8 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             budget_left = not cfg.train.max_minutes or next_end <= cfg.train.max_minutes * 60
             due = evaluator is not None and ((cfg.eval.every and (it + 1) % cfg.eval.every == 0)
                                              or train_seconds >= next_eval_s)
+            if lockstep:  # the main process holds the evaluation curve: it decides
+                due = dp.broadcast(due)
             if due and it + 1 < total and budget_left:  # the clock is paused: evaluation is not training
                 res = _eval(trainer, evaluator, use_ema=cfg.train.ema)
                 m["eval_accuracy"], m["eval_accuracy_unseen"] = res.accuracy, res.accuracy_unseen
@@ -204,28 +212,40 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             if main:
                 logger.log(m)
             done = trainer.iteration
-            if main and (done % cfg.log.checkpoint_every == 0 or done == total):
+            if (main or lockstep) and (done % cfg.log.checkpoint_every == 0 or done == total):
                 t1 = time.perf_counter()
-                save_checkpoint(run_dir, done, {"trainer": trainer.state_dict(), "train_seconds": train_seconds})
+                state = trainer.state_dict()  # with sharded weights a collective (whole tensors)
+                if main:
+                    save_checkpoint(run_dir, done, {"trainer": state, "train_seconds": train_seconds})
                 train_seconds += time.perf_counter() - t1
             recent.append(train_seconds - spent_before)
             info = (f"reward {m.get('reward_mean', float('nan')):.3f}  kl {m.get('approx_kl', 0):.2e}  "
                     f"clip {m.get('clipfrac_high', 0) + m.get('clipfrac_low', 0):.2f}")
             bar.update(task, completed=done, info=info)
     dp.barrier()
-    if not main:
-        return {"iterations": trainer.iteration, "train_seconds": train_seconds, "rank": dp.rank}
-    if latest_checkpoint(run_dir) is None or int(latest_checkpoint(run_dir).name.split("_")[1]) != trainer.iteration:
-        save_checkpoint(run_dir, trainer.iteration, {"trainer": trainer.state_dict(), "train_seconds": train_seconds})
+    mine = {"iterations": trainer.iteration, "train_seconds": train_seconds, "rank": dp.rank}
+    if not (main or lockstep):
+        return mine
+    last = latest_checkpoint(run_dir) if main else None
+    stale = last is None or int(last.name.split("_")[1]) != trainer.iteration
+    if dp.broadcast(stale) if lockstep else stale:
+        state = trainer.state_dict()
+        if main:
+            save_checkpoint(run_dir, trainer.iteration, {"trainer": state, "train_seconds": train_seconds})
     if cfg.model.train_mode == "lora" and trainer.policy.exports_lora:  # diffusers' format, EMA weights (flowgrpo.export)
-        trainer.policy.save_lora(run_dir / "lora", trainer.ema)
+        weights = trainer.engine.full(trainer.ema if trainer.ema is not None else trainer.policy.trainable_state_dict())
+        if main:
+            trainer.policy.save_lora(run_dir / "lora", weights)
+    final = _final_results(trainer, evaluator) if evaluator is not None else None
+    if not main:
+        return mine
     logger.close()
     records = read_metrics(run_dir)
     summary = {"preset": cfg.preset, "evaluation": evaluator.name if evaluator is not None else eval_note,
                "eval_before": None, "eval_after": None, "accuracy_gain": None, "gain_se": None,
                "eval_before_seen": None, "eval_after_seen": None, "eval_curve": curve}
     if evaluator is not None:
-        summary.update(_final_evaluation(trainer, evaluator, run_dir, eval_before, before_images, curve, records,
+        summary.update(_final_evaluation(trainer, final, run_dir, eval_before, before_images, curve, records,
                                          train_seconds))
     else:
         save_reward_curve(run_dir / "reward_curve.png", records, [])
@@ -239,16 +259,23 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     return summary
 
 
-def _final_evaluation(trainer: GRPOTrainer, evaluator, run_dir: Path, eval_before: dict, before_images,
-                      curve: list[dict], records: list[dict], train_seconds: float) -> dict:
-    """Evaluate after training; write the accuracy and reward curves and the before/after grid.
-    Returns the summary's evaluation entries."""
+def _final_results(trainer: GRPOTrainer, evaluator) -> tuple[EvalResult, dict | None]:
+    """The evaluation after training: held-out (with images) and, with ``eval.seen``, seen prompts."""
     cfg = trainer.cfg
     res = _eval(trainer, evaluator, use_ema=cfg.train.ema, keep_images=True)
+    seen = _eval(trainer, evaluator, use_ema=cfg.train.ema, split="seen").to_json() if cfg.eval.seen else None
+    return res, seen
+
+
+def _final_evaluation(trainer: GRPOTrainer, final: tuple[EvalResult, dict | None], run_dir: Path, eval_before: dict,
+                      before_images, curve: list[dict], records: list[dict], train_seconds: float) -> dict:
+    """Write the accuracy and reward curves and the before/after grid of the evaluation after
+    training (``final``, from :func:`_final_results`). Returns the summary's evaluation entries."""
+    cfg = trainer.cfg
+    res, eval_after_seen = final
     eval_after = res.to_json()
     gain, gain_se = paired_gain(eval_before["correct"], res.correct) if "correct" in eval_before else (
         eval_after["accuracy"] - eval_before["accuracy"], float("nan"))
-    eval_after_seen = _eval(trainer, evaluator, use_ema=cfg.train.ema, split="seen").to_json() if cfg.eval.seen else None
     print(f"held-out accuracy after:  {eval_after['accuracy']:.3f}  (gain {gain:+.3f} +- {gain_se:.3f} s.e., paired)")
     curve.append({"iteration": trainer.iteration, "train_seconds": train_seconds, "accuracy": eval_after["accuracy"],
                   "accuracy_unseen": eval_after.get("accuracy_unseen")})

@@ -37,7 +37,9 @@ from ..samplers.rollout import ForestSampler
 from ..samplers.schedule import sigma_grid
 from ..samplers.strategies import build_strategy
 from ..sft import best_path_sft_loss, best_paths
+from ..sharded_tensors import full_tensors, like_param
 from .data_parallel import DataParallel, ForestView
+from .engines import weight_engine
 from .update_stats import UpdateStats, UpdateStatsCollector
 
 
@@ -74,11 +76,14 @@ class GRPOTrainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.accelerator = accelerator or make_accelerator(cfg)
         self.dp = DataParallel(self.accelerator)
+        self.engine = weight_engine(self.accelerator, self.dp)  # whole weights, or sharded (FSDP)
+        self.dp.equal_shards = self.engine.lockstep
         self.dp.tree_shard(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt)  # fail now if too few trees
         torch.manual_seed(tc.seed)  # adapter initialisation
         self.policy = build_policy(cfg.model).to(self.accelerator.device)
         if cfg.loss.beta > 0 or cfg.loss.anchor_weight > 0:
             self.policy.snapshot_reference()
+        self.engine.prepare(self.policy)  # before the optimizer and EMA see the parameters
         params = self.policy.trainable_parameters()
         if not params:
             raise ValueError("the policy has no trainable parameters (model.train_mode?)")
@@ -115,18 +120,24 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {
+        """Iteration, trainable weights, optimizer and EMA as whole tensors (the same checkpoint
+        whatever the number of processes; with sharded weights a collective: call it on every rank)."""
+        return self.engine.full({
             "iteration": self.iteration,
             "trainable": self.policy.trainable_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "ema": self.ema,
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = state["iteration"]
         self.policy.load_trainable_state_dict(state["trainable"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.ema = state["ema"]
+        self.optimizer.load_state_dict(self.engine.optimizer_state(state["optimizer"], self.optimizer))
+        if state["ema"] is None:
+            self.ema = None
+        else:
+            live = dict(self.policy.named_trainable_parameters())
+            self.ema = {n: like_param(t, live[n]) for n, t in state["ema"].items()}
 
     def ema_weights(self):
         """Context manager: the policy runs with the EMA weights inside (no-op without EMA)."""
@@ -253,9 +264,10 @@ class GRPOTrainer:
         cfg, tc, dp = self.cfg, self.cfg.train, self.dp
         # tree ids are global: the rollout's tree_prompt spans the whole iteration's trees
         n_trees = len(rollout.tree_prompt) if rollout is not None else int(batch.tree.max()) + 1
-        tree_rows = torch.bincount(batch.tree.cpu(), minlength=n_trees)
+        rank_rows = torch.bincount(batch.tree.cpu(), minlength=n_trees)[None]  # [ranks, trees]
         if dp.world > 1:
-            tree_rows = torch.stack(dp.gather(tree_rows)).sum(0)
+            rank_rows = torch.stack(dp.gather(rank_rows[0]))
+        tree_rows = rank_rows.sum(0)
         trees = tree_rows.nonzero(as_tuple=True)[0]
         rng = np.random.default_rng([tc.seed, iteration, 31])
         collect = UpdateStatsCollector(len(batch))
@@ -276,11 +288,14 @@ class GRPOTrainer:
                 mb_rows = int(tree_rows[mb_trees].sum())  # on every rank
                 if mb_rows == 0:
                     continue
+                # a sharded model runs every rank in lock-step: as many micro-batches as the busiest rank
+                micro = (rank_rows[:, mb_trees].sum(1) + tc.micro_batch - 1) // tc.micro_batch
+                idle = int(micro.max() - micro[dp.rank]) if self.engine.lockstep else 0
                 rows = torch.isin(batch.tree, mb_trees).nonzero(as_tuple=True)[0]
                 # micro-batches ordered by timestep, as in the rollout (each row is independent)
                 rows = rows[torch.argsort(batch.step[rows], stable=True)]
                 self.optimizer.zero_grad(set_to_none=True)
-                for mrows in torch.split(rows, tc.micro_batch):
+                for mrows in torch.split(rows, tc.micro_batch) if len(rows) else ():  # (split of none: one empty part)
                     mb = batch.select(mrows)
                     x = mb.sample.to(self.accelerator.device)
                     with self.accelerator.autocast():
@@ -301,14 +316,31 @@ class GRPOTrainer:
                             loss = loss + sft
                     self.accelerator.backward(loss * (len(mrows) / mb_rows))
                     collect.add(out, loss, mb.log_prob_old, mb.step)
+                for _ in range(idle):
+                    self._idle_pass(cond)
                 if rollout is not None and cfg.loss.anchor_weight > 0:
                     anchor = ode_anchor_loss(self.policy, rollout, plan, cond, cfg.loss.anchor_weight,
                                              cfg.loss.anchor_steps, rng, level_sizes)
                     if anchor is not None:
                         self.accelerator.backward(anchor)
                         collect.anchor.append(anchor.detach().reshape(1))
-                dp.sum_gradients(params)
+                self.engine.sync_gradients(params)
                 gn = self.accelerator.clip_grad_norm_(params, tc.max_grad_norm)
-                collect.grad_norms.append(float(gn))
+                collect.grad_norms.append(float(full_tensors(gn)))
                 self.optimizer.step()
         return collect.finish(dp if dp.world > 1 else None)
+
+    def _idle_pass(self, cond) -> None:
+        """The model calls of one update micro-batch on one dummy row, with a gradient of exactly zero.
+
+        A sharded denoiser gathers its weights inside every forward and backward (collectives), so a
+        rank with fewer micro-batches in a minibatch than another runs these to stay in step."""
+        device, dtype = self.accelerator.device, self.sampler.model_dtype
+        x = torch.zeros(1, *self.policy.latent_shape, device=device, dtype=dtype)
+        sigma = torch.full((1,), 0.5)
+        c = cond.index(torch.zeros(1, dtype=torch.long))
+        with self.accelerator.autocast():
+            v = self.policy.velocity(x, sigma, c).float()
+        if self.cfg.loss.beta > 0:
+            self.policy.reference_velocity(x, sigma, c)
+        self.accelerator.backward(v.sum() * 0.0)
