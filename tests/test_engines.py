@@ -3,6 +3,7 @@ launch. The sharded runs themselves are in tests/test_multiprocess.py (2 gloo pr
 
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 
 from flowgrpo.errors import ConfigError
 from flowgrpo.trainer.data_parallel import DataParallel
-from flowgrpo.trainer.engines import FullyShardedWeights, ReplicatedWeights, weight_engine
+from flowgrpo.trainer.accelerator import weight_engine
+from flowgrpo.trainer.engines import FullyShardedWeights, ReplicatedWeights
 
 
 def _dp(world: int = 2, rank: int = 0) -> DataParallel:
@@ -62,3 +64,43 @@ def test_a_wrap_class_the_model_lacks_is_named_with_the_classes_it_has(shapes_mo
         engine.prepare(policy)
     # by default the wrap unit is the model's own block class (diffusers' _no_split_modules)
     assert policy.denoiser._no_split_modules == ["JointTransformerBlock"]
+
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+
+
+def test_deepspeed_is_chosen_for_a_deepspeed_launch(monkeypatch):
+    from flowgrpo.trainer.deepspeed_zero import ZeroWeights
+
+    dp = _dp()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    engine = weight_engine(dp.accelerator, dp)
+    assert isinstance(engine, ZeroWeights) and engine.collective_state and not engine.lockstep
+    # ZeRO-2 needs a backward pass from every rank in a step, no more: one idle pass only for a rank without rows
+    assert engine.idle_passes(torch.tensor([3, 0])) == 0  # rank 0 has rows
+    assert ZeroWeights(_dp(rank=1), _ds_plugin()).idle_passes(torch.tensor([3, 0])) == 1
+
+
+def _ds_plugin(stage: int = 2, **config):
+    return SimpleNamespace(zero_stage=stage, deepspeed_config={"zero_optimization": {"stage": stage}, **config})
+
+
+def test_zero3_is_refused_with_the_fsdp_alternative():
+    from flowgrpo.trainer.deepspeed_zero import ZeroWeights
+
+    with pytest.raises(ConfigError, match="zero_stage 3 .*configs/accelerate/fsdp.yaml"):
+        ZeroWeights(_dp(), _ds_plugin(stage=3))
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("section, message", [("optimizer", "remove its 'optimizer' section"),
+                                              ("bf16", "bf16 is enabled.*model.dtype")])
+def test_deepspeed_sections_flowgrpo_owns_are_refused(section, message):
+    from flowgrpo.trainer.deepspeed_zero import ZeroWeights
+
+    engine = ZeroWeights(_dp(), _ds_plugin(**{section: {"enabled": True, "type": "AdamW"}}))
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=message):
+        engine.attach_optimizer(torch.optim.AdamW(layer.parameters()), SimpleNamespace(denoiser=layer), 1.0)

@@ -9,6 +9,7 @@ which the update is a smooth function of the gradient, so "the same update" can 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -200,47 +201,70 @@ def test_a_killed_rank_stops_the_run_with_one_line_and_resume_matches(shapes_mod
     _assert_close(_comparable(a)["eval_after"], _comparable(b)["eval_after"])
 
 
-# ----------------------------------------------------------------------------- FSDP (sharded weights)
-# torch's FSDP2 runs on the CPU with gloo (torch 2.15 here); on the CPU accelerate reports MULTI_CPU for
-# an FSDP config, and flowgrpo shards from the FSDP settings the launcher exports (flowgrpo.trainer.engines).
+# ----------------------------------------------------------------------------- FSDP and DeepSpeed ZeRO-2
+# torch's FSDP2 runs on the CPU with gloo (torch 2.15 here), and so does DeepSpeed ZeRO-2 (its CPU
+# accelerator). On the CPU accelerate reports MULTI_CPU for either config; flowgrpo picks the engine
+# from the settings the launcher exports (flowgrpo.trainer.engines).
+
+ACCELERATE_CONFIGS = {"fsdp": FSDP_CONFIG, "deepspeed": FSDP_CONFIG.parent / "zero2.yaml"}
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed (pip install 'flowgrpo[deepspeed]')")
+ENGINES = ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)]
 
 
 @pytest.fixture(scope="module")
-def one_and_fsdp(shapes_model_dir, tmp_path_factory):
-    """The test worker for 2 iterations on 1 process and on 2 FSDP processes (configs/accelerate/fsdp.yaml).
-    12 trees: shards of 6, so prompt 1's group of 4 spans both ranks; minibatches of 3 trees (which 2 ranks
-    cannot split evenly) and micro-batches of 2 rows, so in every minibatch one rank pads with idle passes."""
-    out = tmp_path_factory.mktemp("fsdp")
-    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **{
+def sharded_overrides(shapes_model_dir):
+    """12 trees: shards of 6, so prompt 1's group of 4 spans both ranks; minibatches of 3 trees (which
+    2 ranks cannot split evenly) and micro-batches of 2 rows, so ranks make different numbers of
+    backward passes in every minibatch (FSDP pads them all; ZeRO-2 pads a rank that has none)."""
+    return tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **{
         "data.prompts_per_iteration": 3, "data.trees_per_prompt": 4, "train.minibatches": 4, "train.micro_batch": 2,
         "reward.weights": "{test_brightness: 1.0}", "log.trackers": "[]", "dist.timeout_s": 60})
-    one = subprocess.run([sys.executable, str(WORKER), str(out / "one"), "2", *ov], env=cli_env(),
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(sharded_overrides, tmp_path_factory):
+    """The test worker's 1-process record under :func:`sharded_overrides`."""
+    out = tmp_path_factory.mktemp("ref1")
+    one = subprocess.run([sys.executable, str(WORKER), str(out), "2", *sharded_overrides], env=cli_env(),
                          capture_output=True, text=True, timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _launch(2, [str(out / "two"), "2", *ov], config=FSDP_CONFIG)
+    return torch.load(out / "rank0.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine_ranks(request, sharded_overrides, tmp_path_factory):
+    """(engine, [rank 0 record, rank 1 record]) of the test worker on 2 processes under that engine's
+    accelerate config."""
+    out = tmp_path_factory.mktemp(request.param)
+    two = _launch(2, [str(out), "2", *sharded_overrides], config=ACCELERATE_CONFIGS[request.param], timeout=400)
     assert two.returncode == 0, two.stderr[-3000:]
-    load = lambda p: torch.load(p, weights_only=False)  # noqa: E731
-    return load(out / "one" / "rank0.pt"), [load(out / "two" / f"rank{r}.pt") for r in (0, 1)]
+    return request.param, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-def test_fsdp_shards_the_weights_and_keeps_ranks_in_step(one_and_fsdp):
-    one, (r0, r1) = one_and_fsdp
-    assert one["engine"] == "replicated" and r0["engine"] == r1["engine"] == "fsdp"
-    for r in (r0, r1):  # each rank holds about half of every trainable weight
-        assert r["numel"] == one["numel"] and r["local_numel"] <= one["numel"] // 2 + 4096
+def test_the_engine_lays_out_the_weights_and_keeps_ranks_in_step(sharded_reference, engine_ranks):
+    one, (engine, (r0, r1)) = sharded_reference, engine_ranks
+    assert one["engine"] == "replicated" and r0["engine"] == r1["engine"] == engine
+    for r in (r0, r1):
+        assert r["numel"] == one["numel"]
+        if engine == "fsdp":  # each rank holds about half of every trainable weight
+            assert r["local_numel"] <= one["numel"] // 2 + 4096
+        else:  # ZeRO-2 keeps the weights whole (gradients and moments are what it partitions)
+            assert r["local_numel"] == one["numel"]
     assert r0["local_trees"][0] == list(range(6)) and r1["local_trees"][0] == list(range(6, 12))
-    assert r0["idle_passes"] + r1["idle_passes"] > 0  # the lock-step padding path ran
+    if engine == "fsdp":
+        assert r0["idle_passes"] + r1["idle_passes"] > 0  # the lock-step padding ran
 
 
-def test_fsdp_gives_the_same_advantages_and_update_as_one_process(one_and_fsdp):
-    one, ranks = one_and_fsdp
+def test_the_engine_gives_the_same_advantages_and_update_as_one_process(sharded_reference, engine_ranks):
+    one, (_, ranks) = sharded_reference, engine_ranks
     for it, tol in ((0, 1e-6), (1, 1e-4)):
         for r in ranks:
             assert torch.allclose(r["leaf_advantages"][it], one["leaf_advantages"][it], atol=tol, rtol=0)
     for it in range(2):
         moved = 0.0
         for name, w in one["weights"][it].items():
-            for r in ranks:  # whole tensors gathered from the shards
+            for r in ranks:  # whole tensors on every rank
                 assert (r["weights"][it][name] - w).abs().max() <= 1e-6, (it, name)
             if it:
                 moved = max(moved, float((w - one["weights"][0][name]).abs().max()))
@@ -252,13 +276,14 @@ def test_fsdp_gives_the_same_advantages_and_update_as_one_process(one_and_fsdp):
             assert math.isclose(r["metrics"][0][key], one["metrics"][0][key], rel_tol=1e-5, abs_tol=1e-7), key
 
 
-def test_fsdp_cli_run_resumes_to_the_same_summary_as_1_process(shapes_model_dir, one_process_run, tmp_path):
-    fsdp = ["--num-processes", "2", "--accelerate-config", str(FSDP_CONFIG)]
-    # 2 iterations, then resumed to 3: the checkpoint holds whole tensors gathered from the shards,
-    # and resuming slices them (weights, Adam moments, EMA) again
-    part = _cli(["train", *fsdp, *_run_overrides(shapes_model_dir, tmp_path, "part", 2)[1:]])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sharded_run_resumes_to_the_same_summary_as_1_process(engine, shapes_model_dir, one_process_run, tmp_path):
+    how = ["--num-processes", "2", "--accelerate-config", str(ACCELERATE_CONFIGS[engine])]
+    # 2 iterations, then resumed to 3: the checkpoint holds whole tensors gathered from the ranks
+    # (weights, Adam moments, EMA), and resuming lays them out again
+    part = _cli(["train", *how, *_run_overrides(shapes_model_dir, tmp_path, "part", 2)[1:]])
     assert part.returncode == 0, part.stderr[-3000:]
-    resumed = _cli(["train", "--resume", str(tmp_path / "part"), *fsdp, "train.iterations=3"])
+    resumed = _cli(["train", "--resume", str(tmp_path / "part"), *how, "train.iterations=3"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     s = json.loads((tmp_path / "part" / "summary.json").read_text())
     assert s["iterations"] == 3

@@ -1,4 +1,5 @@
-"""The run's :class:`accelerate.Accelerator`: processes, collective timeout and experiment trackers.
+"""The run's :class:`accelerate.Accelerator` (processes, collective timeout, experiment trackers),
+and the weight engine its launch asked for (:mod:`flowgrpo.trainer.engines`).
 
 One process (``flowgrpo train``) or many (``accelerate launch -m flowgrpo train`` / ``flowgrpo
 train --num-processes N``): accelerate reads the launcher's environment, so the same code runs
@@ -8,12 +9,15 @@ both. Trackers are accelerate's (``log.trackers``); they log from the main proce
 from __future__ import annotations
 
 import importlib.util
+import os
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
+from .deepspeed_zero import ZeroWeights
+from .engines import FullyShardedWeights, ReplicatedWeights
 
 #: tracker name -> (module it imports, pip package that provides it)
 _TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -42,14 +46,14 @@ def make_accelerator(cfg):
     if kind not in _SUPPORTED_TYPES:
         raise ConfigError(f"accelerate distributed type {kind} is not supported by the trainer; it runs "
                           f"{', '.join(sorted(_SUPPORTED_TYPES))}: use configs/accelerate/ddp.yaml, "
-                          "configs/accelerate/fsdp.yaml or `flowgrpo train --num-processes N`")
+                          "configs/accelerate/fsdp.yaml, configs/accelerate/zero2.yaml or `flowgrpo train --num-processes N`")
     return accelerator
 
 
-#: accelerate distributed types the trainer runs: replicated weights (gradients summed per step), or
-#: FSDP2 sharding (flowgrpo.trainer.engines)
+#: accelerate distributed types the trainer runs: replicated weights (gradients summed per step),
+#: FSDP2 sharding or DeepSpeed ZeRO 1/2 (flowgrpo.trainer.engines)
 _SUPPORTED_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
-                    "MULTI_HPU", "MULTI_SDAA", "FSDP"}
+                    "MULTI_HPU", "MULTI_SDAA", "FSDP", "DEEPSPEED"}
 
 
 def _flat_config(data: dict, prefix: str = "") -> dict:
@@ -74,7 +78,6 @@ def start_trackers(accelerator, cfg, run_dir: Path, resume_iteration: int | None
     RUN_DIR and names the run after it."""
     if not cfg.log.trackers:
         return
-    import os
 
     from ..config import to_dict
 
@@ -91,3 +94,27 @@ def start_trackers(accelerator, cfg, run_dir: Path, resume_iteration: int | None
     if resume_iteration is not None:
         init_kwargs["tensorboard"] = {"purge_step": resume_iteration + 1}
     accelerator.init_trackers(cfg.log.project, config=_flat_config(to_dict(cfg)), init_kwargs=init_kwargs)
+
+
+def weight_engine(accelerator, dp) -> ReplicatedWeights:
+    """The weight layout the launch asked for: FSDP2 or DeepSpeed ZeRO when the accelerate config says
+    so and the run has several processes, else whole weights on every rank."""
+    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    use = lambda what: kind == what or os.environ.get(f"ACCELERATE_USE_{what}", "false").lower() == "true"  # noqa: E731
+    if dp.world == 1:
+        return ReplicatedWeights(dp)
+    if use("FSDP"):
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        if plugin is None:  # on the CPU accelerate keeps MULTI_CPU: the plugin reads the launcher's FSDP_* variables
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            plugin = FullyShardedDataParallelPlugin()
+        return FullyShardedWeights(dp, plugin)
+    if use("DEEPSPEED"):
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        if plugin is None:  # on the CPU, as for FSDP: ACCELERATE_DEEPSPEED_* variables
+            from accelerate.utils import DeepSpeedPlugin
+
+            plugin = DeepSpeedPlugin()
+        return ZeroWeights(dp, plugin)
+    return ReplicatedWeights(dp)

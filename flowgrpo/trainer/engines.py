@@ -1,4 +1,4 @@
-"""Where the denoiser's weights live in a run: whole on every rank, or sharded over ranks (FSDP2).
+"""Where the denoiser's weights live in a run, and how an optimizer step is taken over them.
 
 * :class:`ReplicatedWeights` (one process; data parallel with ``configs/accelerate/ddp*.yaml`` or
   ``--num-processes N``): every rank holds the whole model, and the trainer sums gradients over
@@ -8,6 +8,14 @@
   transformer block (the wrap unit) and on the denoiser itself. Each rank keeps 1/world of every
   weight, gradient and Adam moment; a block's weights are gathered inside its forward and
   backward, and gradients are reduce-scattered in backward.
+* :class:`~flowgrpo.trainer.deepspeed_zero.ZeroWeights` (``distributed_type: DEEPSPEED``, ZeRO
+  stage 1 or 2, ``configs/accelerate/zero2.yaml``): whole weights on every rank, gradients and
+  Adam moments partitioned by DeepSpeed.
+
+Every engine has one contract for the update (:meth:`ReplicatedWeights.backward`,
+:meth:`~ReplicatedWeights.accumulate`, :meth:`~ReplicatedWeights.step`) and for checkpoints
+(:meth:`~ReplicatedWeights.state_dict` holds whole tensors in torch AdamW's layout, whatever the
+engine, so any run resumes on any number of processes and any engine).
 
 A sharded block gathers its weights with a collective, so every rank must run the same forwards
 and backwards in the same order. The trainer keeps ranks in lock-step when :attr:`lockstep` is
@@ -15,14 +23,15 @@ set: equal tree shards (the rollout then makes the same model calls on every ran
 padding passes where a rank has fewer update micro-batches than another, and evaluation,
 checkpoint and export steps run on every rank (only the main process writes).
 
-On the CPU accelerate itself reports MULTI_CPU for an FSDP config (its FSDP path is for
-accelerators); the launcher still exports the config as ``ACCELERATE_USE_FSDP`` / ``FSDP_*``
-variables, which is what :func:`weight_engine` reads, so FSDP runs (and is tested) with gloo too.
+On the CPU accelerate itself reports MULTI_CPU for an FSDP or DeepSpeed config (its paths for them
+are for accelerators); the launcher still exports the config as ``ACCELERATE_USE_FSDP`` / ``FSDP_*``
+(``ACCELERATE_USE_DEEPSPEED`` / ``ACCELERATE_DEEPSPEED_*``) variables, which is what
+:func:`flowgrpo.trainer.accelerator.weight_engine` reads, so both run (and are tested) with gloo too.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import torch
 from torch import nn
@@ -34,27 +43,63 @@ from ..sharded_tensors import full_tensors, like_param
 class ReplicatedWeights:
     """Every rank holds the whole model (1 process, or data parallel)."""
 
-    #: whether ranks must run the same model calls in the same order
+    #: whether ranks must run the same model calls in the same order (sharded weights)
     lockstep = False
+    #: whether :meth:`state_dict` is a collective that every rank must call
+    collective_state = False
     name = "replicated"
 
     def __init__(self, dp):
         self.dp = dp
+        self.optimizer = None
 
+    # ------------------------------------------------------------------ set-up
     def prepare(self, policy) -> None:
-        """Lay out ``policy``'s denoiser (nothing to do: it stays whole)."""
+        """Lay out ``policy``'s denoiser, before the optimizer sees its parameters (whole here)."""
 
-    def sync_gradients(self, params: list[nn.Parameter]) -> None:
-        """Make every gradient the sum over ranks (before clipping and the optimizer step)."""
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, policy, max_grad_norm: float) -> None:
+        """Take ``optimizer`` (torch AdamW over ``policy.trainable_parameters()``) into the engine;
+        :meth:`step` clips gradients to ``max_grad_norm``."""
+        self.optimizer = self.dp.accelerator.prepare(optimizer)
+
+    # ------------------------------------------------------------------ one optimizer step
+    def accumulate(self) -> contextlib.AbstractContextManager:
+        """Context around a step's backward passes (DeepSpeed reduces gradients once, on exit)."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (a rank's share: rows weighted by 1 / rows on all ranks)."""
+        self.dp.accelerator.backward(loss)
+
+    def idle_passes(self, micro_batches: torch.Tensor) -> int:
+        """Zero-loss passes this rank adds to a step, given every rank's micro-batch count [world]."""
+        return 0
+
+    def step(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """Sum gradients over ranks, clip them to ``max_norm`` and step; zero them for the next step.
+        Returns the gradient norm before clipping."""
         self.dp.sum_gradients(params)
+        norm = self.dp.accelerator.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(full_tensors(norm))
 
+    # ------------------------------------------------------------------ checkpoints
     def full(self, obj):
         """``obj`` with whole tensors (checkpoints, exports); already whole here."""
         return obj
 
-    def optimizer_state(self, state: dict, optimizer) -> dict:
-        """A checkpoint's optimizer state laid out for this run's parameters."""
-        return state
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer's state in torch AdamW's layout with whole tensors."""
+        return self.full(self.optimizer.state_dict())
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Load a state of :meth:`optimizer_state_dict` (written by any engine and number of processes)."""
+        self.optimizer.load_state_dict(state)
+
+    def load_weights(self, policy, trainable: dict[str, torch.Tensor]) -> None:
+        """Load whole trainable tensors (a checkpoint's) into ``policy``."""
+        policy.load_trainable_state_dict(trainable)
 
 
 class FullyShardedWeights(ReplicatedWeights):
@@ -66,6 +111,7 @@ class FullyShardedWeights(ReplicatedWeights):
     """
 
     lockstep = True
+    collective_state = True
     name = "fsdp"
 
     def __init__(self, dp, plugin):
@@ -98,38 +144,31 @@ class FullyShardedWeights(ReplicatedWeights):
             fully_shard(block, **options)
         fully_shard(denoiser, **options)
 
-    def sync_gradients(self, params: list[nn.Parameter]) -> None:
-        """Every backward reduce-scattered its gradients as the mean over ranks; the trainer wants the
-        sum (it already weights every row by 1 / rows on all ranks). (FSDP's divide factor of 1 would
-        say so directly, but needs a PREMUL_SUM reduction, which gloo lacks.)"""
+    def idle_passes(self, micro_batches: torch.Tensor) -> int:
+        """As many passes as the busiest rank makes: every forward and backward is a collective."""
+        return int(micro_batches.max() - micro_batches[self.dp.rank])
+
+    def step(self, params: list[nn.Parameter], max_norm: float) -> float:
+        # Every backward reduce-scattered its gradients as the mean over ranks; the trainer wants the
+        # sum (it already weights every row by 1 / rows on all ranks). (FSDP's divide factor of 1
+        # would say so directly, but needs a PREMUL_SUM reduction, which gloo lacks.)
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(self.dp.world)
+        norm = self.dp.accelerator.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(full_tensors(norm))
 
     def full(self, obj):
         """``obj`` with every sharded tensor gathered whole (a collective: call it on every rank)."""
         return full_tensors(obj)
 
-    def optimizer_state(self, state: dict, optimizer) -> dict:
-        """The whole-tensor moments of a checkpoint sliced like this run's sharded parameters."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Whole-tensor moments sliced like this run's sharded parameters."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         out = dict(state)
         out["state"] = {idx: {k: like_param(v, params[idx]) if torch.is_tensor(v) and v.shape == params[idx].shape else v
                               for k, v in entry.items()} for idx, entry in state["state"].items()}
-        return out
-
-
-def weight_engine(accelerator, dp) -> ReplicatedWeights:
-    """The weight layout the launch asked for: FSDP2 when the accelerate config says FSDP and the run
-    has several processes, else whole weights on every rank."""
-    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
-    wants_fsdp = kind == "FSDP" or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if not wants_fsdp or dp.world == 1:
-        return ReplicatedWeights(dp)
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if plugin is None:  # on the CPU accelerate keeps MULTI_CPU: the plugin reads the launcher's FSDP_* variables
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        plugin = FullyShardedDataParallelPlugin()
-    return FullyShardedWeights(dp, plugin)
+        self.optimizer.load_state_dict(out)

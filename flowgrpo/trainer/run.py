@@ -121,7 +121,8 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     trainer = GRPOTrainer(cfg)  # first, so that bad input fails before a run directory exists
     dp = trainer.dp
     main = dp.is_main
-    lockstep = trainer.engine.lockstep  # every rank takes part in evaluations and checkpoints
+    lockstep = trainer.engine.lockstep  # every rank takes part in evaluations (sharded weights)
+    gathers = trainer.engine.collective_state  # every rank takes part in checkpoints and the LoRA export
     say = print if main else (lambda *a, **k: None)
     evaluator, eval_note = build_evaluator(cfg.eval, trainer.policy, cfg.sampler.shift)
     run_dir = _prepare_run_dir(cfg, run_dir, resume, dp)
@@ -212,7 +213,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             if main:
                 logger.log(m)
             done = trainer.iteration
-            if (main or lockstep) and (done % cfg.log.checkpoint_every == 0 or done == total):
+            if (main or gathers) and (done % cfg.log.checkpoint_every == 0 or done == total):
                 t1 = time.perf_counter()
                 state = trainer.state_dict()  # with sharded weights a collective (whole tensors)
                 if main:
@@ -224,11 +225,11 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             bar.update(task, completed=done, info=info)
     dp.barrier()
     mine = {"iterations": trainer.iteration, "train_seconds": train_seconds, "rank": dp.rank}
-    if not (main or lockstep):
+    if not (main or gathers or lockstep):
         return mine
     last = latest_checkpoint(run_dir) if main else None
     stale = last is None or int(last.name.split("_")[1]) != trainer.iteration
-    if dp.broadcast(stale) if lockstep else stale:
+    if (main or gathers) and (dp.broadcast(stale) if gathers else stale):
         state = trainer.state_dict()
         if main:
             save_checkpoint(run_dir, trainer.iteration, {"trainer": state, "train_seconds": train_seconds})
@@ -236,7 +237,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
         weights = trainer.engine.full(trainer.ema if trainer.ema is not None else trainer.policy.trainable_state_dict())
         if main:
             trainer.policy.save_lora(run_dir / "lora", weights)
-    final = _final_results(trainer, evaluator) if evaluator is not None else None
+    final = _final_results(trainer, evaluator) if evaluator is not None and (main or lockstep) else None
     if not main:
         return mine
     logger.close()

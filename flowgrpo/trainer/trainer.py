@@ -37,9 +37,8 @@ from ..samplers.rollout import ForestSampler
 from ..samplers.schedule import sigma_grid
 from ..samplers.strategies import build_strategy
 from ..sft import best_path_sft_loss, best_paths
-from ..sharded_tensors import full_tensors, like_param
+from ..sharded_tensors import like_param
 from .data_parallel import DataParallel, ForestView
-from .engines import weight_engine
 from .update_stats import UpdateStats, UpdateStatsCollector
 
 
@@ -66,7 +65,7 @@ class GRPOTrainer:
     """
 
     def __init__(self, cfg: RunConfig, accelerator=None):
-        from .accelerator import make_accelerator
+        from .accelerator import make_accelerator, weight_engine
 
         self.cfg = cfg
         tc = cfg.train
@@ -87,10 +86,9 @@ class GRPOTrainer:
         params = self.policy.trainable_parameters()
         if not params:
             raise ValueError("the policy has no trainable parameters (model.train_mode?)")
-        self.optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), eps=tc.adam_eps,
-                                           weight_decay=tc.weight_decay)
-        # The policy stays unwrapped (its methods, not only forward, are called); the optimizer is prepared.
-        self.optimizer = self.accelerator.prepare(self.optimizer)
+        # The policy stays unwrapped (its methods, not only forward, are called); the engine takes the optimizer.
+        self.engine.attach_optimizer(torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), eps=tc.adam_eps,
+                                                       weight_decay=tc.weight_decay), self.policy, tc.max_grad_norm)
         self.strategy = build_strategy(cfg.sampler, cfg.strategy, grid=self._model_grid())
         self.sampler = ForestSampler(self.policy, cfg.sampler.max_micro_batch)
         self.rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
@@ -110,6 +108,11 @@ class GRPOTrainer:
             fused_available(self.accelerator.device)
         self.iteration = 0
 
+    @property
+    def optimizer(self):
+        """The AdamW the engine steps (accelerate's wrapper, or DeepSpeed's partitioned optimizer)."""
+        return self.engine.optimizer
+
     def _model_grid(self):
         """The policy's sigma grid as a function of T, or None where it is the sampler's default one."""
         cfg = self.cfg.sampler
@@ -122,17 +125,17 @@ class GRPOTrainer:
     def state_dict(self) -> dict:
         """Iteration, trainable weights, optimizer and EMA as whole tensors (the same checkpoint
         whatever the number of processes; with sharded weights a collective: call it on every rank)."""
-        return self.engine.full({
+        return {
             "iteration": self.iteration,
-            "trainable": self.policy.trainable_state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "ema": self.ema,
-        })
+            "trainable": self.engine.full(self.policy.trainable_state_dict()),
+            "optimizer": self.engine.optimizer_state_dict(),
+            "ema": self.engine.full(self.ema),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = state["iteration"]
-        self.policy.load_trainable_state_dict(state["trainable"])
-        self.optimizer.load_state_dict(self.engine.optimizer_state(state["optimizer"], self.optimizer))
+        self.engine.load_weights(self.policy, state["trainable"])
+        self.engine.load_optimizer_state_dict(state["optimizer"])
         if state["ema"] is None:
             self.ema = None
         else:
@@ -288,46 +291,43 @@ class GRPOTrainer:
                 mb_rows = int(tree_rows[mb_trees].sum())  # on every rank
                 if mb_rows == 0:
                     continue
-                # a sharded model runs every rank in lock-step: as many micro-batches as the busiest rank
+                # sharded weights: every rank makes as many model calls as the busiest (engine.idle_passes)
                 micro = (rank_rows[:, mb_trees].sum(1) + tc.micro_batch - 1) // tc.micro_batch
-                idle = int(micro.max() - micro[dp.rank]) if self.engine.lockstep else 0
+                idle = self.engine.idle_passes(micro)
                 rows = torch.isin(batch.tree, mb_trees).nonzero(as_tuple=True)[0]
                 # micro-batches ordered by timestep, as in the rollout (each row is independent)
                 rows = rows[torch.argsort(batch.step[rows], stable=True)]
-                self.optimizer.zero_grad(set_to_none=True)
-                for mrows in torch.split(rows, tc.micro_batch) if len(rows) else ():  # (split of none: one empty part)
-                    mb = batch.select(mrows)
-                    x = mb.sample.to(self.accelerator.device)
-                    with self.accelerator.autocast():
-                        v = self.policy.velocity(x.to(dtype), mb.sigma, cond.index(mb.prompt)).float()
-                    mean = transition_means(mb, v, plan)
-                    mean_ref, kl_sigma = None, None
-                    if cfg.loss.beta > 0:
-                        v_ref = self.policy.reference_velocity(x.to(dtype), mb.sigma, cond.index(mb.prompt)).float()
-                        mean_ref = transition_means(mb, v_ref, plan).detach()
-                        kl_sigma = mb.std if cfg.loss.kl_sigma == "transition_std" else transition_sigma_t(mb, plan)
-                    out = self.loss_fn(mb.prev_sample, mean, mb.mean_old, logp_std_all[mrows], mb.log_prob_old,
-                                       mb.advantages, weights_all[mrows], clip_range=clip_range, guard=cfg.loss.guard,
-                                       mean_ref=mean_ref, kl_sigma=kl_sigma, beta=cfg.loss.beta)
-                    loss = out.loss
-                    if best is not None:
-                        sft = best_path_sft_loss(mb, mean, best, cfg.loss.sft_weight)
-                        if sft is not None:
-                            loss = loss + sft
-                    self.accelerator.backward(loss * (len(mrows) / mb_rows))
-                    collect.add(out, loss, mb.log_prob_old, mb.step)
-                for _ in range(idle):
-                    self._idle_pass(cond)
-                if rollout is not None and cfg.loss.anchor_weight > 0:
-                    anchor = ode_anchor_loss(self.policy, rollout, plan, cond, cfg.loss.anchor_weight,
-                                             cfg.loss.anchor_steps, rng, level_sizes)
-                    if anchor is not None:
-                        self.accelerator.backward(anchor)
-                        collect.anchor.append(anchor.detach().reshape(1))
-                self.engine.sync_gradients(params)
-                gn = self.accelerator.clip_grad_norm_(params, tc.max_grad_norm)
-                collect.grad_norms.append(float(full_tensors(gn)))
-                self.optimizer.step()
+                with self.engine.accumulate():  # one gradient reduction per step (DeepSpeed)
+                    for mrows in torch.split(rows, tc.micro_batch) if len(rows) else ():  # (split of none: one empty part)
+                        mb = batch.select(mrows)
+                        x = mb.sample.to(self.accelerator.device)
+                        with self.accelerator.autocast():
+                            v = self.policy.velocity(x.to(dtype), mb.sigma, cond.index(mb.prompt)).float()
+                        mean = transition_means(mb, v, plan)
+                        mean_ref, kl_sigma = None, None
+                        if cfg.loss.beta > 0:
+                            v_ref = self.policy.reference_velocity(x.to(dtype), mb.sigma, cond.index(mb.prompt)).float()
+                            mean_ref = transition_means(mb, v_ref, plan).detach()
+                            kl_sigma = mb.std if cfg.loss.kl_sigma == "transition_std" else transition_sigma_t(mb, plan)
+                        out = self.loss_fn(mb.prev_sample, mean, mb.mean_old, logp_std_all[mrows], mb.log_prob_old,
+                                           mb.advantages, weights_all[mrows], clip_range=clip_range, guard=cfg.loss.guard,
+                                           mean_ref=mean_ref, kl_sigma=kl_sigma, beta=cfg.loss.beta)
+                        loss = out.loss
+                        if best is not None:
+                            sft = best_path_sft_loss(mb, mean, best, cfg.loss.sft_weight)
+                            if sft is not None:
+                                loss = loss + sft
+                        self.engine.backward(loss * (len(mrows) / mb_rows))
+                        collect.add(out, loss, mb.log_prob_old, mb.step)
+                    for _ in range(idle):
+                        self._idle_pass(cond)
+                    if rollout is not None and cfg.loss.anchor_weight > 0:
+                        anchor = ode_anchor_loss(self.policy, rollout, plan, cond, cfg.loss.anchor_weight,
+                                                 cfg.loss.anchor_steps, rng, level_sizes)
+                        if anchor is not None:
+                            self.engine.backward(anchor)
+                            collect.anchor.append(anchor.detach().reshape(1))
+                collect.grad_norms.append(self.engine.step(params, tc.max_grad_norm))
         return collect.finish(dp if dp.world > 1 else None)
 
     def _idle_pass(self, cond) -> None:
@@ -343,4 +343,4 @@ class GRPOTrainer:
             v = self.policy.velocity(x, sigma, c).float()
         if self.cfg.loss.beta > 0:
             self.policy.reference_velocity(x, sigma, c)
-        self.accelerator.backward(v.sum() * 0.0)
+        self.engine.backward(v.sum() * 0.0)
