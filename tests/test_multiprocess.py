@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -279,18 +280,22 @@ def test_the_engine_gives_the_same_advantages_and_update_as_one_process(sharded_
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_sharded_run_resumes_to_the_same_summary_as_1_process(engine, shapes_model_dir, one_process_run, tmp_path):
     how = ["--num-processes", "2", "--accelerate-config", str(ACCELERATE_CONFIGS[engine])]
-    # 2 iterations, then resumed to 3: the checkpoint holds whole tensors gathered from the ranks
-    # (weights, Adam moments, EMA), and resuming lays them out again
+    # 2 iterations, then resumed to 3 under the same engine and on 1 process: the checkpoint holds whole
+    # tensors gathered from the ranks (weights, Adam moments, EMA) in torch AdamW's layout
     part = _cli(["train", *how, *_run_overrides(shapes_model_dir, tmp_path, "part", 2)[1:]])
     assert part.returncode == 0, part.stderr[-3000:]
+    shutil.copytree(tmp_path / "part", tmp_path / "part_on_1")  # the same checkpoint, resumed on 1 process
     resumed = _cli(["train", "--resume", str(tmp_path / "part"), *how, "train.iterations=3"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    s = json.loads((tmp_path / "part" / "summary.json").read_text())
-    assert s["iterations"] == 3
+    on_one = _cli(["train", "--resume", str(tmp_path / "part_on_1"), "train.iterations=3"])
+    assert on_one.returncode == 0, on_one.stderr[-3000:]
     ref = _comparable(one_process_run)
-    _assert_close(ref["final_metrics"], _comparable(s)["final_metrics"])
-    _assert_close(ref["eval_before"], _comparable(s)["eval_before"])
-    _assert_close(ref["eval_after"], _comparable(s)["eval_after"])
+    for run in ("part", "part_on_1"):
+        s = json.loads((tmp_path / run / "summary.json").read_text())
+        assert s["iterations"] == 3
+        _assert_close(ref["final_metrics"], _comparable(s)["final_metrics"])
+        _assert_close(ref["eval_before"], _comparable(s)["eval_before"])
+        _assert_close(ref["eval_after"], _comparable(s)["eval_after"])
 
 
 def test_fsdp_lora_export_equals_the_1_process_one(tmp_path):
