@@ -110,7 +110,9 @@ class Policy(nn.Module, ABC):
         shard (FSDP wraps its blocks). Default: the ``transformer`` submodule."""
         module = getattr(self, "transformer", None)
         if not isinstance(module, nn.Module):
-            raise NotImplementedError(f"{type(self).__name__} does not say which module is its denoiser")
+            # only the multi-process engines ask (they shard or partition this module)
+            raise UserError(f"policy {type(self).__name__} has no `transformer` submodule: override Policy.denoiser "
+                            "to name the module FSDP / DeepSpeed should shard")
         return module
 
     # ------------------------------------------------------------------ shared logic

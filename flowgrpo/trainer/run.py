@@ -22,7 +22,8 @@ Multi-process runs (:mod:`flowgrpo.trainer.data_parallel`): every rank runs this
 clock (the main process's, broadcast each iteration) and holds the same weights; only the main
 process writes the run directory, logs, prints and draws the progress bar. With whole weights on
 every rank only the main process evaluates; a sharded model (FSDP, :mod:`flowgrpo.trainer.engines`)
-needs every rank in each forward, so there every rank evaluates and gathers checkpoints.
+needs every rank in each forward, so there every rank evaluates. Where checkpoints gather
+tensors from the ranks (FSDP, DeepSpeed ZeRO) every rank takes part in writing them.
 """
 
 from __future__ import annotations

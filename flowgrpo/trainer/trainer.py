@@ -75,7 +75,7 @@ class GRPOTrainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.accelerator = accelerator or make_accelerator(cfg)
         self.dp = DataParallel(self.accelerator)
-        self.engine = weight_engine(self.accelerator, self.dp)  # whole weights, or sharded (FSDP)
+        self.engine = weight_engine(self.accelerator, self.dp)  # whole weights, FSDP shards or DeepSpeed ZeRO
         self.dp.equal_shards = self.engine.lockstep
         self.dp.tree_shard(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt)  # fail now if too few trees
         torch.manual_seed(tc.seed)  # adapter initialisation
