@@ -14,8 +14,9 @@
 
 Every engine has one contract for the update (:meth:`ReplicatedWeights.backward`,
 :meth:`~ReplicatedWeights.accumulate`, :meth:`~ReplicatedWeights.step`) and for checkpoints
-(:meth:`~ReplicatedWeights.state_dict` holds whole tensors in torch AdamW's layout, whatever the
-engine, so any run resumes on any number of processes and any engine).
+(:meth:`~ReplicatedWeights.full` and :meth:`~ReplicatedWeights.optimizer_state_dict` give whole
+tensors in torch AdamW's layout, whatever the engine, so any run resumes on any number of processes
+and any engine).
 
 A sharded block gathers its weights with a collective, so every rank must run the same forwards
 and backwards in the same order. The trainer keeps ranks in lock-step when :attr:`lockstep` is
@@ -45,7 +46,8 @@ class ReplicatedWeights:
 
     #: whether ranks must run the same model calls in the same order (sharded weights)
     lockstep = False
-    #: whether :meth:`state_dict` is a collective that every rank must call
+    #: whether checkpoint state (:meth:`full`, :meth:`optimizer_state_dict`) is gathered by collectives
+    #: that every rank must join
     collective_state = False
     name = "replicated"
 
