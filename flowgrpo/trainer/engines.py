@@ -146,6 +146,11 @@ class FullyShardedWeights(ReplicatedWeights):
             fully_shard(block, **options)
         fully_shard(denoiser, **options)
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, policy, max_grad_norm: float) -> None:
+        # kept as it is: accelerate's FSDP2 prepare() insists on a model and an optimizer together (it
+        # would shard the model itself); the optimizer was built over the sharded parameters already
+        self.optimizer = optimizer
+
     def idle_passes(self, micro_batches: torch.Tensor) -> int:
         """As many passes as the busiest rank makes: every forward and backward is a collective."""
         return int(micro_batches.max() - micro_batches[self.dp.rank])
