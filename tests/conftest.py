@@ -6,6 +6,7 @@ The shipped shapes-world weights are not needed by any test: a randomly initiali
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 # Before torch is imported anywhere: tiny models on a shared 2-core CPU run far faster on one
@@ -27,6 +28,11 @@ torch.set_num_threads(1)
 
 from flowgrpo.policies.base import Policy  # noqa: E402
 from flowgrpo.rewards import REWARDS, RewardOutput  # noqa: E402
+
+#: skip a test where DeepSpeed is not installed (it is in the test extras; `pip install 'flowgrpo[deepspeed]'`)
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed (pip install 'flowgrpo[deepspeed]')")
+
 
 # --------------------------------------------------------------------------- test rewards
 # Registered once per session (the registry refuses duplicate names).

@@ -3,12 +3,12 @@ launch. The sharded runs themselves are in tests/test_multiprocess.py (2 gloo pr
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from conftest import needs_deepspeed
 from flowgrpo.errors import ConfigError
 from flowgrpo.trainer.data_parallel import DataParallel
 from flowgrpo.trainer.accelerator import weight_engine
@@ -64,9 +64,6 @@ def test_a_wrap_class_the_model_lacks_is_named_with_the_classes_it_has(shapes_mo
         engine.prepare(policy)
     # by default the wrap unit is the model's own block class (diffusers' _no_split_modules)
     assert policy.denoiser._no_split_modules == ["JointTransformerBlock"]
-
-
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 
 
 def test_deepspeed_is_chosen_for_a_deepspeed_launch(monkeypatch):

@@ -9,7 +9,6 @@ which the update is a smooth function of the gradient, so "the same update" can 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_env, flowgrpo_command, tiny_overrides
+from conftest import cli_env, flowgrpo_command, needs_deepspeed, tiny_overrides
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 SMOOTH_ADAM = {"train.adam_eps": "1e-2", "train.lr": "1e-2"}
@@ -208,8 +207,6 @@ def test_a_killed_rank_stops_the_run_with_one_line_and_resume_matches(shapes_mod
 # from the settings the launcher exports (flowgrpo.trainer.engines).
 
 ACCELERATE_CONFIGS = {"fsdp": FSDP_CONFIG, "deepspeed": FSDP_CONFIG.parent / "zero2.yaml"}
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is not installed (pip install 'flowgrpo[deepspeed]')")
 ENGINES = ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)]
 
 
