@@ -34,6 +34,9 @@ class EvalResult:
         accuracy: fraction of samples judged correct (the headline number).
         per_tag: accuracy per prompt category.
         score: mean partial score in [0, 1] (credit for partly right samples), or None.
+        fidelity: mean image fidelity in [0, 1], how cleanly the samples are drawn whatever they
+            show (1 = as clean as the world's own renders; lower with background texture or noisy
+            glyphs; :mod:`flowgrpo.shapes.fidelity`), or None where the evaluator does not measure it.
         num_samples: samples evaluated (prompts x seeds).
         accuracy_unseen: accuracy on prompts never trained on (None where the split has none).
         num_unseen: samples behind ``accuracy_unseen``.
@@ -51,11 +54,13 @@ class EvalResult:
     correct: list[float] = field(default_factory=list)
     prompts: list[str] | None = None
     images: Tensor | None = None
+    fidelity: float | None = None  # last, so that positional construction keeps its meaning
 
     def to_json(self, with_correct: bool = False) -> dict:
         """The JSON record of ``summary.json`` / ``eval_*.json`` (no images, no prompts)."""
         out = {"accuracy": self.accuracy, "accuracy_unseen": self.accuracy_unseen, "num_unseen": self.num_unseen,
-               "score": self.score, "per_tag": dict(self.per_tag), "num_samples": self.num_samples}
+               "score": self.score, "fidelity": self.fidelity, "per_tag": dict(self.per_tag),
+               "num_samples": self.num_samples}
         if with_correct:
             out["correct"] = list(self.correct)
         return out

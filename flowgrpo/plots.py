@@ -97,7 +97,8 @@ def save_reward_curve(path: Path, records: list[dict], eval_points: list[tuple[i
 
 def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
     """Held-out accuracy against training minutes, with a +-1 standard-error band (binomial, of an
-    ``n_samples``-sample accuracy) and the never-trained-prompts accuracy where measured."""
+    ``n_samples``-sample accuracy), the never-trained-prompts accuracy where measured, and the image
+    fidelity (``fidelity`` of the curve's entries, on the same 0-1 scale) where measured."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,8 +113,12 @@ def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
     unseen = [c.get("accuracy_unseen") for c in curve]
     if all(u is not None and np.isfinite(u) for u in unseen):
         ax.plot(t, unseen, "s--", color="tab:orange", ms=4, label="prompts never trained on")
+    fid = [(tt, c["fidelity"]) for tt, c in zip(t, curve) if c.get("fidelity") is not None]  # absent in old runs
+    if fid:
+        ax.plot([p[0] for p in fid], [p[1] for p in fid], "^:", color="tab:green", ms=4, clip_on=False,
+                label="image fidelity (1 = clean drawing)")  # often at 1.0, the top edge
     ax.set_xlabel("training minutes (evaluation time excluded)")
-    ax.set_ylabel("accuracy (strict GenEval rule)")
+    ax.set_ylabel("accuracy (strict GenEval rule)" + (" / fidelity" if fid else ""))
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)

@@ -139,7 +139,7 @@ def test_end_to_end_run_directory(cli_run_dir):
     # the curve starts at the base model and ends at the final evaluation, in training time order
     curve = s["eval_curve"]
     assert curve[0] == {"iteration": 0, "train_seconds": 0.0, "accuracy": s["eval_before"]["accuracy"],
-                        "accuracy_unseen": s["eval_before"]["accuracy_unseen"]}
+                        "accuracy_unseen": s["eval_before"]["accuracy_unseen"], "fidelity": s["eval_before"]["fidelity"]}
     assert curve[-1]["accuracy"] == s["eval_after"]["accuracy"] and curve[-1]["iteration"] == RUN_ITERATIONS
     assert all(b["train_seconds"] >= a["train_seconds"] for a, b in zip(curve, curve[1:]))
     assert s["eval_before_seen"]["num_samples"] == s["eval_after_seen"]["num_samples"] == 4

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..evaluation import EvalResult
 from ..samplers import euler_step, sigma_grid
+from .fidelity import fidelity_parts
 from .prompts import heldout_specs, is_heldout, parse_prompt, seen_specs
 from .verify import verify
 
@@ -48,7 +49,9 @@ def to_uint8(images: Tensor) -> np.ndarray:
 
 def score_shapes(prompts: list[str], images: Tensor) -> EvalResult:
     """Held-out metrics: strict accuracy overall, per tag and on never-trained prompts only
-    (``accuracy_unseen``), the mean partial score, and the per-sample verdicts (``correct``)."""
+    (``accuracy_unseen``), the mean partial score, the mean image fidelity (how cleanly the images
+    are drawn, whatever they show: :mod:`flowgrpo.shapes.fidelity`) and the per-sample verdicts
+    (``correct``)."""
     arr = to_uint8(images)
     per_tag: dict[str, list[float]] = defaultdict(list)
     scores, correct, unseen = [], [], []
@@ -65,6 +68,7 @@ def score_shapes(prompts: list[str], images: Tensor) -> EvalResult:
         accuracy_unseen=float(np.mean(unseen)) if unseen else None,  # null in JSON, never NaN
         num_unseen=len(unseen),
         score=float(np.mean(scores)),
+        fidelity=float(np.mean(fidelity_parts(arr)[0])),
         per_tag={t: float(np.mean(v)) for t, v in sorted(per_tag.items())},
         num_samples=len(prompts),
         correct=[float(c) for c in correct],

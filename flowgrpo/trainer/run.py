@@ -11,7 +11,7 @@ RUN_DIR/
   eval_before.json     held-out evaluation of the base model
   before_after.png     held-out samples before (top) and after (bottom) training
   reward_curve.png     reward against iteration with held-out accuracy points
-  accuracy_curve.png   held-out accuracy against training minutes (+-1 s.e. band)
+  accuracy_curve.png   held-out accuracy (+-1 s.e. band) and image fidelity against training minutes
   summary.json         eval_before/after (held-out), eval_*_seen, accuracy_gain, gain_se,
                        eval_curve, iterations, train_seconds, ...
 
@@ -165,9 +165,10 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     if eval_before is not None:
         say(f"held-out accuracy before: {eval_before['accuracy']:.3f}")
         curve = [{"iteration": 0, "train_seconds": 0.0, "accuracy": eval_before["accuracy"],
-                  "accuracy_unseen": eval_before.get("accuracy_unseen")}] + [
+                  "accuracy_unseen": eval_before.get("accuracy_unseen"), "fidelity": eval_before.get("fidelity")}] + [
             {"iteration": r["iteration"] + 1, "train_seconds": r["train_seconds"], "accuracy": r["eval_accuracy"],
-             "accuracy_unseen": r.get("eval_accuracy_unseen")} for r in read_metrics(run_dir) if "eval_accuracy" in r]
+             "accuracy_unseen": r.get("eval_accuracy_unseen"), "fidelity": r.get("eval_fidelity")}
+            for r in read_metrics(run_dir) if "eval_accuracy" in r]
     eval_every_s = cfg.eval.every_minutes * 60 if cfg.eval.every_minutes and evaluator is not None else 0.0
     next_eval_s = len(curve) * eval_every_s if eval_every_s else float("inf")
     total = cfg.train.iterations
@@ -207,8 +208,9 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             if due and it + 1 < total and budget_left:  # the clock is paused: evaluation is not training
                 res = _eval(trainer, evaluator, use_ema=cfg.train.ema)
                 m["eval_accuracy"], m["eval_accuracy_unseen"] = res.accuracy, res.accuracy_unseen
+                m["eval_fidelity"] = res.fidelity
                 curve.append({"iteration": it + 1, "train_seconds": train_seconds, "accuracy": res.accuracy,
-                              "accuracy_unseen": res.accuracy_unseen})
+                              "accuracy_unseen": res.accuracy_unseen, "fidelity": res.fidelity})
                 while train_seconds >= next_eval_s:
                     next_eval_s += eval_every_s
             if main:
@@ -280,14 +282,15 @@ def _final_evaluation(trainer: GRPOTrainer, final: tuple[EvalResult, dict | None
         eval_after["accuracy"] - eval_before["accuracy"], float("nan"))
     print(f"held-out accuracy after:  {eval_after['accuracy']:.3f}  (gain {gain:+.3f} +- {gain_se:.3f} s.e., paired)")
     curve.append({"iteration": trainer.iteration, "train_seconds": train_seconds, "accuracy": eval_after["accuracy"],
-                  "accuracy_unseen": eval_after.get("accuracy_unseen")})
+                  "accuracy_unseen": eval_after.get("accuracy_unseen"), "fidelity": eval_after.get("fidelity")})
     save_accuracy_curve(run_dir / "accuracy_curve.png", curve, eval_after["num_samples"])
     save_reward_curve(run_dir / "reward_curve.png", records, [(c["iteration"], c["accuracy"]) for c in curve])
     if before_images is None and (run_dir / "eval_before_grid.pt").exists():
         before_images = torch.load(run_dir / "eval_before_grid.pt", weights_only=False)
     if before_images is not None:
         _save_before_after(run_dir / "before_after.png", before_images, _grid_subset(res, cfg.eval.seeds_per_prompt),
-                           eval_before["accuracy"], eval_after["accuracy"])
+                           eval_before["accuracy"], eval_after["accuracy"],
+                           eval_before.get("fidelity"), eval_after.get("fidelity"))
     return {
         "eval_before": {k: v for k, v in eval_before.items() if k not in ("correct", "seen")},
         "eval_after": eval_after,
@@ -298,8 +301,10 @@ def _final_evaluation(trainer: GRPOTrainer, final: tuple[EvalResult, dict | None
     }
 
 
-def _save_before_after(path: Path, before, after, acc_before: float, acc_after: float) -> None:
-    """Rows alternate before / after, so each prompt's two images stand one above the other."""
+def _save_before_after(path: Path, before, after, acc_before: float, acc_after: float,
+                       fid_before: float | None = None, fid_after: float | None = None) -> None:
+    """Rows alternate before / after, so each prompt's two images stand one above the other. The
+    title gives accuracy and, where both evaluations measured it, image fidelity before -> after."""
     order, n = [], len(after[1])
     for start in range(0, n, 8):
         order += [("b", i) for i in range(start, min(n, start + 8))]
@@ -308,6 +313,9 @@ def _save_before_after(path: Path, before, after, acc_before: float, acc_after: 
     imgs = torch.stack([src[k][0][i] for k, i in order])
     labels = [("before: " if k == "b" else "after: ") + src[k][1][i] for k, i in order]
     verdicts = [src[k][2][i] for k, i in order]
+    both = fid_before is not None and fid_after is not None  # runs from before fidelity existed have none
+    fidelity = f"; fidelity {fid_before:.2f} -> {fid_after:.2f}" if both else ""
     save_labeled_grid(path, imgs, labels, verdicts, ncol=8,
                       title=f"held-out prompts, same seeds: rows alternate before / after GRPO; accuracy "
-                            f"{acc_before:.2f} -> {acc_after:.2f} (green frame = verifier says correct, red = wrong)")
+                            f"{acc_before:.2f} -> {acc_after:.2f}{fidelity} (green frame = verifier says correct, "
+                            f"red = wrong)")
