@@ -46,8 +46,8 @@ def _trainer(model_dir: Path, prompt_file: Path, prompts: int, group: int, steps
 
 def _plugin_iteration(trainer, pipe, it: int) -> int:
     """One iteration whose rollout is the stock pipeline's; decode, rewards, advantages, update as the trainer's."""
-    from flowgrpo.advantages import estimate_advantages
     from flowgrpo.diffusers import rollout
+    from flowgrpo.objectives import Collected
 
     cfg = trainer.cfg
     prompts = trainer.prompts.batch(it, cfg.data.prompts_per_iteration)
@@ -60,13 +60,15 @@ def _plugin_iteration(trainer, pipe, it: int) -> int:
     ro = out.rollout
     cond = trainer.policy.encode_prompts(ro.prompts)
     images = trainer.decode_leaves(ro)
-    rewards, _ = trainer.score(images, ro.leaf_prompts, ro.leaf_groups)
-    adv = estimate_advantages(cfg.advantage.estimator, ro, rewards, cfg.advantage, cfg.reward)
-    if not adv.leaf_mask.any():
+    rewards, comps = trainer.score(images, ro.leaf_prompts, ro.leaf_groups)
+    # the trainer's own credit and update stages on the plug-in's rollout
+    col = Collected(iteration=it, plan=ro.plan, cond=cond, rollout=ro, images=images, view=trainer.dp.forest_view(ro),
+                    rewards=rewards, components=comps)
+    credit = trainer.credit(col)
+    credit.steps = ro.plan.trained_steps()
+    if not credit.advantages.leaf_mask.any():
         return 0
-    masks = [None] + [ro.mean_over_descendants(adv.leaf_mask.float(), d) > 0 for d in range(1, len(ro.levels))]
-    batch = ro.transitions(adv.edge_advantages, ro.plan.trained_steps(), masks)
-    return trainer.update(batch, ro.plan, cond, it, cfg.loss.clip_range, ro, adv).transitions
+    return int(trainer.update(col, credit).get("transitions", 0))
 
 
 def run_bench_plugin(json_path: str | None = None, out: str | None = None, prompts: int = 4, group: int = 4,

@@ -18,6 +18,7 @@ import yaml
 
 from .errors import ConfigError, UserError
 from .fields import check_choices, help_field as _f, merge_into
+from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
 from .samplers.sde import DEFAULT_NOISE_LEVEL
 
 
@@ -81,6 +82,7 @@ class AdvantageConfig:
 
 @dataclass
 class LossConfig:
+    objective: str = _f("grpo", "training objective (flowgrpo.objectives): grpo (clipped log-prob ratios on SDE transitions; the keys below) | nft (DiffusionNFT, loss.nft.*) | awm (Advantage Weighted Matching, loss.awm.*) | dgpo (Direct Group Preference Optimization, loss.dgpo.*)")
     clip_range: float = _f(1e-4, "PPO clip epsilon on the importance ratio")
     clip_adapt: float = _f(0.0, "reward-adaptive clip (Dynamic-TreeRPO): eps = clip_range * (1 + clip_adapt * (1 - clamp(mean reward, 0, 1))); 0 = fixed")
     beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass")
@@ -92,6 +94,9 @@ class LossConfig:
     anchor_weight: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.anchor)")
     anchor_steps: int = _f(2, "ODE depths per update on which the anchor term is evaluated")
     backend: Literal["auto", "reference", "fused"] = _f("auto", "auto (fused op where built, else reference) | reference | fused")
+    nft: NFTOptions = field(default_factory=NFTOptions, metadata={"help": "DiffusionNFT options (loss.objective=nft)"})
+    awm: AWMOptions = field(default_factory=AWMOptions, metadata={"help": "Advantage Weighted Matching options (loss.objective=awm)"})
+    dgpo: DGPOOptions = field(default_factory=DGPOOptions, metadata={"help": "Direct Group Preference Optimization options (loss.objective=dgpo)"})
 
 
 @dataclass
@@ -357,6 +362,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"config key 'reward.options.{name}' must be a mapping of option -> value")
     # names are checked against the registries here, before any model is built (no heavy imports)
     from .advantages import ESTIMATORS
+    from .objectives import OBJECTIVES
     from .policies import POLICIES, resolve_model
     from .rewards import REWARDS
     from .samplers.strategies import STRATEGIES, options_class
@@ -368,6 +374,7 @@ def validate(cfg: RunConfig) -> None:
         except UserError as exc:
             raise ConfigError(f"config key 'model.name': {exc}") from None
     for key, registry, names in (("sampler.strategy", STRATEGIES, [cfg.sampler.strategy]),
+                                 ("loss.objective", OBJECTIVES, [cfg.loss.objective]),
                                  ("advantage.estimator", ESTIMATORS, [cfg.advantage.estimator]),
                                  ("reward.weights", REWARDS, list(cfg.reward.weights))):
         for name in names:
@@ -383,6 +390,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.sampler.cps_log_prob != "gaussian" and cfg.sampler.sde_kind != "cps":
         raise ConfigError("config key 'sampler.cps_log_prob' = mse needs sampler.sde_kind = cps")
     parse_options(options_class(cfg.sampler.strategy), cfg.strategy, cfg.sampler.num_steps)
+    check_objective_options(cfg.loss)
 
 
 def to_dict(cfg: RunConfig) -> dict:

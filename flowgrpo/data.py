@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .seeds import PROMPTS
 from .shapes.prompts import load_prompt_file, sample_train_spec
 
 
@@ -21,7 +22,7 @@ class PromptSource:
         self.rows = None if spec == "shapes" else load_prompt_file(spec)
 
     def batch(self, iteration: int, n: int) -> list[str]:
-        rng = np.random.default_rng([self.seed, iteration, 17])
+        rng = np.random.default_rng([self.seed, iteration, PROMPTS])
         if self.rows is None:
             return [sample_train_spec(rng).prompt for _ in range(n)]
         idx = rng.choice(len(self.rows), size=n, replace=len(self.rows) < n)

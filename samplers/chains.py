@@ -215,3 +215,22 @@ class MixGRPOFlashStarStrategy(MixGRPOFlashStrategy):
         """The paper's formula S = T / (w + (T - w) * r~)."""
         t, w, r = self.cfg.num_steps, self.window, float(self.options.compress)
         return t / (w + (t - w) * r)
+
+
+@dataclass
+class ODEOptions(StrategyOptions):
+    solver: Literal["euler", "dpm2"] = help_field("dpm2", "ODE solver of every step: euler | dpm2 (DPM-Solver++ 2M, first order at the first step)")
+
+
+class ODEStrategy(Strategy):
+    """A deterministic chain: every step an ODE step, nothing stochastic and no log-prob.
+
+    For the forward-process objectives (``loss.objective`` = nft | awm | dgpo), which need only the
+    clean samples: DiffusionNFT's rollouts are 10 DPM-Solver++2 steps without guidance. Groups differ
+    only through their initial noise."""
+
+    Options = ODEOptions
+
+    def plan(self, iteration: int) -> SamplingPlan:
+        solver = self.options.solver
+        return SamplingPlan(self.sigmas(), [StepSpec(sde=False, solver=solver) for _ in range(self.cfg.num_steps)])

@@ -75,7 +75,8 @@ class TransitionBatch:
     std [M], log_prob_old [M], sigma / sigma_next [M], step [M] (grid index of the parent, i.e. the
     plan step), tree [M], prompt [M] (row into the rollout's conditioning), advantages [M], node [M]
     (index of the child within its level), depth [M] (the child's depth; node and depth locate the
-    child in ``rollout.levels``).
+    child in ``rollout.levels``), row [M] (optional: each transition's position in the batch it was
+    selected from, so that per-row arrays computed once for the whole batch can be looked up).
     """
 
     sample: Tensor
@@ -91,6 +92,7 @@ class TransitionBatch:
     advantages: Tensor
     node: Tensor
     depth: Tensor | None = None
+    row: Tensor | None = None
 
     def __len__(self) -> int:
         return self.sample.shape[0]
@@ -256,7 +258,7 @@ class Rollout:
         wanted = torch.zeros(self.plan.num_steps + 1, dtype=torch.bool)
         wanted[torch.as_tensor(sorted(set(steps)), dtype=torch.long)] = True
         sig = self.plan.sigmas
-        parts: dict[str, list[Tensor]] = {k: [] for k in TransitionBatch.__dataclass_fields__}
+        parts: dict[str, list[Tensor]] = {k: [] for k in TransitionBatch.__dataclass_fields__ if k != "row"}
         for d in range(1, len(self.levels)):
             child, parent = self.levels[d], self.levels[d - 1]
             if child.mean is None:

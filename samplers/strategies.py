@@ -5,7 +5,7 @@ into a :class:`~flowgrpo.samplers.plan.SamplingPlan` (DESIGN §6); its options a
 ``<Strategy>.Options``.
 
 * chains (:mod:`.chains`): ``flow_grpo``, ``dance_grpo``, ``mix_grpo``, ``mix_grpo_flash``,
-  ``mix_grpo_flash_star``;
+  ``mix_grpo_flash_star``, and ``ode`` (no SDE step: rollouts of the forward-process objectives);
 * trees with shared prefixes (:mod:`.trees`): ``branch_grpo``, ``branch_grpo_mix``, ``tree_rpo``;
 * branch points on an ODE main chain (:mod:`.branch_points`): ``tempflow_grpo``, ``g2rpo``.
 """
@@ -27,6 +27,7 @@ for _name, _target in (
     ("mix_grpo", "chains:MixGRPOStrategy"),
     ("mix_grpo_flash", "chains:MixGRPOFlashStrategy"),
     ("mix_grpo_flash_star", "chains:MixGRPOFlashStarStrategy"),
+    ("ode", "chains:ODEStrategy"),
     ("branch_grpo", "trees:BranchGRPOStrategy"),
     ("branch_grpo_mix", "trees:BranchGRPOMixStrategy"),
     ("tree_rpo", "trees:DynamicTreeRPOStrategy"),

@@ -12,7 +12,8 @@ from conftest import BRIGHTNESS, CONSTANT, NAN_EVERY_THIRD
 
 from flowgrpo.ops.reference import grpo_loss_ref
 from flowgrpo.samplers import sde_step
-from flowgrpo.trainer.trainer import GRPOTrainer, _seed_for
+from flowgrpo.seeds import ROLLOUT, derive_seed
+from flowgrpo.trainer.trainer import GRPOTrainer
 
 TIMING = ("rollout_s", "train_s", "iter_s", "train_seconds")
 
@@ -35,7 +36,7 @@ def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, back
     #    (not yet updated) policy in one batch, and score the stored samples with grpo_loss_ref
     plan = trainer.strategy.plan(0)
     prompts = trainer.prompts.batch(0, cfg.data.prompts_per_iteration)
-    gen = torch.Generator().manual_seed(_seed_for(cfg.train.seed, 0, 11))
+    gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, 0, ROLLOUT))
     policy.eval()
     ro = trainer.sampler.rollout(plan, prompts, cfg.data.trees_per_prompt, gen, cfg.sampler.shared_group_noise)
     batch = ro.transitions([None] + [torch.ones(len(lv)) for lv in ro.levels[1:]])

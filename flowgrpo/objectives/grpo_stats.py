@@ -1,4 +1,4 @@
-"""Diagnostics of one policy update: pooled and per timestep.
+"""Diagnostics of one GRPO update: pooled and per timestep.
 
 The ratio's spread and the clip fractions depend strongly on the noise level of a step (GRPO-Guard's
 observation: low-noise steps have ratios shifted and spread by 1/s), so besides the pooled values the
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..ops import GRPOLossOutput
+from .base import MicroLoss
 
 
 @dataclass
@@ -28,7 +29,7 @@ class StepStats:
 
 @dataclass
 class UpdateStats:
-    """What :meth:`GRPOTrainer.update` reports (every inner epoch and minibatch pooled).
+    """What a GRPO update reports (every inner epoch and minibatch pooled).
 
     Attributes:
         loss: mean over transitions of the micro-batch losses (policy surrogate + KL + SFT terms),
@@ -88,20 +89,30 @@ class UpdateStatsCollector:
         self.grad_norms: list[float] = []
         self.first_dev: float | None = None
 
-    def add(self, out: GRPOLossOutput, loss: Tensor, log_prob_old: Tensor, step: Tensor) -> None:
-        """One micro-batch: the loss op's output, the total loss, logp_old [m] and plan steps [m]."""
+    def add(self, micro: MicroLoss, rows) -> None:
+        """One micro-batch: its :class:`MicroLoss` (``record`` is the loss op's output) and its
+        transitions (``log_prob_old`` [m], plan ``step`` [m])."""
+        out: GRPOLossOutput = micro.record
         self.ratio.append(out.ratio)
-        self.dlogp.append(out.logp - log_prob_old)
+        self.dlogp.append(out.logp - rows.log_prob_old)
         self.high.append(out.clipped_high.float())
         self.low.append(out.clipped_low.float())
         self.kl.append(out.kl)
-        self.step.append(step)
-        self.loss.append(loss.detach().reshape(1) * len(step))
-        self.rows += len(step)
+        self.step.append(rows.step)
+        self.loss.append(micro.loss.detach().reshape(1) * len(rows.step))
+        self.rows += len(rows.step)
         if self.first_dev is None:
             self.first_dev = float((out.ratio - 1).abs().max())
 
-    def finish(self, dp=None) -> UpdateStats:
+    def add_extra(self, name: str, value: Tensor) -> None:
+        """The anchor term of a minibatch (the only minibatch-level GRPO term)."""
+        self.anchor.append(value.detach().reshape(1))
+
+    def finish(self, dp=None) -> dict[str, float]:
+        """The pooled metrics (see :meth:`UpdateStats.metrics`)."""
+        return self.finish_stats(dp).metrics()
+
+    def finish_stats(self, dp=None) -> UpdateStats:
         """The pooled statistics; with ``dp`` (a :class:`~flowgrpo.trainer.data_parallel.DataParallel`)
         they pool every rank's rows, so every rank reports the same numbers."""
         def cat(parts: list[Tensor], dtype=torch.float32) -> Tensor:

@@ -1,20 +1,27 @@
-"""The GRPO trainer: orchestrates sampler -> rewards -> advantages -> loss -> optimizer.
+"""The trainer: orchestrates collect (rollout + rewards) -> credit (advantages) -> update (objective).
 
-One outer iteration n:
-  1. the strategy turns n into a sampling plan; prompts and noise come from RNGs seeded by (seed, n),
-     so an iteration is reproducible on its own (this is what makes resume exact);
-  2. the sampler rolls out a forest without gradients;
-  3. rewards score the decoded leaves; NaN rewards are dropped and counted;
-  4. the advantage estimator assigns credit to every SDE edge;
-  5. for each inner epoch and minibatch, the selected transitions are re-run with gradients and
-     fed to the GRPO loss; gradients accumulate over all timesteps of the minibatch, then one
-     AdamW step (with gradient clipping);
-  6. the EMA of the trainable weights is updated; metrics, grids and checkpoints are written.
+One outer iteration n (:meth:`Trainer.iteration_step`):
+  1. **collect** (:meth:`Trainer.collect`): the strategy turns n into a sampling plan; prompts and
+     noise come from generators seeded by (seed, n) (:mod:`flowgrpo.seeds`), so an iteration is
+     reproducible on its own (this is what makes resume exact); the sampler rolls out a forest
+     without gradients and the rewards score its decoded leaves;
+  2. **credit** (:meth:`Trainer.credit`): the advantage estimator assigns credit over the whole
+     iteration's forest (every rank the same numbers); it also decides which edges carry signal,
+     strategies may prune more, and the trained steps are chosen;
+  3. **update** (:meth:`Trainer.update`): the objective (``loss.objective``, :mod:`flowgrpo.objectives`)
+     turns both into rows and losses; the shared loop (:mod:`.update_loop`) runs epochs, minibatches,
+     accumulation and the optimizer steps;
+  4. the EMA of the trainable weights is updated; metrics are returned (the run loop writes grids
+     and checkpoints).
+
+Each stage is a method with typed inputs and outputs (:class:`~flowgrpo.objectives.Collected`,
+:class:`~flowgrpo.objectives.Credit`), so a benchmark or a new objective can call one stage
+without re-implementing the others.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -22,24 +29,20 @@ import numpy as np
 import torch
 
 from ..advantages import AdvantageResult, estimate_advantages
-from ..anchor import ode_anchor_loss
-from ..clip_schedule import clip_range_for
 from ..config import RunConfig
 from ..data import PromptSource
-from ..loss_weights import transition_weights
-from ..ops import grpo_loss, grpo_loss_ref
+from ..objectives import Collected, Credit, UpdateContext, build_objective
 from ..policies import build_policy
 from ..rewards import build_reward
 from ..rewards.video import score_frames
-from ..samplers.forest import Rollout, TransitionBatch
-from ..samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
+from ..samplers.forest import Rollout
 from ..samplers.rollout import ForestSampler
 from ..samplers.schedule import sigma_grid
 from ..samplers.strategies import build_strategy
-from ..sft import best_path_sft_loss, best_paths
+from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
 from ..sharded_tensors import like_param
-from .data_parallel import DataParallel, ForestView
-from .update_stats import UpdateStats, UpdateStatsCollector
+from .data_parallel import DataParallel
+from .update_loop import run_update, update_rng
 
 
 @dataclass
@@ -53,12 +56,9 @@ class IterationResult:
     advantages: AdvantageResult | None = None
 
 
-def _seed_for(seed: int, iteration: int, salt: int) -> int:
-    return int(np.random.default_rng([seed, iteration, salt]).integers(2**62))
-
-
-class GRPOTrainer:
-    """Holds the policy, optimizer, EMA and the pipeline stages; :meth:`iteration` runs one step.
+class Trainer:
+    """Holds the policy, optimizer, EMA, objective and the pipeline stages; :meth:`iteration_step`
+    runs one iteration.
 
     Checkpoint/resume state is :meth:`state_dict` / :meth:`load_state_dict`. The run loop (run
     directory, logging, evaluation) lives in :mod:`flowgrpo.trainer.run`.
@@ -80,7 +80,8 @@ class GRPOTrainer:
         self.dp.tree_shard(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt)  # fail now if too few trees
         torch.manual_seed(tc.seed)  # adapter initialisation
         self.policy = build_policy(cfg.model).to(self.accelerator.device)
-        if cfg.loss.beta > 0 or cfg.loss.anchor_weight > 0:
+        self.objective = build_objective(cfg, self.accelerator.device)
+        if self.objective.needs_reference:
             self.policy.snapshot_reference()
         self.engine.prepare(self.policy)  # before the optimizer and EMA see the parameters
         params = self.policy.trainable_parameters()
@@ -94,18 +95,7 @@ class GRPOTrainer:
         self.rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
         self.prompts = PromptSource(cfg.data.prompts, tc.seed)
         self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
-        if cfg.loss.backend == "reference":
-            self.loss_fn = grpo_loss_ref
-        elif cfg.loss.backend == "fused":
-            self.loss_fn = functools.partial(grpo_loss, backend="fused")
-        else:  # auto: the fused op where a kernel is built, else the reference (one warning)
-            self.loss_fn = grpo_loss
-        if cfg.loss.backend != "reference":
-            # build/load the extension now, not inside the first (timed) iteration: a first JIT build
-            # takes ~20 s, which would otherwise be charged to the training clock
-            from ..ops import fused_available
-
-            fused_available(self.accelerator.device)
+        self.objective.setup(self.policy)
         self.iteration = 0
 
     @property
@@ -130,6 +120,7 @@ class GRPOTrainer:
             "trainable": self.engine.full(self.policy.trainable_state_dict()),
             "optimizer": self.engine.optimizer_state_dict(),
             "ema": self.engine.full(self.ema),
+            "objective": self.objective.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -141,11 +132,10 @@ class GRPOTrainer:
         else:
             live = dict(self.policy.named_trainable_parameters())
             self.ema = {n: like_param(t, live[n]) for n, t in state["ema"].items()}
+        self.objective.load_state_dict(state.get("objective") or {})
 
     def ema_weights(self):
         """Context manager: the policy runs with the EMA weights inside (no-op without EMA)."""
-        import contextlib
-
         @contextlib.contextmanager
         def swap():
             if self.ema is None:
@@ -185,47 +175,73 @@ class GRPOTrainer:
         if k >= len(steps):
             return steps
         if self.cfg.train.timestep_order == "random":
-            rng = np.random.default_rng([self.cfg.train.seed, iteration, 29])
+            rng = np.random.default_rng([self.cfg.train.seed, iteration, STEP_SUBSET])
             return sorted(rng.choice(steps, size=k, replace=False).tolist())
         return steps[:k]
 
-    def iteration_step(self) -> IterationResult:
-        """Run outer iteration ``self.iteration`` and advance it. Returns its metrics."""
-        cfg, it = self.cfg, self.iteration
+    # ------------------------------------------------------------------ the three stages
+    def collect(self, iteration: int) -> Collected:
+        """Roll out iteration ``iteration``'s forest (this rank's trees) and score its leaves; the
+        rewards are gathered into the whole forest's leaf order."""
+        cfg = self.cfg
         t0 = time.perf_counter()
-        plan = self.strategy.plan(it)
-        prompts = self.prompts.batch(it, cfg.data.prompts_per_iteration)
-        gen = torch.Generator().manual_seed(_seed_for(cfg.train.seed, it, 11))
+        plan = self.strategy.plan(iteration)
+        prompts = self.prompts.batch(iteration, cfg.data.prompts_per_iteration)
+        gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, iteration, ROLLOUT))
         self.policy.eval()
         cond = self.policy.encode_prompts(prompts)  # once per iteration: the rollout and the update share it
         shard = self.dp.tree_shard(len(prompts) * cfg.data.trees_per_prompt)
-        rollout = self.sampler.rollout(plan, prompts, cfg.data.trees_per_prompt, gen, cfg.sampler.shared_group_noise,
-                                       cond=cond, trees=shard)
+        with self.objective.rollout_weights(self.policy):  # e.g. DiffusionNFT samples with its old policy
+            rollout = self.sampler.rollout(plan, prompts, cfg.data.trees_per_prompt, gen,
+                                           cfg.sampler.shared_group_noise, cond=cond, trees=shard)
         images = self.decode_leaves(rollout)
-        t_rollout = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         local_rewards, local_comps = self.score(images, rollout.leaf_prompts, rollout.leaf_groups)
-        # credit assignment sees the whole iteration's forest and rewards (every rank: the same numbers)
         view = self.dp.forest_view(rollout)
-        whole = view.whole
-        rewards, comps = view.gather_leaf_values(local_rewards), view.gather_leaf_values(local_comps)
-        adv = estimate_advantages(cfg.advantage.estimator, whole, rewards, cfg.advantage, cfg.reward)
+        return Collected(iteration=iteration, plan=plan, cond=cond, rollout=rollout, images=images, view=view,
+                         rewards=view.gather_leaf_values(local_rewards),
+                         components=view.gather_leaf_values(local_comps), seconds=seconds)
+
+    def credit(self, col: Collected) -> Credit:
+        """Advantages over the whole iteration's forest, the edges that may train (a leaf with
+        signal below them, minus strategy pruning) and the trained plan steps."""
+        cfg, whole = self.cfg, col.view.whole
+        adv = estimate_advantages(cfg.advantage.estimator, whole, col.rewards, cfg.advantage, cfg.reward)
         edge_masks = [None] + [whole.mean_over_descendants(adv.leaf_mask.float(), d) > 0
                                for d in range(1, len(whole.levels))]
-        pruned = self.strategy.edge_train_masks(whole, adv, it)
-        pruned_edges = 0
+        pruned = self.strategy.edge_train_masks(whole, adv, col.iteration)
+        pruned_edges = None
         if pruned is not None:  # backward-only pruning: the rollout and rewards are untouched
             pruned_edges = int(sum(int((~p).sum()) for p in pruned if p is not None))
             edge_masks = [m if p is None else (p if m is None else m & p) for m, p in zip(edge_masks, pruned)]
-        steps = self.select_steps(plan, it)
+        return Credit(advantages=adv, edge_masks=edge_masks, pruned_edges=pruned_edges,
+                      steps=self.select_steps(col.plan, col.iteration))
+
+    def update_context(self, col: Collected, cr: Credit) -> UpdateContext:
+        """The context the objective's update of one iteration reads."""
+        return UpdateContext(cfg=self.cfg, policy=self.policy, collected=col, credit=cr,
+                             device=self.accelerator.device, dtype=self.sampler.model_dtype, dp=self.dp,
+                             rng=update_rng(self.cfg.train.seed, col.iteration), autocast=self.accelerator.autocast,
+                             lockstep=self.engine.lockstep)
+
+    def update(self, col: Collected, cr: Credit) -> dict[str, float]:
+        """The objective's update over one iteration (every epoch and minibatch); pooled metrics."""
+        ctx = self.update_context(col, cr)
+        return run_update(ctx, self.objective, self.engine, idle_pass=lambda: self._idle_pass(ctx))
+
+    def _idle_pass(self, ctx: UpdateContext) -> None:
+        """One zero-gradient padding pass of a lock-step engine (the objective's model calls)."""
+        self.engine.backward(self.objective.idle_pass(ctx))
+
+    def iteration_step(self) -> IterationResult:
+        """Run outer iteration ``self.iteration`` (collect, credit, update, EMA) and advance it."""
+        cfg, it = self.cfg, self.iteration
+        t0 = time.perf_counter()
+        col = self.collect(it)
+        cr = self.credit(col)
+        adv = cr.advantages
         t1 = time.perf_counter()
-        train_stats = {}
-        if adv.leaf_mask.any():
-            batch = rollout.transitions([view.local(d, a) for d, a in enumerate(adv.edge_advantages)], steps,
-                                        [view.local(d, m) for d, m in enumerate(edge_masks)],
-                                        allow_empty=self.dp.world > 1)
-            clip = clip_range_for(cfg.loss.clip_range, cfg.loss.clip_adapt, rewards)
-            train_stats = self.update(batch, plan, cond, it, clip, rollout, adv, view).metrics()
-            train_stats["clip_range"] = clip
+        train_stats = self.update(col, cr)
         t_train = time.perf_counter() - t1
         if self.ema is not None:
             d = cfg.train.ema_decay
@@ -233,114 +249,24 @@ class GRPOTrainer:
                 for n, p in self.policy.named_trainable_parameters():
                     self.ema[n].lerp_(p.detach(), 1 - d)
         metrics = {"iteration": it}
-        for name, r in rewards.items():
+        for name, r in col.rewards.items():
             fin = torch.isfinite(r)
             metrics[f"reward.{name}"] = float(r[fin].mean()) if fin.any() else float("nan")
-        for k, v in comps.items():
+        for k, v in col.components.items():
             fin = torch.isfinite(v)
             metrics[f"reward.{k}"] = float(v[fin].mean()) if fin.any() else float("nan")
         metrics["reward_mean"] = adv.reward_mean
         metrics["nan_rewards_dropped"] = adv.nan_dropped
         metrics["zero_std_ratio"] = adv.zero_std_ratio
         metrics.update({f"advantage.{k}": v for k, v in adv.diagnostics.items()})
-        if pruned is not None:
-            metrics["pruned_edges"] = pruned_edges
+        if cr.pruned_edges is not None:
+            metrics["pruned_edges"] = cr.pruned_edges
         metrics.update(train_stats)
-        metrics.update({"nfe_rollout": whole.nfe, "rollout_s": t_rollout, "train_s": t_train,
-                        "iter_s": time.perf_counter() - t0, "trained_steps": len(steps)})
+        metrics.update({"nfe_rollout": col.view.whole.nfe, "rollout_s": col.seconds, "train_s": t_train,
+                        "iter_s": time.perf_counter() - t0, "trained_steps": len(cr.steps)})
         self.iteration += 1
-        return IterationResult(metrics, rollout, images, adv)
+        return IterationResult(metrics, col.rollout, col.images, adv)
 
-    def update(self, batch: TransitionBatch, plan, cond, iteration: int, clip_range: float,
-               rollout: Rollout | None = None, advantages: AdvantageResult | None = None,
-               view: ForestView | None = None) -> UpdateStats:
-        """Inner epochs x minibatches of clipped-surrogate updates over ``batch`` (M transitions).
 
-        Each micro-batch re-runs the model on the stored states, asks the sampler layer for the
-        transitions' means (and sigma_t for the KL), and feeds the loss op; gradients of a minibatch
-        accumulate (each row weighted by 1 / rows of the minibatch) before one clipped AdamW step.
-
-        Data parallel (``view`` of the whole forest, ``batch`` and ``rollout`` this rank's shard):
-        minibatches are drawn over the trees of every rank, each rank back-propagates its own rows
-        of a minibatch weighted by 1 / (the minibatch's rows on all ranks), and the gradients are
-        summed over ranks before the step, which therefore equals the 1-process step."""
-        cfg, tc, dp = self.cfg, self.cfg.train, self.dp
-        # tree ids are global: the rollout's tree_prompt spans the whole iteration's trees
-        n_trees = len(rollout.tree_prompt) if rollout is not None else int(batch.tree.max()) + 1
-        rank_rows = torch.bincount(batch.tree.cpu(), minlength=n_trees)[None]  # [ranks, trees]
-        if dp.world > 1:
-            rank_rows = torch.stack(dp.gather(rank_rows[0]))
-        tree_rows = rank_rows.sum(0)
-        trees = tree_rows.nonzero(as_tuple=True)[0]
-        rng = np.random.default_rng([tc.seed, iteration, 31])
-        collect = UpdateStatsCollector(len(batch))
-        weights_all = transition_weights(batch, plan, cfg.loss)
-        logp_std_all = transition_log_prob_std(batch, plan)
-        best = None
-        if cfg.loss.sft_weight > 0 and rollout is not None and advantages is not None:
-            whole = view.whole if view is not None else rollout
-            best = best_paths(whole, advantages.leaf_advantages, advantages.leaf_mask)
-            if view is not None:
-                best = [view.local(d, b) for d, b in enumerate(best)]
-        level_sizes = [len(lv) for lv in view.whole.levels] if view is not None and dp.world > 1 else None
-        params = self.policy.trainable_parameters()
-        dtype = self.sampler.model_dtype
-        for epoch in range(tc.inner_epochs):
-            order = trees[torch.from_numpy(rng.permutation(len(trees)))]
-            for mb_trees in torch.tensor_split(order, tc.minibatches):
-                mb_rows = int(tree_rows[mb_trees].sum())  # on every rank
-                if mb_rows == 0:
-                    continue
-                # sharded weights: every rank makes as many model calls as the busiest (engine.idle_passes)
-                micro = (rank_rows[:, mb_trees].sum(1) + tc.micro_batch - 1) // tc.micro_batch
-                idle = self.engine.idle_passes(micro)
-                rows = torch.isin(batch.tree, mb_trees).nonzero(as_tuple=True)[0]
-                # micro-batches ordered by timestep, as in the rollout (each row is independent)
-                rows = rows[torch.argsort(batch.step[rows], stable=True)]
-                with self.engine.accumulate():  # one gradient reduction per step (DeepSpeed)
-                    for mrows in torch.split(rows, tc.micro_batch) if len(rows) else ():  # (split of none: one empty part)
-                        mb = batch.select(mrows)
-                        x = mb.sample.to(self.accelerator.device)
-                        with self.accelerator.autocast():
-                            v = self.policy.velocity(x.to(dtype), mb.sigma, cond.index(mb.prompt)).float()
-                        mean = transition_means(mb, v, plan)
-                        mean_ref, kl_sigma = None, None
-                        if cfg.loss.beta > 0:
-                            v_ref = self.policy.reference_velocity(x.to(dtype), mb.sigma, cond.index(mb.prompt)).float()
-                            mean_ref = transition_means(mb, v_ref, plan).detach()
-                            kl_sigma = mb.std if cfg.loss.kl_sigma == "transition_std" else transition_sigma_t(mb, plan)
-                        out = self.loss_fn(mb.prev_sample, mean, mb.mean_old, logp_std_all[mrows], mb.log_prob_old,
-                                           mb.advantages, weights_all[mrows], clip_range=clip_range, guard=cfg.loss.guard,
-                                           mean_ref=mean_ref, kl_sigma=kl_sigma, beta=cfg.loss.beta)
-                        loss = out.loss
-                        if best is not None:
-                            sft = best_path_sft_loss(mb, mean, best, cfg.loss.sft_weight)
-                            if sft is not None:
-                                loss = loss + sft
-                        self.engine.backward(loss * (len(mrows) / mb_rows))
-                        collect.add(out, loss, mb.log_prob_old, mb.step)
-                    for _ in range(idle):
-                        self._idle_pass(cond)
-                    if rollout is not None and cfg.loss.anchor_weight > 0:
-                        anchor = ode_anchor_loss(self.policy, rollout, plan, cond, cfg.loss.anchor_weight,
-                                                 cfg.loss.anchor_steps, rng, level_sizes)
-                        if anchor is not None:
-                            self.engine.backward(anchor)
-                            collect.anchor.append(anchor.detach().reshape(1))
-                collect.grad_norms.append(self.engine.step(params, tc.max_grad_norm))
-        return collect.finish(dp if dp.world > 1 else None)
-
-    def _idle_pass(self, cond) -> None:
-        """The model calls of one update micro-batch on one dummy row, with a gradient of exactly zero.
-
-        A sharded denoiser gathers its weights inside every forward and backward (collectives), so a
-        rank with fewer micro-batches in a minibatch than another runs these to stay in step."""
-        device, dtype = self.accelerator.device, self.sampler.model_dtype
-        x = torch.zeros(1, *self.policy.latent_shape, device=device, dtype=dtype)
-        sigma = torch.full((1,), 0.5)
-        c = cond.index(torch.zeros(1, dtype=torch.long))
-        with self.accelerator.autocast():
-            v = self.policy.velocity(x, sigma, c).float()
-        if self.cfg.loss.beta > 0:
-            self.policy.reference_velocity(x, sigma, c)
-        self.engine.backward(v.sum() * 0.0)
+#: the trainer's former name (it runs every objective, not only GRPO)
+GRPOTrainer = Trainer

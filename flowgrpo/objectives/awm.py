@@ -1,0 +1,170 @@
+"""``loss.objective=awm``: Advantage Weighted Matching (Xue et al. 2025).
+
+The pretraining flow-matching loss, read as a log-likelihood surrogate of a clean sample x0 at a
+time t with noise eps (:mod:`.forward_rows`),
+
+    l_theta(x0, t, eps) = -w(t) * mean((v_theta(x_t, t) - (eps - x0))^2),
+
+enters a PPO objective with the old policy (the weights that drew the rollout):
+
+    rho = exp(l_theta - l_old),   L_row = max(-A rho, -A clip(rho, 1 - eps_clip, 1 + eps_clip))
+          + kl_beta * KL + ema_kl_beta * mean((v_theta - v_ema)^2),
+
+with KL = mean((v_theta - v_ref)^2) to the frozen base model, optionally divided by 2 sigma_t^2,
+sigma_t = 0.7 sqrt(t / (1 - t)) (the Flow-GRPO SDE's noise scale at t). ``ratio_mode=mean`` clips
+the ratio of the sample's mean surrogate over its times instead of each (sample, t) ratio.
+
+Times come from a shifted logit-normal (SD3's training distribution), uniform, or the rollout's grid;
+w(t) is 1, t, t^2, or a generalised Huber form sqrt(err + c^2) - c on the squared error.
+The old policy is the trained weights at the start of the update; while no optimizer step has been
+taken since (one minibatch per iteration), l_old equals l_theta without its gradient and its forward
+is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import MicroLoss, Objective, UpdateContext
+from .forward_rows import (SampleRows, build_sample_rows, logit_normal_times, per_row_mean, rollout_times,
+                           uniform_times)
+from .old_policy import OldPolicy
+
+#: the Flow-GRPO SDE noise level behind the KL's optional 1 / (2 sigma_t^2)
+KL_NOISE_LEVEL = 0.7
+
+
+def time_sampler(opt, sigmas: torch.Tensor):
+    """The time sampler an AWM / DGPO options object selects (``time_sampler`` and its parameters)."""
+    if opt.time_sampler == "logit_normal":
+        return logit_normal_times(opt.logit_mean, opt.logit_std, opt.time_shift)
+    if opt.time_sampler == "uniform":
+        return uniform_times()
+    return rollout_times(sigmas)
+
+
+def fm_log_likelihood(v: torch.Tensor, target: torch.Tensor, t: torch.Tensor, weighting: str = "uniform",
+                      huber_c: float = 1e-3) -> torch.Tensor:
+    """AWM's surrogate l = -w(t) * err per row [R], err = mean((v - target)^2) over non-batch dims.
+
+    ``weighting``: uniform (w = 1) | t | t2 (w = t^2) | huber (sqrt(err + c^2) - c in place of err)."""
+    err = per_row_mean((v - target) ** 2)
+    t = t.to(err)
+    if weighting == "uniform":
+        return -err
+    if weighting == "t":
+        return -t * err
+    if weighting == "t2":
+        return -(t**2) * err
+    if weighting == "huber":
+        return -(torch.sqrt(err + huber_c**2) - huber_c)
+    raise ValueError(f"unknown awm weighting {weighting!r}; valid: uniform, t, t2, huber")
+
+
+def ppo_clip_loss(log_ratio: torch.Tensor, adv: torch.Tensor, clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A rho, -A clip(rho, 1 - eps, 1 + eps)) per row and the clipped mask, rho = exp(log_ratio)."""
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()
+
+
+def kl_sigma_factor(t: torch.Tensor, noise_level: float = KL_NOISE_LEVEL) -> torch.Tensor:
+    """1 / (2 sigma_t^2) with sigma_t = a sqrt(t / (1 - t)), t clamped away from 0 and 1."""
+    t = t.clamp(1e-3, 1 - 1e-3)
+    return 1.0 / (2 * noise_level**2 * t / (1 - t))
+
+
+class AWMObjective(Objective):
+    """AWM with ``loss.awm`` options (:class:`~flowgrpo.objectives.options.AWMOptions`)."""
+
+    name = "awm"
+
+    def __init__(self, cfg):
+        self.opt = cfg.loss.awm
+        self.seed = cfg.train.seed
+        self.needs_reference = self.opt.kl_beta > 0
+        self.old: OldPolicy | None = None
+        self.ema: OldPolicy | None = None
+        self._policy = None
+        self._steps = 0
+
+    def setup(self, policy) -> None:
+        self._policy = policy
+        if self.opt.ema_kl_beta > 0:
+            self.ema = OldPolicy(policy)
+
+    def rows(self, ctx: UpdateContext) -> SampleRows | None:
+        self.old = OldPolicy(ctx.policy)  # the weights that drew this rollout
+        self._steps = 0
+        sampler = time_sampler(self.opt, ctx.collected.plan.sigmas)
+        return build_sample_rows(ctx.collected, ctx.credit, self.seed, sampler, self.opt.timesteps)
+
+    def micro_loss(self, ctx: UpdateContext, rows: SampleRows) -> MicroLoss:
+        o, policy = self.opt, ctx.policy
+        cond = ctx.collected.cond.index(rows.prompt)
+        x_in = rows.noised(ctx.dtype).to(ctx.device)
+        target = rows.target().to(ctx.device)
+        t = rows.t.to(ctx.device)
+        with ctx.autocast():
+            v_old = None
+            if self._steps > 0:  # the old weights differ from the live ones only after a step
+                v_old = self.old.velocity(policy, x_in, rows.t, cond, o.train_guidance).float()
+            v_ema = self.ema.velocity(policy, x_in, rows.t, cond, o.train_guidance).float() if self.ema else None
+            v = policy.velocity(x_in, rows.t, cond, o.train_guidance).float()
+        ll = fm_log_likelihood(v, target, t, o.weighting, o.huber_c)
+        ll_old = ll.detach() if v_old is None else fm_log_likelihood(v_old, target, t, o.weighting, o.huber_c)
+        adv = rows.advantage.to(ll.device).clamp(-o.adv_clip, o.adv_clip)
+        log_ratio = ll - ll_old
+        if o.ratio_mode == "mean":  # one ratio per sample: the mean of its rows' surrogates
+            leaf, inv = torch.unique(rows.leaf, return_inverse=True)
+            inv = inv.to(ll.device)
+            n = torch.zeros(len(leaf), device=ll.device).index_add_(0, inv, torch.ones_like(ll))
+            mean_lr = torch.zeros(len(leaf), device=ll.device).index_add(0, inv, log_ratio) / n
+            log_ratio = mean_lr[inv]
+        loss, clipped = ppo_clip_loss(log_ratio, adv, o.clip_range)
+        stats = {"ratio": torch.exp(log_ratio).detach(), "clipfrac": clipped.float(), "fm_loss": -ll.detach()}
+        if o.kl_beta > 0:
+            v_ref = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
+            kl = per_row_mean((v - v_ref) ** 2)
+            if o.kl_sigma_weighting:
+                kl = kl * kl_sigma_factor(t)
+            loss = loss + o.kl_beta * kl
+            stats["kl"] = kl.detach()
+        if v_ema is not None:
+            ema_kl = per_row_mean((v - v_ema) ** 2)
+            loss = loss + o.ema_kl_beta * ema_kl
+            stats["ema_kl"] = ema_kl.detach()
+        return MicroLoss(loss=loss.mean(), stats=stats)
+
+    def idle_pass(self, ctx: UpdateContext) -> torch.Tensor:
+        policy, o = ctx.policy, self.opt
+        x = torch.zeros(1, *policy.latent_shape, device=ctx.device, dtype=ctx.dtype)
+        t = torch.full((1,), 0.5)
+        c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
+        with ctx.autocast():
+            if self._steps > 0:
+                self.old.velocity(policy, x, t, c, o.train_guidance)
+            if self.ema is not None:
+                self.ema.velocity(policy, x, t, c, o.train_guidance)
+            v = policy.velocity(x, t, c, o.train_guidance).float()
+        if self.needs_reference:
+            policy.reference_velocity(x, t, c, o.train_guidance)
+        return v.sum() * 0.0
+
+    def after_step(self, ctx: UpdateContext) -> None:
+        self._steps += 1
+        if self.ema is not None:
+            self.ema.move_toward(ctx.policy, self.opt.ema_kl_decay)
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "ema" in state and self.ema is not None:
+            self.ema.load_state_dict(state["ema"], self._policy)
+
+
+def build_awm(cfg, device=None) -> AWMObjective:
+    """Factory of ``loss.objective=awm`` from a :class:`~flowgrpo.config.RunConfig`."""
+    return AWMObjective(cfg)

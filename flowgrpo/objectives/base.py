@@ -1,0 +1,247 @@
+"""The objective protocol: what the update stage asks of every training objective.
+
+An iteration is three stages (:mod:`flowgrpo.trainer.trainer`):
+
+* **collect** -- the sampler rolls out a forest and the rewards score its leaves (:class:`Collected`);
+* **credit** -- an advantage estimator turns the whole iteration's rewards into advantages, which
+  also decide which edges and leaves carry signal (:class:`Credit`);
+* **update** -- one objective turns (collected, credit) into training *rows* and a loss per
+  micro-batch of rows; the shared loop (:mod:`flowgrpo.trainer.update_loop`) owns epochs,
+  minibatches, gradient accumulation, the optimizer step and data parallelism.
+
+The one weighting rule, written once in the loop: an objective's :meth:`Objective.micro_loss` is a
+**mean over the micro-batch's rows**; the loop multiplies it by ``rows in the micro-batch / rows of
+the minibatch on all ranks`` and sums the gradients over ranks, so a minibatch's step is the mean
+over its rows whatever the micro-batch size and the number of processes. Every row belongs to one
+tree (``rows.tree``, a global tree id): minibatches are drawn over trees.
+
+Objectives:
+
+* ``grpo`` (:mod:`.grpo`) -- the clipped likelihood-ratio loss on SDE transitions (Flow-GRPO and
+  every tree / window variant), with KL, GRPO-Guard, TempFlow weights, SFT and anchor terms;
+* ``nft``, ``awm``, ``dgpo`` (:mod:`.nft`, :mod:`.awm`, :mod:`.dgpo`) -- forward-process objectives
+  that train on noised copies of the rollout's clean samples (:mod:`.forward_rows`) and need no
+  log-probabilities.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+class Rows(Protocol):
+    """A set of training rows: any batch type with these fields and ``select``."""
+
+    tree: Tensor  # [R] long, global tree id of every row (minibatches are drawn over trees)
+    step: Tensor  # [R] long, plan step / timestep slot of every row (micro-batches are ordered by it)
+
+    def __len__(self) -> int: ...
+
+    def select(self, idx: Tensor) -> "Rows": ...
+
+
+@dataclass
+class Collected:
+    """The collect stage's output: one iteration's rollout and rewards.
+
+    Attributes:
+        iteration: the outer iteration n.
+        plan: the sampling plan of the iteration.
+        cond: prompt encodings, one row per prompt of the iteration.
+        rollout: this rank's shard of the forest (global tree ids).
+        images: decoded leaves of this rank, [L_local, 3, H, W] (videos [L_local, F, 3, H, W]) in [0, 1].
+        view: the whole iteration's forest as every rank sees it
+            (:class:`~flowgrpo.trainer.data_parallel.ForestView`).
+        rewards: reward name -> [L_whole] float (NaN where a reward failed), whole forest's leaf order.
+        components: named reward components [L_whole] for logging.
+        seconds: wall-clock of rollout + decoding.
+    """
+
+    iteration: int
+    plan: Any
+    cond: Any
+    rollout: Any
+    images: Tensor
+    view: Any
+    rewards: dict[str, Tensor]
+    components: dict[str, Tensor]
+    seconds: float = 0.0
+
+
+@dataclass
+class Credit:
+    """The credit stage's output.
+
+    Attributes:
+        advantages: the estimator's :class:`~flowgrpo.advantages.AdvantageResult` (whole forest).
+        edge_masks: per depth, [N_d(whole)] bool edges that may train (None: all), leaves with
+            signal below them and strategy pruning applied.
+        pruned_edges: edges removed by strategy pruning (None: the strategy does not prune).
+        steps: the plan steps whose SDE transitions train this iteration (likelihood objectives).
+    """
+
+    advantages: Any
+    edge_masks: list[Tensor | None]
+    pruned_edges: int | None
+    steps: list[int]
+
+
+@dataclass
+class UpdateContext:
+    """Everything an objective may read during one update (built by the trainer per iteration).
+
+    Attributes:
+        cfg: the run's :class:`~flowgrpo.config.RunConfig`.
+        policy: the policy being trained (unwrapped).
+        collected, credit: this iteration's stages.
+        device, dtype: where and in which dtype the model runs.
+        dp: the :class:`~flowgrpo.trainer.data_parallel.DataParallel` helper (world, gather, cat).
+        rng: the update's numpy generator (the same draws on every rank).
+        autocast: a context-manager factory for the model's mixed precision.
+        lockstep: whether every rank must make the same model calls (sharded weights, FSDP).
+    """
+
+    cfg: Any
+    policy: Any
+    collected: Collected
+    credit: Credit
+    device: torch.device
+    dtype: torch.dtype
+    dp: Any
+    rng: np.random.Generator
+    autocast: Any
+    lockstep: bool = False
+
+
+@dataclass
+class MicroLoss:
+    """One micro-batch's loss and diagnostics.
+
+    Attributes:
+        loss: scalar, the mean over the micro-batch's rows of the objective (with its extra terms).
+        stats: per-row diagnostics, name -> [m] (the collector pools them over all rows).
+        record: objective-specific data for its own statistics collector (e.g. the GRPO op's output).
+    """
+
+    loss: Tensor
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    record: Any = None
+
+
+class StatsCollector:
+    """Pools micro-batch results into flat metrics: the row-weighted mean loss and the mean of every
+    per-row statistic (over all rows of all ranks), plus the mean gradient norm of the steps."""
+
+    def __init__(self, rows: int):
+        self.rows_total = rows
+        self.loss: list[Tensor] = []
+        self.stats: dict[str, list[Tensor]] = {}
+        self.rows = 0
+        self.grad_norms: list[float] = []
+        self.extra: dict[str, list[Tensor]] = {}
+
+    def add(self, micro: MicroLoss, rows: Rows) -> None:
+        self.loss.append(micro.loss.detach().float().reshape(1).cpu() * len(rows))
+        self.rows += len(rows)
+        for k, v in micro.stats.items():
+            self.stats.setdefault(k, []).append(v.detach().float().reshape(-1).cpu())
+
+    def add_extra(self, name: str, value: Tensor) -> None:
+        """A minibatch-level term (e.g. the anchor loss), one value per minibatch and rank."""
+        self.extra.setdefault(name, []).append(value.detach().float().reshape(1).cpu())
+
+    def finish(self, dp=None) -> dict[str, float]:
+        def cat(parts: list[Tensor]) -> Tensor:
+            t = torch.cat(parts) if parts else torch.zeros(0)
+            return dp.cat(t) if dp is not None else t
+
+        loss = cat(self.loss)
+        rows = int(dp.sum_scalar(self.rows)) if dp is not None else self.rows
+        out = {"loss": float(loss.sum()) / rows if rows else 0.0,
+               "grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else 0.0,
+               "rows": int(dp.sum_scalar(self.rows_total)) if dp is not None else self.rows_total}
+        for k, parts in self.stats.items():
+            v = cat(parts)
+            out[k] = float(v.mean()) if len(v) else 0.0
+        for k, parts in self.extra.items():
+            v = cat(parts)
+            if dp is not None and len(v):  # each rank holds its share of every minibatch's term
+                v = v.view(dp.world, -1).sum(0)
+            out[k] = float(v.mean()) if len(v) else 0.0
+        return out
+
+
+class Objective(ABC):
+    """A training objective: rows from an iteration, a loss per micro-batch, hooks around steps.
+
+    Subclasses set :attr:`name`, implement :meth:`rows` and :meth:`micro_loss`, and override the
+    hooks they need. State that must survive a resume (an old policy, an EMA reference) goes
+    through :meth:`state_dict` / :meth:`load_state_dict` and is checkpointed with the trainer.
+    """
+
+    name: str = ""
+    #: whether the frozen base model must be kept (KL terms): the trainer snapshots it once
+    needs_reference: bool = False
+
+    def setup(self, policy) -> None:
+        """Called once after the policy is on its device and prepared by the weight engine."""
+
+    def rollout_weights(self, policy) -> contextlib.AbstractContextManager:
+        """Context in which the collect stage rolls out (default: the live weights)."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def rows(self, ctx: UpdateContext) -> Rows | None:
+        """This rank's training rows for the iteration (None or empty: nothing to train here)."""
+
+    def begin_minibatch(self, ctx: UpdateContext, rows: Rows, passes: int) -> int:
+        """Called before a minibatch's micro-batches with this rank's rows of it; ``passes`` is the
+        most micro-batches any rank runs for it. Returns the model calls without gradient it made
+        (lock-step engines pad the others). Default: nothing."""
+        return 0
+
+    @abstractmethod
+    def micro_loss(self, ctx: UpdateContext, rows: Rows) -> MicroLoss:
+        """The loss of one micro-batch (a mean over its rows), with gradients."""
+
+    def minibatch_terms(self, ctx: UpdateContext) -> dict[str, Tensor]:
+        """Extra loss terms once per minibatch (already weighted for this rank's share). Default: none."""
+        return {}
+
+    def idle_pass(self, ctx: UpdateContext) -> Tensor:
+        """The model calls of one micro-batch on one dummy row, as a loss whose gradient is zero
+        (sharded engines need every rank in every forward and backward)."""
+        policy = ctx.policy
+        x = torch.zeros(1, *policy.latent_shape, device=ctx.device, dtype=ctx.dtype)
+        sigma = torch.full((1,), 0.5)
+        c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
+        with ctx.autocast():
+            v = policy.velocity(x, sigma, c).float()
+        if self.needs_reference:
+            policy.reference_velocity(x, sigma, c)
+        return v.sum() * 0.0
+
+    def after_step(self, ctx: UpdateContext) -> None:
+        """After every optimizer step."""
+
+    def after_update(self, ctx: UpdateContext) -> dict[str, float]:
+        """After the iteration's update (every epoch done); returns extra metrics."""
+        return {}
+
+    def new_collector(self, rows: Rows | None) -> StatsCollector:
+        """The statistics collector of one update."""
+        return StatsCollector(len(rows) if rows is not None else 0)
+
+    def state_dict(self) -> dict:
+        """Objective state for checkpoints (whole tensors)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (missing keys: keep the fresh state)."""

@@ -1,0 +1,164 @@
+"""Training rows of the forward-process objectives: noised copies of the rollout's clean samples.
+
+A forward-process objective (DiffusionNFT, AWM, DGPO) never replays the rollout's transitions. It
+takes each clean sample x0 (a leaf of the rollout, drawn by any solver), picks training times t,
+draws fresh noise eps and trains on the forward (noising) process
+
+    x_t = (1 - t) * x0 + t * eps,        target velocity u = eps - x0,
+
+in the flow-matching convention of diffusers (t = sigma, 1 = noise). One row is one (leaf, t) pair.
+The times and the noise of a leaf come from its own generator, seeded by (train.seed, iteration,
+global leaf id) (:mod:`flowgrpo.seeds`), so a row is the same whichever rank holds the leaf and
+however the rows are batched: data-parallel runs make the 1-process update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..seeds import FORWARD_ROWS, derive_seed
+
+#: ``(n, generator) -> t [n]`` in (0, 1): a leaf's training times, drawn from its own generator
+TimeSampler = Callable[[int, torch.Generator], Tensor]
+
+
+@dataclass
+class SampleRows:
+    """Rows (leaf, t) of a forward-process update.
+
+    Attributes:
+        x0: [R, ...] clean samples (the rollout's leaves, model dtype, on the model's device).
+        noise: [R, ...] float32 standard normal noise of each row.
+        t: [R] float32 training times in (0, 1) (sigma units).
+        prompt: [R] long row into the iteration's conditioning.
+        tree: [R] long global tree id.
+        group: [R] long global group id (the leaves that share a prompt).
+        leaf: [R] long global leaf id (position in the whole forest's leaf order).
+        advantage: [R] float32 the leaf's advantage (clipped by the estimator).
+        step: [R] long timestep slot k of the row within its leaf (0..K-1), for ordering and stats.
+    """
+
+    x0: Tensor
+    noise: Tensor
+    t: Tensor
+    prompt: Tensor
+    tree: Tensor
+    group: Tensor
+    leaf: Tensor
+    advantage: Tensor
+    step: Tensor
+
+    def __len__(self) -> int:
+        return self.t.shape[0]
+
+    def select(self, idx: Tensor) -> "SampleRows":
+        dev = self.x0.device
+        return SampleRows(x0=self.x0[idx.to(dev)], noise=self.noise[idx.to(self.noise.device)],
+                          **{k: getattr(self, k)[idx] for k in ("t", "prompt", "tree", "group", "leaf", "advantage",
+                                                               "step")})
+
+    def noised(self, dtype: torch.dtype | None = None) -> Tensor:
+        """x_t = (1 - t) x0 + t eps, [R, ...] float32 (or ``dtype``)."""
+        t = self.t.to(self.noise.device).view(-1, *([1] * (self.noise.ndim - 1)))
+        x_t = (1 - t) * self.x0.float() + t * self.noise
+        return x_t if dtype is None else x_t.to(dtype)
+
+    def target(self) -> Tensor:
+        """u = eps - x0, [R, ...] float32."""
+        return self.noise - self.x0.float()
+
+
+def build_sample_rows(collected, credit, seed: int, times: TimeSampler, per_leaf: int,
+                      only_signal: bool = True) -> SampleRows | None:
+    """This rank's rows: ``per_leaf`` times per leaf (from ``times``) with fresh noise.
+
+    Args:
+        collected: the iteration's :class:`~flowgrpo.objectives.base.Collected` (local leaves).
+        credit: its :class:`~flowgrpo.objectives.base.Credit` (whole-forest leaf advantages and mask).
+        seed: ``train.seed``.
+        times: draws a leaf's ``per_leaf`` times from the leaf's generator.
+        per_leaf: K, rows per leaf.
+        only_signal: keep only leaves in the estimator's mask (valid reward, group with signal);
+            otherwise every leaf with a finite reward (advantage 0 where the group has no spread).
+    Returns None when no leaf is kept.
+    """
+    ro, view, adv = collected.rollout, collected.view, credit.advantages
+    leaves = ro.leaves
+    glob = view.local_leaves.cpu()
+    if only_signal:
+        keep = adv.leaf_mask.cpu()[glob]
+    else:
+        keep = torch.ones(len(glob), dtype=torch.bool)
+        for r in collected.rewards.values():
+            keep &= torch.isfinite(r.cpu()[glob])
+    idx = keep.nonzero(as_tuple=True)[0]
+    if len(idx) == 0:
+        return None
+    x0 = leaves.x[idx.to(leaves.x.device)]
+    tree = ro.leaf_tree[idx]
+    gids = glob[idx]
+    shape = tuple(x0.shape[1:])
+    ts, noises = [], []
+    for g in gids.tolist():
+        gen = torch.Generator().manual_seed(derive_seed(seed, collected.iteration, FORWARD_ROWS, g))
+        ts.append(times(per_leaf, gen).float())
+        noises.append(torch.randn((per_leaf, *shape), generator=gen))
+    k = per_leaf
+    rep = lambda v: v.repeat_interleave(k)  # noqa: E731  (leaf-major rows: leaf j's K rows are adjacent)
+    advantage = torch.nan_to_num(adv.leaf_advantages.float().cpu()[gids], nan=0.0)
+    return SampleRows(
+        x0=x0.repeat_interleave(k, dim=0),
+        noise=torch.cat(noises).to(x0.device),
+        t=torch.cat(ts),
+        prompt=rep(ro.tree_prompt[tree]),
+        tree=rep(tree),
+        group=rep(ro.tree_group[tree]),
+        leaf=rep(gids),
+        advantage=rep(advantage),
+        step=torch.arange(k).repeat(len(idx)),
+    )
+
+
+def rollout_times(sigmas: Tensor) -> TimeSampler:
+    """Times from a rollout's grid: K of the T grid times sigma_0..sigma_{T-1} (all of them when
+    K = T, in order; else a random subset of K, sorted), as DiffusionNFT trains on the rollout's own
+    timesteps."""
+    grid = sigmas[:-1].float().cpu()
+
+    def draw(k: int, gen: torch.Generator) -> Tensor:
+        if k >= len(grid):
+            return grid.clone()
+        pick = torch.randperm(len(grid), generator=gen)[:k].sort().values
+        return grid[pick]
+
+    return draw
+
+
+def logit_normal_times(mean: float = 0.0, std: float = 1.0, shift: float = 1.0, eps: float = 1e-3) -> TimeSampler:
+    """t = shift(sigmoid(mean + std * n)), n ~ N(0, 1), with the timestep shift
+    s t / (1 + (s - 1) t), clamped to [eps, 1 - eps] (SD3's training distribution)."""
+
+    def draw(k: int, gen: torch.Generator) -> Tensor:
+        t = torch.sigmoid(mean + std * torch.randn(k, generator=gen))
+        t = shift * t / (1 + (shift - 1) * t)
+        return t.clamp(eps, 1 - eps)
+
+    return draw
+
+
+def uniform_times(lo: float = 1e-3, hi: float = 1 - 1e-3) -> TimeSampler:
+    """t ~ U(lo, hi)."""
+
+    def draw(k: int, gen: torch.Generator) -> Tensor:
+        return lo + (hi - lo) * torch.rand(k, generator=gen)
+
+    return draw
+
+
+def per_row_mean(x: Tensor) -> Tensor:
+    """[R, ...] -> [R]: the mean over every non-batch dimension."""
+    return x.flatten(1).mean(1)

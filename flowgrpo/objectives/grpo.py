@@ -1,0 +1,120 @@
+"""``loss.objective=grpo``: the clipped likelihood-ratio loss on the rollout's SDE transitions.
+
+Rows are the trained SDE transitions (:class:`~flowgrpo.samplers.forest.TransitionBatch`) of the
+credit stage's selected steps and edges. Per micro-batch the model is re-run on the stored states,
+the sampler layer turns the velocity into the transitions' means
+(:func:`~flowgrpo.samplers.recompute.transition_means`), and the GRPO op (:mod:`flowgrpo.ops`,
+fused or reference) gives the clipped surrogate with optional KL to the reference and GRPO-Guard
+ratio normalisation. Per-row weights (GRPO-Guard reweighting, TempFlow, :mod:`flowgrpo.loss_weights`),
+the best-path SFT term (:mod:`flowgrpo.sft`) and the minibatch-level anchor term
+(:mod:`flowgrpo.anchor`) are added here, so the trainer knows none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..anchor import ode_anchor_loss
+from ..clip_schedule import clip_range_for
+from ..loss_weights import transition_weights
+from ..ops import grpo_loss, grpo_loss_ref
+from ..samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
+from ..sft import best_path_sft_loss, best_paths
+from .base import MicroLoss, Objective, UpdateContext
+from .grpo_stats import UpdateStatsCollector
+
+
+class GRPOObjective(Objective):
+    """Flow-GRPO's objective and every variant's loss options (``loss.*``).
+
+    Args:
+        loss_cfg: the run's :class:`~flowgrpo.config.LossConfig`.
+        device: where the model runs (to build the fused op ahead of the first timed iteration).
+    """
+
+    name = "grpo"
+
+    def __init__(self, loss_cfg, device=None):
+        self.cfg = loss_cfg
+        self.needs_reference = loss_cfg.beta > 0 or loss_cfg.anchor_weight > 0
+        if loss_cfg.backend == "reference":
+            self.loss_fn = grpo_loss_ref
+        elif loss_cfg.backend == "fused":
+            self.loss_fn = functools.partial(grpo_loss, backend="fused")
+        else:  # auto: the fused op where a kernel is built, else the reference (one warning)
+            self.loss_fn = grpo_loss
+        if loss_cfg.backend != "reference" and device is not None:
+            # build/load the extension now, not inside the first (timed) iteration: a first JIT build
+            # takes ~20 s, which would otherwise be charged to the training clock
+            from ..ops import fused_available
+
+            fused_available(device)
+        self._it: dict = {}
+
+    # ------------------------------------------------------------------ rows
+    def rows(self, ctx: UpdateContext):
+        col, cr = ctx.collected, ctx.credit
+        adv, view = cr.advantages, col.view
+        self._it = {}
+        if not adv.leaf_mask.any():
+            return None
+        batch = col.rollout.transitions([view.local(d, a) for d, a in enumerate(adv.edge_advantages)], cr.steps,
+                                        [view.local(d, m) for d, m in enumerate(cr.edge_masks)],
+                                        allow_empty=ctx.dp.world > 1)
+        plan = col.plan
+        it = self._it
+        it["clip"] = clip_range_for(self.cfg.clip_range, self.cfg.clip_adapt, col.rewards)
+        it["weights"] = transition_weights(batch, plan, self.cfg)
+        it["logp_std"] = transition_log_prob_std(batch, plan)
+        it["best"] = None
+        if self.cfg.sft_weight > 0:
+            best = best_paths(view.whole, adv.leaf_advantages, adv.leaf_mask)
+            it["best"] = [view.local(d, b) for d, b in enumerate(best)]
+        it["level_sizes"] = [len(lv) for lv in view.whole.levels] if ctx.dp.world > 1 else None
+        # rows carry their index into the iteration's batch, for the per-row weights above
+        return dataclasses.replace(batch, row=torch.arange(len(batch)))
+
+    def new_collector(self, rows):
+        return UpdateStatsCollector(len(rows) if rows is not None else 0)
+
+    # ------------------------------------------------------------------ loss
+    def micro_loss(self, ctx: UpdateContext, mb) -> MicroLoss:
+        cfg, it, policy, plan = self.cfg, self._it, ctx.policy, ctx.collected.plan
+        cond = ctx.collected.cond.index(mb.prompt)
+        x = mb.sample.to(ctx.device)
+        with ctx.autocast():
+            v = policy.velocity(x.to(ctx.dtype), mb.sigma, cond).float()
+        mean = transition_means(mb, v, plan)
+        mean_ref, kl_sigma = None, None
+        if cfg.beta > 0:
+            v_ref = policy.reference_velocity(x.to(ctx.dtype), mb.sigma, cond).float()
+            mean_ref = transition_means(mb, v_ref, plan).detach()
+            kl_sigma = mb.std if cfg.kl_sigma == "transition_std" else transition_sigma_t(mb, plan)
+        out = self.loss_fn(mb.prev_sample, mean, mb.mean_old, it["logp_std"][mb.row], mb.log_prob_old,
+                           mb.advantages, it["weights"][mb.row], clip_range=it["clip"], guard=cfg.guard,
+                           mean_ref=mean_ref, kl_sigma=kl_sigma, beta=cfg.beta)
+        loss = out.loss
+        if it["best"] is not None:
+            sft = best_path_sft_loss(mb, mean, it["best"], cfg.sft_weight)
+            if sft is not None:
+                loss = loss + sft
+        return MicroLoss(loss=loss, record=out)
+
+    def minibatch_terms(self, ctx: UpdateContext) -> dict:
+        if self.cfg.anchor_weight <= 0:
+            return {}
+        col = ctx.collected
+        anchor = ode_anchor_loss(ctx.policy, col.rollout, col.plan, col.cond, self.cfg.anchor_weight,
+                                 self.cfg.anchor_steps, ctx.rng, self._it.get("level_sizes"))
+        return {} if anchor is None else {"anchor_loss": anchor}
+
+    def after_update(self, ctx: UpdateContext) -> dict[str, float]:
+        return {"clip_range": self._it["clip"]} if "clip" in self._it else {}
+
+
+def build_grpo(cfg, device=None) -> GRPOObjective:
+    """Factory of ``loss.objective=grpo`` from a :class:`~flowgrpo.config.RunConfig`."""
+    return GRPOObjective(cfg.loss, device)

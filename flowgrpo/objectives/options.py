@@ -1,0 +1,89 @@
+"""Typed options of the forward-process objectives: ``loss.nft.*``, ``loss.awm.*``, ``loss.dgpo.*``.
+
+Defaults are the authors' SD3.5 settings where they carry over to any model; the shapes-world
+presets (``diffusion-nft``, ``awm``, ``dgpo``) override what the small world needs. Every field's
+help is shown by ``flowgrpo config explain loss``; :func:`check_objective_options` range-checks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import ConfigError
+from ..fields import help_field as _f
+
+
+@dataclass
+class NFTOptions:
+    beta: float = _f(1.0, "beta: strength of the implicit policies v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v (the authors: 1; 0.1 for OCR)")
+    kl_beta: float = _f(1e-4, "weight of the KL term mean((v - v_ref)^2) against the frozen base model (0: no reference pass)")
+    adv_clip: float = _f(5.0, "A_max: advantages are clipped to +-A_max and mapped to the optimality r = clip(A / A_max / 2 + 1/2, 0, 1)")
+    adv_mode: Literal["all", "positive_only", "negative_only", "binary"] = _f("all", "which advantages train: all | positive_only (A < 0 -> 0) | negative_only (A > 0 -> 0) | binary (sign(A) * A_max)")
+    timesteps: int = _f(0, "training times per sample, taken from the rollout's grid (0: all T grid times; K < T: a random subset of K per sample; the authors train 9 of 10)")
+    sample_with_old: bool = _f(True, "roll out with the old policy, as the authors do (false: with the trained weights)")
+    decay_flat: int = _f(0, "old-policy EMA schedule d(step) = min(max(step - flat, 0) * rate, cap): flat")
+    decay_rate: float = _f(0.001, "old-policy EMA schedule: rate per update")
+    decay_cap: float = _f(0.5, "old-policy EMA schedule: cap (0 with rate 0: the old policy is the previous update's weights)")
+    train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free, as the authors train)")
+    weight_floor: float = _f(1e-5, "floor of the adaptive x0-space weights mean|x0_hat - x0| (detached)")
+
+
+@dataclass
+class AWMOptions:
+    clip_range: float = _f(1e-4, "PPO clip epsilon on the ratio exp(l - l_old) of the flow-matching log-likelihood surrogates")
+    kl_beta: float = _f(0.0, "weight of the KL term mean((v - v_ref)^2) against the frozen base model (0: no reference pass)")
+    kl_sigma_weighting: bool = _f(False, "divide the KL term by 2 sigma_t^2, sigma_t = 0.7 sqrt(t / (1 - t)) (the Flow-GRPO SDE's noise scale)")
+    ema_kl_beta: float = _f(0.0, "weight of a KL term to an EMA of the trained weights (0: off)")
+    ema_kl_decay: float = _f(0.95, "decay per update of the EMA behind ema_kl_beta")
+    timesteps: int = _f(4, "training times per sample")
+    time_sampler: Literal["logit_normal", "uniform", "rollout"] = _f("logit_normal", "how training times are drawn: logit_normal (with shift) | uniform | rollout (the rollout's grid)")
+    logit_mean: float = _f(0.0, "logit-normal time sampler: mean")
+    logit_std: float = _f(1.0, "logit-normal time sampler: std")
+    time_shift: float = _f(3.0, "timestep shift s of drawn times: s t / (1 + (s - 1) t)")
+    weighting: Literal["uniform", "t", "t2", "huber"] = _f("uniform", "per-time weight of the surrogate l = -w(t) mean((v - u)^2): uniform | t | t2 | huber (generalised Huber on the squared error)")
+    huber_c: float = _f(1e-3, "huber weighting: c of sqrt(err + c^2) - c")
+    ratio_mode: Literal["per_timestep", "mean"] = _f("per_timestep", "clip each (sample, t) ratio (per_timestep) or the ratio of the mean surrogate over a sample's times (mean)")
+    adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip")
+    train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free)")
+
+
+@dataclass
+class DGPOOptions:
+    beta_dpo: float = _f(100.0, "beta of the group-level Bradley-Terry likelihood log sigmoid(beta (R(G+) - R(G-)))")
+    kl_beta: float = _f(1e-3, "weight of the KL term mean((v - v_ref)^2) against the reference (0: no KL pass)")
+    reference: Literal["frozen", "ema"] = _f("frozen", "the DPO reference: the frozen base model, or an EMA of the trained weights")
+    ema_decay: float = _f(0.99, "decay per update of the EMA reference (reference=ema)")
+    timesteps: int = _f(2, "training times per sample")
+    time_sampler: Literal["logit_normal", "uniform", "rollout"] = _f("uniform", "how training times are drawn: logit_normal | uniform | rollout (the rollout's grid)")
+    logit_mean: float = _f(0.0, "logit-normal time sampler: mean")
+    logit_std: float = _f(1.0, "logit-normal time sampler: std")
+    time_shift: float = _f(1.0, "timestep shift s of drawn times")
+    train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free)")
+
+
+def check_objective_options(loss_cfg) -> None:
+    """Range checks of ``loss.nft``, ``loss.awm`` and ``loss.dgpo`` (a ConfigError names the key)."""
+
+    def need(ok: bool, key: str, value, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key 'loss.{key}' must be {what}, got {value!r}")
+
+    n, a, d = loss_cfg.nft, loss_cfg.awm, loss_cfg.dgpo
+    need(n.beta > 0, "nft.beta", n.beta, "> 0")
+    for key, v in (("nft.kl_beta", n.kl_beta), ("awm.kl_beta", a.kl_beta), ("awm.ema_kl_beta", a.ema_kl_beta),
+                   ("dgpo.kl_beta", d.kl_beta), ("nft.decay_rate", n.decay_rate)):
+        need(v >= 0, key, v, ">= 0")
+    for key, v in (("nft.adv_clip", n.adv_clip), ("awm.adv_clip", a.adv_clip), ("awm.clip_range", a.clip_range),
+                   ("dgpo.beta_dpo", d.beta_dpo), ("nft.weight_floor", n.weight_floor), ("awm.time_shift", a.time_shift),
+                   ("dgpo.time_shift", d.time_shift), ("awm.logit_std", a.logit_std), ("dgpo.logit_std", d.logit_std),
+                   ("nft.train_guidance", n.train_guidance), ("awm.train_guidance", a.train_guidance),
+                   ("dgpo.train_guidance", d.train_guidance)):
+        need(v > 0, key, v, "> 0")
+    for key, v in (("nft.decay_cap", n.decay_cap), ("awm.ema_kl_decay", a.ema_kl_decay), ("dgpo.ema_decay", d.ema_decay)):
+        need(0 <= v < 1, key, v, "in [0, 1)")
+    need(n.decay_flat >= 0, "nft.decay_flat", n.decay_flat, ">= 0")
+    need(n.timesteps >= 0, "nft.timesteps", n.timesteps, ">= 0 (0: every grid time)")
+    for key, v in (("awm.timesteps", a.timesteps), ("dgpo.timesteps", d.timesteps)):
+        need(v >= 1, key, v, ">= 1")
+    need(a.huber_c > 0, "awm.huber_c", a.huber_c, "> 0")

@@ -1,0 +1,110 @@
+"""The update stage's loop, shared by every objective: epochs x minibatches x micro-batches.
+
+Minibatches are drawn over the trees of every rank (a permutation from the update's generator, the
+same on every rank); each rank back-propagates its own rows of a minibatch, each micro-batch's loss
+(a mean over its rows, :meth:`~flowgrpo.objectives.base.Objective.micro_loss`) weighted by
+``rows in the micro-batch / rows of the minibatch on all ranks``; the engine sums gradients over
+ranks and steps once per minibatch, which therefore equals the 1-process step. Lock-step engines
+(FSDP) pad a rank's micro-batches with zero-gradient passes up to the busiest rank's count.
+
+Before a step's gradients reach the optimizer, the loss of every micro-batch is checked: a
+non-finite loss stops the run (:class:`NonFiniteError`) before the weights, the optimizer state or a
+checkpoint can take the NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+from ..objectives.base import Objective, StatsCollector, UpdateContext
+
+
+class NonFiniteError(UserError):
+    """A loss or gradient norm became NaN or infinite during an update (the run stops before stepping)."""
+
+
+def _check_finite(value: float, what: str, ctx: UpdateContext) -> None:
+    if not math.isfinite(value):
+        raise NonFiniteError(
+            f"iteration {ctx.collected.iteration}: the {what} is {value} (objective "
+            f"{ctx.cfg.loss.objective}); the update was not applied. Lower train.lr or the objective's "
+            "step sizes, or check the rewards and the model dtype")
+
+
+def run_update(ctx: UpdateContext, objective: Objective, engine, idle_pass=None) -> dict[str, float]:
+    """Every inner epoch and minibatch of one iteration's update. Returns the pooled metrics
+    (empty when no rank has a row to train).
+
+    Args:
+        ctx: the iteration's update context (``ctx.rng`` draws the minibatch order).
+        objective: builds this rank's rows and each micro-batch's loss.
+        engine: the weight engine (backward, accumulate, idle_passes, step).
+        idle_pass: ``() -> None`` running one zero-gradient padding pass (default: the objective's).
+    """
+    tc, dp = ctx.cfg.train, ctx.dp
+    rows = objective.rows(ctx)
+    collect = objective.new_collector(rows)
+    n_trees = len(ctx.collected.rollout.tree_prompt)  # tree ids are global
+    tree = rows.tree.cpu() if rows is not None and len(rows) else torch.zeros(0, dtype=torch.long)
+    rank_rows = torch.bincount(tree, minlength=n_trees)[None]  # [ranks, trees]
+    if dp.world > 1:
+        rank_rows = torch.stack(dp.gather(rank_rows[0]))
+    tree_rows = rank_rows.sum(0)
+    trees = tree_rows.nonzero(as_tuple=True)[0]
+    if len(trees) == 0:  # no row carries signal on any rank: no update, no training metrics
+        return {}
+    params = ctx.policy.trainable_parameters()
+
+    def pad():
+        if idle_pass is not None:
+            idle_pass()
+        else:
+            engine.backward(objective.idle_pass(ctx))
+
+    for _ in range(tc.inner_epochs):
+        order = trees[torch.from_numpy(ctx.rng.permutation(len(trees)))]
+        for mb_trees in torch.tensor_split(order, tc.minibatches):
+            mb_rows = int(tree_rows[mb_trees].sum())  # on every rank
+            if mb_rows == 0:
+                continue
+            micro = (rank_rows[:, mb_trees].sum(1) + tc.micro_batch - 1) // tc.micro_batch
+            idle = engine.idle_passes(micro)
+            idx = torch.isin(tree, mb_trees).nonzero(as_tuple=True)[0]
+            idx = idx[torch.argsort(rows.step.cpu()[idx], stable=True)]  # ordered by step, as rolled out
+            mb = rows.select(idx) if rows is not None else None
+            objective.begin_minibatch(ctx, mb, int(micro.max()))
+            with engine.accumulate():  # one gradient reduction per step (DeepSpeed)
+                for part in torch.split(torch.arange(len(idx)), tc.micro_batch) if len(idx) else ():
+                    m = mb.select(part)
+                    out = objective.micro_loss(ctx, m)
+                    _check_finite(float(out.loss.detach()), "loss", ctx)
+                    engine.backward(out.loss * (len(part) / mb_rows))
+                    collect.add(out, m)
+                for _ in range(idle):
+                    pad()
+                for name, term in objective.minibatch_terms(ctx).items():
+                    _check_finite(float(term.detach()), name, ctx)
+                    engine.backward(term)
+                    collect.add_extra(name, term)
+            norm = engine.step(params, tc.max_grad_norm)
+            _check_finite(norm, "gradient norm", ctx)
+            collect.grad_norms.append(norm)
+            objective.after_step(ctx)
+    return _finish(objective, ctx, collect)
+
+
+def _finish(objective: Objective, ctx: UpdateContext, collect: StatsCollector) -> dict[str, float]:
+    out = collect.finish(ctx.dp if ctx.dp.world > 1 else None)
+    out.update(objective.after_update(ctx))
+    return out
+
+
+def update_rng(seed: int, iteration: int) -> np.random.Generator:
+    """The update's generator (minibatch order, objective draws): the same on every rank."""
+    from ..seeds import UPDATE
+
+    return np.random.default_rng([seed, iteration, UPDATE])
