@@ -6,15 +6,19 @@ scheduler config when it has another one) and a :class:`~flowgrpo.diffusers.reco
 then assembles the recorded steps into a :class:`~flowgrpo.samplers.forest.Rollout` of chains: one
 tree per (prompt, sample), ``levels[d].x`` [N, ...] the latents at depth d (N = prompts x
 group_size, prompt-major as the pipelines repeat prompts), SDE edges carrying mean / std / log-prob.
+The call's ``generator`` draws the initial noise and, handed to the scheduler for the call, every
+SDE step's noise: the same seed gives the same rollout.
 """
 
 from __future__ import annotations
 
 import inspect
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from flowgrpo.samplers.forest import Level, Rollout
 from flowgrpo.samplers.plan import PlanMeta, SamplingPlan, StepSpec
@@ -45,12 +49,32 @@ class PipelineRollout:
     output: Any
 
 
+#: the per-call scales a pipeline may combine cond / uncond outputs with, hints for the StepRecorder
+#: (FLUX's and Qwen-Image's true CFG scale first: their guidance_scale is distilled guidance)
+_CFG_ARGS = ("true_cfg_scale", "guidance_scale", "guidance_scale_2")
+
+
+def is_flow_scheduler(scheduler) -> bool:
+    """Whether ``scheduler`` denoises on flow-matching sigmas: a ``FlowMatch*`` scheduler, or one of
+    another family run on flow sigmas (Wan's UniPC: ``use_flow_sigmas`` / ``prediction_type="flow_prediction"``)."""
+    config = scheduler.config
+    return (isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or type(scheduler).__name__.startswith("FlowMatch")
+            or bool(config.get("use_flow_sigmas")) or config.get("prediction_type") == "flow_prediction")
+
+
 def ensure_flowgrpo_scheduler(pipe, **options) -> FlowGRPOScheduler:
     """Give ``pipe`` a FlowGRPOScheduler built from its scheduler's config (``options`` override it).
 
     A flow-sigma scheduler of another family (Wan's ``UniPCMultistepScheduler`` with ``flow_shift``)
-    becomes flow-matching Euler with ``shift = flow_shift`` on the same sigma grid.
+    becomes flow-matching Euler with ``shift = flow_shift`` on the same sigma grid. A pipeline of
+    another kind (DDPM / DDIM noise prediction) is a one-line ValueError, its scheduler untouched.
     """
+    if not is_flow_scheduler(pipe.scheduler):
+        config = pipe.scheduler.config
+        raise ValueError(f"{type(pipe).__name__}'s scheduler {type(pipe.scheduler).__name__} (prediction_type "
+                         f"{config.get('prediction_type')!r}) is not a flow-matching scheduler; FlowGRPOScheduler "
+                         "and rollout() need a flow-matching pipeline (SD3, FLUX, Wan, ...: a FlowMatch* scheduler, "
+                         "or one with use_flow_sigmas / prediction_type='flow_prediction')")
     if not isinstance(pipe.scheduler, FlowGRPOScheduler) or options:
         config = dict(pipe.scheduler.config)
         if "shift" not in config and config.get("flow_shift") is not None:
@@ -92,7 +116,10 @@ def rollout(pipe, prompts: str | list[str], *, group_size: int = 1, num_inferenc
         prompts: P prompts; one GRPO group per prompt.
         group_size: G samples per prompt (passed as num_images_per_prompt / num_videos_per_prompt).
         num_inference_steps: T.
-        generator: the pipeline's generator (initial noise and SDE noise).
+        generator: the pipeline's generator, or one per sample (N = P * G): it draws the initial
+            noise and then, handed to the scheduler for the call (:meth:`FlowGRPOScheduler.set_generator`),
+            every SDE step's noise, so the same seed gives the same rollout bit for bit; None: torch's
+            global RNG.
         output_type: the pipeline's output type ("latent" skips decoding).
         scheduler_options: FlowGRPOScheduler config overrides (noise_level, sde_kind, sde_steps,
             window_start, window_size, log_prob); without them a FlowGRPOScheduler is kept as is.
@@ -102,20 +129,33 @@ def rollout(pipe, prompts: str | list[str], *, group_size: int = 1, num_inferenc
     (``levels[d].x`` [N, ...] float32), ``tree_prompt`` = ``tree_group`` = [N] prompt index.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not (isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool) and group_size >= 1):
+        raise ValueError(f"rollout(): group_size={group_size!r} is invalid; valid: an integer >= 1")
     scheduler = ensure_flowgrpo_scheduler(pipe, **(scheduler_options or {}))
     params = inspect.signature(pipe.__call__).parameters
+    if "callback_on_step_end" not in params:
+        raise ValueError(f"{type(pipe).__name__} takes no callback_on_step_end, which rollout() records steps with")
     per_prompt = next((a for a in _PER_PROMPT_ARGS if a in params), None)
     if per_prompt is None and group_size != 1:
         raise ValueError(f"{type(pipe).__name__} takes no per-prompt sample count; use group_size=1")
     if per_prompt is not None:
         pipe_kwargs[per_prompt] = group_size
-    recorder = StepRecorder().attach(pipe)
+    n = len(prompts) * group_size
+    if isinstance(generator, list) and len(generator) not in (1, n):
+        raise ValueError(f"rollout(): {len(generator)} generators for a batch of {n} ({len(prompts)} prompts x "
+                         f"group_size {group_size}); give one generator or one per sample")
+    hints = [pipe_kwargs[a] for a in _CFG_ARGS if pipe_kwargs.get(a) is not None]
+    recorder = StepRecorder(guidance_scales=hints).attach(pipe)
+    # stock pipelines call scheduler.step without their generator: hand it over for this call only
+    previous = scheduler.generator
+    scheduler.set_generator(generator)
     try:
         out = pipe(prompts, num_inference_steps=num_inference_steps, generator=generator, output_type=output_type,
                    callback_on_step_end=recorder, callback_on_step_end_tensor_inputs=recorder.tensor_inputs(pipe),
                    **pipe_kwargs)
     finally:
         recorder.detach()
+        scheduler.set_generator(previous)
     records = list(scheduler.records)
     if len(records) != len(scheduler.sigmas) - 1:
         raise RuntimeError(f"the scheduler recorded {len(records)} steps for a {len(scheduler.sigmas) - 1}-step grid")

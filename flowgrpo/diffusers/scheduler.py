@@ -10,23 +10,83 @@ With ``noise_level=0`` every step is the parent's.
 
 Conventions are diffusers': sigma runs 1 -> 0, ``model_output`` is the velocity v = eps - x0.
 
+The SDE noise comes from the generator ``step`` is given, else from :meth:`FlowGRPOScheduler.set_generator`'s,
+else from torch's global RNG: stock pipelines call ``scheduler.step`` without their ``generator``, so
+a reproducible direct call hands the pipeline's generator to the scheduler first
+(:func:`~flowgrpo.diffusers.rollout.rollout` does it itself).
+
     pipe.scheduler = FlowGRPOScheduler.from_config(pipe.scheduler.config, noise_level=0.7)
+    pipe.scheduler.set_generator(gen)
+    images = pipe(prompt, generator=gen).images
+
+A pipeline saved with this scheduler (``save_pretrained``) names it in model_index.json as
+``["flowgrpo.diffusers.scheduler", "FlowGRPOScheduler"]`` and loads again, options included, with
+diffusers' loaders wherever flowgrpo is installed.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+
+# SchedulerMixin is imported for diffusers' pipeline loader: it finds a component's load method by
+# looking the loadable base classes up by name in the module that model_index.json names (this one,
+# for a saved FlowGRPOScheduler); without it here a saved pipeline does not load ("does not seem to
+# have any of the loading methods")
+from diffusers import FlowMatchEulerDiscreteScheduler, SchedulerMixin  # noqa: F401
 from diffusers.configuration_utils import register_to_config
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
-from flowgrpo.samplers.sde import DEFAULT_NOISE_LEVEL, LOG_PROB_CONVENTIONS
+from flowgrpo.samplers.sde import DEFAULT_NOISE_LEVEL, LOG_PROB_CONVENTIONS, SDE_KINDS
 from flowgrpo.samplers.sde import sde_kind as get_sde_kind
 from flowgrpo.samplers.steps import sde_step
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _bad(name: str, value, valid: str) -> ValueError:
+    """The one-line error for option ``name``: its value and the valid range."""
+    return ValueError(f"FlowGRPOScheduler: {name}={value!r} is invalid; valid: {valid}")
+
+
+def check_sde_options(noise_level, sde_kind, sde_steps, window_start, window_size, log_prob) -> None:
+    """Raise a one-line ValueError (the option, its value, the valid range) for a bad SDE option.
+
+    Checked here rather than at the first step: a negative or NaN noise level gives NaN samples
+    and a string fails deep inside the pipeline call. Step indices beyond the grid are checked by
+    :meth:`FlowGRPOScheduler.set_timesteps`, which knows the grid.
+    """
+    if not isinstance(sde_kind, str) or sde_kind not in SDE_KINDS:
+        raise _bad("sde_kind", sde_kind, ", ".join(SDE_KINDS))
+    if (not isinstance(noise_level, numbers.Real) or isinstance(noise_level, bool)
+            or not math.isfinite(noise_level) or noise_level < 0):
+        raise _bad("noise_level", noise_level, "a finite number >= 0 (0: plain Euler)")
+    if sde_kind == "cps" and noise_level > 1:
+        # CPS's std is sigma' sin(a pi / 2): a in [0, 1] spans zero to full noise
+        raise _bad("noise_level", noise_level, "a number in [0, 1] for sde_kind='cps'")
+    if log_prob not in LOG_PROB_CONVENTIONS:
+        raise _bad("log_prob", log_prob, ", ".join(LOG_PROB_CONVENTIONS))
+    if log_prob == "mse" and sde_kind != "cps":
+        raise _bad("log_prob", log_prob, f"gaussian for sde_kind={sde_kind!r} ('mse' needs sde_kind='cps')")
+    if sde_steps is not None and (not isinstance(sde_steps, (list, tuple))
+                                  or not all(_is_int(i) and i >= 0 for i in sde_steps)):
+        raise _bad("sde_steps", sde_steps, "None or a list of step indices >= 0")
+    if sde_steps is not None and (window_start is not None or window_size is not None):
+        raise ValueError("FlowGRPOScheduler: give either sde_steps or window_start/window_size, not both")
+    if (window_start is None) != (window_size is None):
+        raise ValueError(f"FlowGRPOScheduler: window_start={window_start!r} and window_size={window_size!r}: "
+                         "give both or neither")
+    if window_start is not None and not (_is_int(window_start) and window_start >= 0):
+        raise _bad("window_start", window_start, "a step index >= 0")
+    if window_size is not None and not (_is_int(window_size) and window_size >= 1):
+        raise _bad("window_size", window_size, "a number of steps >= 1")
 
 
 @dataclass
@@ -66,6 +126,13 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
         window_start, window_size: MixGRPO's SDE window [start, start + size) (alternative to sde_steps).
         log_prob: log-prob convention, "gaussian" or (cps) "mse".
         record: keep :class:`SDERecord` s in ``self.records`` (cleared by ``set_timesteps``).
+
+    A bad option is a one-line ValueError at construction (:func:`check_sde_options`); SDE steps
+    outside the grid are one at ``set_timesteps``.
+
+    Attributes:
+        generator: what SDE steps draw their noise from when ``step`` gets no generator
+            (:meth:`set_generator`); None: torch's global RNG.
     """
 
     @register_to_config
@@ -101,14 +168,18 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
             use_beta_sigmas=use_beta_sigmas, time_shift_type=time_shift_type,
             stochastic_sampling=stochastic_sampling,
         )
-        get_sde_kind(sde_kind)  # a ValueError names the valid kinds
-        if log_prob not in LOG_PROB_CONVENTIONS:
-            raise ValueError(f"unknown log_prob {log_prob!r}; valid: {', '.join(LOG_PROB_CONVENTIONS)}")
-        if sde_steps is not None and (window_start is not None or window_size is not None):
-            raise ValueError("give either sde_steps or window_start/window_size, not both")
-        if (window_start is None) != (window_size is None):
-            raise ValueError("window_start and window_size go together")
+        check_sde_options(noise_level, sde_kind, sde_steps, window_start, window_size, log_prob)
         self.records: list[SDERecord] = []
+        self.generator: torch.Generator | list[torch.Generator] | None = None
+
+    def set_generator(self, generator: torch.Generator | list[torch.Generator] | None) -> None:
+        """Draw the SDE noise of the following steps from ``generator`` (one, or one per sample of the
+        batch) when ``step`` is given none, as stock pipelines do; None: torch's global RNG.
+
+        Pass the pipeline's own generator: its initial noise draws come first, so the same seed
+        gives the same call bit for bit.
+        """
+        self.generator = generator
 
     # ------------------------------------------------------------------ which steps are SDE
     def is_sde_step(self, step_index: int) -> bool:
@@ -134,9 +205,20 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
 
     def set_timesteps(self, num_inference_steps: int | None = None, device=None, sigmas: list[float] | None = None,
                       mu: float | None = None, timesteps: list[float] | None = None):
-        """The parent's ``set_timesteps`` (same signature: pipelines inspect it), clearing ``records``."""
+        """The parent's ``set_timesteps`` (same signature: pipelines inspect it), clearing ``records``;
+        a ValueError when ``sde_steps`` or the window lie outside the new grid (they would silently
+        make every step Euler)."""
         self.records = []
-        return super().set_timesteps(num_inference_steps, device=device, sigmas=sigmas, mu=mu, timesteps=timesteps)
+        out = super().set_timesteps(num_inference_steps, device=device, sigmas=sigmas, mu=mu, timesteps=timesteps)
+        cfg, n = self.config, len(self.sigmas) - 1
+        outside = [i for i in cfg.sde_steps or () if i >= n]
+        if outside:
+            raise ValueError(f"FlowGRPOScheduler: sde_steps={list(cfg.sde_steps)!r} has step(s) {outside} outside "
+                             f"this {n}-step grid; valid step indices: 0..{n - 1}")
+        if cfg.window_start is not None and cfg.window_start >= n:
+            raise ValueError(f"FlowGRPOScheduler: window_start={cfg.window_start} (window_size={cfg.window_size}) "
+                             f"lies outside this {n}-step grid; valid window_start: 0..{n - 1}")
+        return out
 
     # ------------------------------------------------------------------ the step
     def step(
@@ -153,7 +235,13 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
         return_dict: bool = True,
     ) -> FlowMatchEulerDiscreteSchedulerOutput | tuple:
         """The parent's ``step``, SDE on the chosen steps. Shapes: model_output, sample [B, ...];
-        returns prev_sample [B, ...] in ``model_output``'s dtype (as the parent)."""
+        returns prev_sample [B, ...] in ``model_output``'s dtype (as the parent). The noise comes from
+        ``generator``, else ``self.generator`` (a list: one generator per sample), else the global RNG."""
+        if generator is None:
+            generator = self.generator
+        if isinstance(generator, list) and len(generator) not in (1, sample.shape[0]):
+            raise ValueError(f"FlowGRPOScheduler: {len(generator)} generators for a batch of {sample.shape[0]}; "
+                             "give one generator or one per sample")
         if self.step_index is None:
             self._init_step_index(timestep)
         i = self.step_index

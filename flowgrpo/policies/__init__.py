@@ -48,6 +48,19 @@ def _pipeline_dir(name: str) -> Path | None:
     return None
 
 
+def _pipeline_class(index: Path):
+    """``_class_name`` of a model_index.json (None when absent); a one-line UserError naming the file
+    when it cannot be read or is not a JSON object (a broken folder, not a bug of flowgrpo)."""
+    try:
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or invalid UTF-8
+        raise UserError(f"{index}: not a readable JSON object ({type(exc).__name__}: {exc})") from None
+    if not isinstance(content, dict):
+        kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(content), "number")
+        raise UserError(f"{index}: expected a JSON object with the pipeline's _class_name, got a JSON {kind}")
+    return content.get("_class_name")
+
+
 def resolve_model(model_cfg) -> tuple[str, str | None]:
     """(adapter name, pipeline directory or None) for ``model_cfg.name``.
 
@@ -62,8 +75,8 @@ def resolve_model(model_cfg) -> tuple[str, str | None]:
     if directory is None:
         raise UserError(f"model.name {name!r} is neither an adapter ({', '.join(POLICIES.names())}) nor a "
                         "diffusers pipeline directory (or a hub id in the local cache) with a model_index.json")
-    cls = json.loads((directory / "model_index.json").read_text()).get("_class_name")
-    if cls not in PIPELINE_ADAPTERS:
+    cls = _pipeline_class(directory / "model_index.json")
+    if not isinstance(cls, str) or cls not in PIPELINE_ADAPTERS:
         raise UserError(f"{directory}: pipeline class {cls!r} is not supported; supported pipelines: "
                         f"{', '.join(sorted(PIPELINE_ADAPTERS))}")
     return PIPELINE_ADAPTERS[cls], str(directory)
