@@ -14,11 +14,17 @@ with KL = mean((v_theta - v_ref)^2) to the frozen base model, optionally divided
 sigma_t = 0.7 sqrt(t / (1 - t)) (the Flow-GRPO SDE's noise scale at t). ``ratio_mode=mean`` clips
 the ratio of the sample's mean surrogate over its times instead of each (sample, t) ratio.
 
-Times come from a shifted logit-normal (SD3's training distribution), uniform, or the rollout's grid;
-w(t) is 1, t, t^2, or a generalised Huber form sqrt(err + c^2) - c on the squared error.
+Authors' defaults (SD3.5, GenEval): K = 6 times per sample, one from each of 6 strata of the
+rollout's grid indices [1, 0.9 T) (t = 1 and the nearly clean end are never trained); the generalised
+Huber surrogate l = -t ((err + 1e-10)^0.25 - 1e-10^0.25) / 0.25; advantages clipped to +-5 and divided
+by 5; clip range 1; KL 1e-3 to the base and weight 1 on a KL to a lagging copy whose decay is
+min(0.001 n, 0.3) after n optimizer steps. Times may also be logit-normal with shift, uniform, or K of
+the grid times. The authors draw one set of times per micro-batch; here every sample draws its own
+(from its own stream), so the rows do not depend on how they are batched.
+
 The old policy is the trained weights at the start of the update; while no optimizer step has been
-taken since (one minibatch per iteration), l_old equals l_theta without its gradient and its forward
-is skipped.
+taken since (one minibatch per iteration, the authors' setting), l_old equals l_theta without its
+gradient and its forward is skipped: the ratio is exactly 1 and the gradient is -A grad(l).
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from __future__ import annotations
 import torch
 
 from .base import MicroLoss, Objective, UpdateContext
-from .forward_rows import (SampleRows, build_sample_rows, logit_normal_times, per_row_mean, rollout_times,
-                           uniform_times)
-from .old_policy import OldPolicy
+from .forward_rows import (SampleRows, build_sample_rows, grid_strata_times, logit_normal_times, per_row_mean,
+                           rollout_times, uniform_times)
+from .old_policy import DecaySchedule, OldPolicy
 
 #: the Flow-GRPO SDE noise level behind the KL's optional 1 / (2 sigma_t^2)
 KL_NOISE_LEVEL = 0.7
@@ -40,25 +46,30 @@ def time_sampler(opt, sigmas: torch.Tensor):
         return logit_normal_times(opt.logit_mean, opt.logit_std, opt.time_shift)
     if opt.time_sampler == "uniform":
         return uniform_times()
+    if opt.time_sampler == "grid_strata":
+        return grid_strata_times(sigmas)
     return rollout_times(sigmas)
 
 
-def fm_log_likelihood(v: torch.Tensor, target: torch.Tensor, t: torch.Tensor, weighting: str = "uniform",
-                      huber_c: float = 1e-3) -> torch.Tensor:
-    """AWM's surrogate l = -w(t) * err per row [R], err = mean((v - target)^2) over non-batch dims.
+def fm_log_likelihood(v: torch.Tensor, target: torch.Tensor, t: torch.Tensor, weighting: str = "ghuber",
+                      power: float = 0.25) -> torch.Tensor:
+    """AWM's surrogate l = -w(t) f(err) per row [R], err = mean((v - target)^2) over non-batch dims.
 
-    ``weighting``: uniform (w = 1) | t | t2 (w = t^2) | huber (sqrt(err + c^2) - c in place of err)."""
-    err = per_row_mean((v - target) ** 2)
+    ``weighting``: ghuber (w = t, f = ((err + 1e-10)^p - 1e-10^p) / p) | uniform (w = 1, f = err) |
+    t (w = t) | t2 (w = t^2). Computed in float64, as the authors do (the ghuber power of a tiny
+    error is ill-conditioned in float32)."""
+    err = per_row_mean((v.double() - target.double()) ** 2)
     t = t.to(err)
+    if weighting == "ghuber":
+        delta = 1e-10
+        return (-t * ((err + delta) ** power - delta**power) / power).to(v.dtype)
     if weighting == "uniform":
-        return -err
+        return (-err).to(v.dtype)
     if weighting == "t":
-        return -t * err
+        return (-t * err).to(v.dtype)
     if weighting == "t2":
-        return -(t**2) * err
-    if weighting == "huber":
-        return -(torch.sqrt(err + huber_c**2) - huber_c)
-    raise ValueError(f"unknown awm weighting {weighting!r}; valid: uniform, t, t2, huber")
+        return (-(t**2) * err).to(v.dtype)
+    raise ValueError(f"unknown awm weighting {weighting!r}; valid: ghuber, uniform, t, t2")
 
 
 def ppo_clip_loss(log_ratio: torch.Tensor, adv: torch.Tensor, clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +81,9 @@ def ppo_clip_loss(log_ratio: torch.Tensor, adv: torch.Tensor, clip_range: float)
 
 
 def kl_sigma_factor(t: torch.Tensor, noise_level: float = KL_NOISE_LEVEL) -> torch.Tensor:
-    """1 / (2 sigma_t^2) with sigma_t = a sqrt(t / (1 - t)), t clamped away from 0 and 1."""
-    t = t.clamp(1e-3, 1 - 1e-3)
-    return 1.0 / (2 * noise_level**2 * t / (1 - t))
+    """1 / (2 sigma_t^2) with sigma_t = a sqrt(t / (1 - min(t, 0.99))) (t floored at 1e-4)."""
+    t = t.clamp(min=1e-4)
+    return 1.0 / (2 * noise_level**2 * t / (1 - t.clamp(max=0.99)))
 
 
 class AWMObjective(Objective):
@@ -86,8 +97,10 @@ class AWMObjective(Objective):
         self.needs_reference = self.opt.kl_beta > 0
         self.old: OldPolicy | None = None
         self.ema: OldPolicy | None = None
+        self.schedule = DecaySchedule(0, self.opt.ema_decay_rate, self.opt.ema_decay_cap)
         self._policy = None
-        self._steps = 0
+        self._steps = 0  # optimizer steps of this update (the old weights differ from the live ones after one)
+        self.steps = 0  # optimizer steps of the run: the lagging copy's decay clock
 
     def setup(self, policy) -> None:
         self._policy = policy
@@ -112,9 +125,9 @@ class AWMObjective(Objective):
                 v_old = self.old.velocity(policy, x_in, rows.t, cond, o.train_guidance).float()
             v_ema = self.ema.velocity(policy, x_in, rows.t, cond, o.train_guidance).float() if self.ema else None
             v = policy.velocity(x_in, rows.t, cond, o.train_guidance).float()
-        ll = fm_log_likelihood(v, target, t, o.weighting, o.huber_c)
-        ll_old = ll.detach() if v_old is None else fm_log_likelihood(v_old, target, t, o.weighting, o.huber_c)
-        adv = rows.advantage.to(ll.device).clamp(-o.adv_clip, o.adv_clip)
+        ll = fm_log_likelihood(v, target, t, o.weighting, o.ghuber_power)
+        ll_old = ll.detach() if v_old is None else fm_log_likelihood(v_old, target, t, o.weighting, o.ghuber_power)
+        adv = rows.advantage.to(ll.device).clamp(-o.adv_clip, o.adv_clip) / o.adv_clip
         log_ratio = ll - ll_old
         if o.ratio_mode == "mean":  # one ratio per sample: the mean of its rows' surrogates
             leaf, inv = torch.unique(rows.leaf, return_inverse=True)
@@ -154,13 +167,20 @@ class AWMObjective(Objective):
 
     def after_step(self, ctx: UpdateContext) -> None:
         self._steps += 1
-        if self.ema is not None:
-            self.ema.move_toward(ctx.policy, self.opt.ema_kl_decay)
+        self.steps += 1
+
+    def after_update(self, ctx: UpdateContext) -> dict[str, float]:
+        if self.ema is None:
+            return {}
+        decay = self.schedule(self.steps)  # once per iteration, as the authors update their "ema" adapter
+        self.ema.move_toward(ctx.policy, decay)
+        return {"awm_ema_decay": decay}
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
+        return {"ema": self.ema.state_dict(), "steps": self.steps} if self.ema is not None else {"steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state.get("steps", 0))
         if "ema" in state and self.ema is not None:
             self.ema.load_state_dict(state["ema"], self._policy)
 

@@ -138,6 +138,22 @@ def rollout_times(sigmas: Tensor) -> TimeSampler:
     return draw
 
 
+def grid_strata_times(sigmas: Tensor, fraction: float = 0.9, first: int = 1) -> TimeSampler:
+    """One grid time from each of K strata of the grid indices [first, floor(fraction T)): boundaries
+    linspace(first, floor(fraction T), K + 1) cast down, an index drawn uniformly in each stratum
+    (AWM's 'discrete_wo_init': t = 1 and the last, nearly clean, times are never trained)."""
+    grid = sigmas[:-1].float().cpu()
+    hi = max(int(len(grid) * fraction), first + 1)
+
+    def draw(k: int, gen: torch.Generator) -> Tensor:
+        bounds = torch.linspace(first, hi, k + 1).long()
+        lo, width = bounds[:-1], (bounds[1:] - bounds[:-1]).clamp(min=1)
+        idx = lo + (torch.rand(k, generator=gen) * width).long()
+        return grid[idx.clamp(max=len(grid) - 1)]
+
+    return draw
+
+
 def logit_normal_times(mean: float = 0.0, std: float = 1.0, shift: float = 1.0, eps: float = 1e-3) -> TimeSampler:
     """t = shift(sigmoid(mean + std * n)), n ~ N(0, 1), with the timestep shift
     s t / (1 + (s - 1) t), clamped to [eps, 1 - eps] (SD3's training distribution)."""

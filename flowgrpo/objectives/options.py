@@ -31,20 +31,21 @@ class NFTOptions:
 
 @dataclass
 class AWMOptions:
-    clip_range: float = _f(1e-4, "PPO clip epsilon on the ratio exp(l - l_old) of the flow-matching log-likelihood surrogates")
-    kl_beta: float = _f(0.0, "weight of the KL term mean((v - v_ref)^2) against the frozen base model (0: no reference pass)")
-    kl_sigma_weighting: bool = _f(False, "divide the KL term by 2 sigma_t^2, sigma_t = 0.7 sqrt(t / (1 - t)) (the Flow-GRPO SDE's noise scale)")
-    ema_kl_beta: float = _f(0.0, "weight of a KL term to an EMA of the trained weights (0: off)")
-    ema_kl_decay: float = _f(0.95, "decay per update of the EMA behind ema_kl_beta")
-    timesteps: int = _f(4, "training times per sample")
-    time_sampler: Literal["logit_normal", "uniform", "rollout"] = _f("logit_normal", "how training times are drawn: logit_normal (with shift) | uniform | rollout (the rollout's grid)")
+    clip_range: float = _f(1.0, "PPO clip epsilon on the ratio exp(l - l_old) (the authors: 1; on-policy with one step per iteration the ratio is 1 anyway)")
+    kl_beta: float = _f(1e-3, "weight of the KL term mean((v - v_ref)^2) against the frozen base model (the authors: 1e-3 GenEval, 3e-3 OCR, 1e-4 PickScore; 0: no reference pass)")
+    kl_sigma_weighting: bool = _f(False, "divide the KL term by 2 sigma_t^2, sigma_t = 0.7 sqrt(t / (1 - min(t, 0.99))) (the authors' ELBO option)")
+    ema_kl_beta: float = _f(1.0, "weight of a KL term mean((v - v_ema)^2) to a lagging copy of the trained weights (0: off)")
+    ema_decay_rate: float = _f(0.001, "lagging copy: decay d(n) = min(n * rate, cap) after each iteration, n = optimizer steps so far")
+    ema_decay_cap: float = _f(0.3, "lagging copy: cap of the decay")
+    timesteps: int = _f(6, "training times per sample")
+    time_sampler: Literal["grid_strata", "logit_normal", "uniform", "rollout"] = _f("grid_strata", "grid_strata: one grid time from each of K strata of the rollout's grid indices [1, 0.9 T) (the authors' 'discrete_wo_init') | logit_normal (with shift) | uniform | rollout (K of the grid times)")
     logit_mean: float = _f(0.0, "logit-normal time sampler: mean")
     logit_std: float = _f(1.0, "logit-normal time sampler: std")
-    time_shift: float = _f(3.0, "timestep shift s of drawn times: s t / (1 + (s - 1) t)")
-    weighting: Literal["uniform", "t", "t2", "huber"] = _f("uniform", "per-time weight of the surrogate l = -w(t) mean((v - u)^2): uniform | t | t2 | huber (generalised Huber on the squared error)")
-    huber_c: float = _f(1e-3, "huber weighting: c of sqrt(err + c^2) - c")
+    time_shift: float = _f(3.0, "logit-normal time sampler: shift s, t -> s t / (1 + (s - 1) t)")
+    weighting: Literal["ghuber", "uniform", "t", "t2"] = _f("ghuber", "surrogate l = -w(t) f(err), err = mean((v - u)^2): ghuber (w = t, f = ((err + 1e-10)^p - 1e-10^p) / p, the authors' default) | uniform | t | t2 (f = err)")
+    ghuber_power: float = _f(0.25, "p of the ghuber weighting")
     ratio_mode: Literal["per_timestep", "mean"] = _f("per_timestep", "clip each (sample, t) ratio (per_timestep) or the ratio of the mean surrogate over a sample's times (mean)")
-    adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip")
+    adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip and divided by it (the authors: 5)")
     train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free)")
 
 
@@ -80,10 +81,11 @@ def check_objective_options(loss_cfg) -> None:
                    ("nft.train_guidance", n.train_guidance), ("awm.train_guidance", a.train_guidance),
                    ("dgpo.train_guidance", d.train_guidance)):
         need(v > 0, key, v, "> 0")
-    for key, v in (("nft.decay_cap", n.decay_cap), ("awm.ema_kl_decay", a.ema_kl_decay), ("dgpo.ema_decay", d.ema_decay)):
+    for key, v in (("nft.decay_cap", n.decay_cap), ("awm.ema_decay_cap", a.ema_decay_cap), ("dgpo.ema_decay", d.ema_decay)):
         need(0 <= v < 1, key, v, "in [0, 1)")
     need(n.decay_flat >= 0, "nft.decay_flat", n.decay_flat, ">= 0")
     need(n.timesteps >= 0, "nft.timesteps", n.timesteps, ">= 0 (0: every grid time)")
     for key, v in (("awm.timesteps", a.timesteps), ("dgpo.timesteps", d.timesteps)):
         need(v >= 1, key, v, ">= 1")
-    need(a.huber_c > 0, "awm.huber_c", a.huber_c, "> 0")
+    need(a.ghuber_power > 0, "awm.ghuber_power", a.ghuber_power, "> 0")
+    need(a.ema_decay_rate >= 0, "awm.ema_decay_rate", a.ema_decay_rate, ">= 0")
