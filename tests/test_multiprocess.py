@@ -91,6 +91,40 @@ def test_two_processes_make_the_same_parameter_update_as_one(one_and_two):
             assert math.isclose(r["metrics"][0][key], one["metrics"][0][key], rel_tol=1e-5, abs_tol=1e-7), key
 
 
+# ----------------------------------------------------------------------------- forward-process objectives
+
+OBJECTIVES = {"nft": {"loss.objective": "nft", "loss.nft.timesteps": 2},
+              "awm": {"loss.objective": "awm", "loss.awm.timesteps": 2},
+              "dgpo": {"loss.objective": "dgpo", "loss.dgpo.timesteps": 2}}
+
+
+@pytest.mark.parametrize("objective,engine", [("nft", "ddp"), ("awm", "ddp"), ("dgpo", "ddp"), ("nft", "fsdp"),
+                                              ("dgpo", "fsdp")])
+def test_forward_objectives_on_two_processes_make_the_one_process_update(shapes_model_dir, tmp_path, objective, engine):
+    """Rows are seeded per leaf and DGPO's group margins are gathered over ranks: 2 processes (a group
+    spans both) make the 1-process update; under FSDP the extra no-grad passes stay in lock-step."""
+    extra = {"data.prompts_per_iteration": 3, "data.trees_per_prompt": 4, "train.micro_batch": 5,
+             "sampler.strategy": "ode", "reward.weights": "{test_brightness: 1.0}", "log.trackers": "[]"}
+    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **extra, **OBJECTIVES[objective])
+    one = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "one"), "2", *ov], env=cli_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _launch(2, [str(tmp_path / "two"), "2", *ov], config=FSDP_CONFIG if engine == "fsdp" else None)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = torch.load(tmp_path / "one" / "rank0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["local_trees"][0] == [0, 1, 2, 3, 4, 5]  # prompt 1's group spans the ranks
+    moved = 0.0
+    for it in range(2):
+        for name, w in a["weights"][it].items():
+            for r in ranks:
+                assert (r["weights"][it][name] - w).abs().max() <= 1e-6, (objective, it, name)
+            moved = max(moved, float((w - a["weights"][0][name]).abs().max()))
+    assert moved > 1e-4
+    for r in ranks:
+        assert math.isclose(r["metrics"][0]["loss"], a["metrics"][0]["loss"], rel_tol=1e-5, abs_tol=1e-7)
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 

@@ -48,7 +48,7 @@ def time_sampler(opt, sigmas: torch.Tensor):
         return uniform_times()
     if opt.time_sampler == "grid_strata":
         return grid_strata_times(sigmas)
-    return rollout_times(sigmas)
+    return rollout_times(sigmas, getattr(opt, "time_fraction", 1.0))
 
 
 def fm_log_likelihood(v: torch.Tensor, target: torch.Tensor, t: torch.Tensor, weighting: str = "ghuber",

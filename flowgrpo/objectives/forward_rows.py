@@ -14,6 +14,7 @@ however the rows are batched: data-parallel runs make the 1-process update.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -123,11 +124,12 @@ def build_sample_rows(collected, credit, seed: int, times: TimeSampler, per_leaf
     )
 
 
-def rollout_times(sigmas: Tensor) -> TimeSampler:
-    """Times from a rollout's grid: K of the T grid times sigma_0..sigma_{T-1} (all of them when
-    K = T, in order; else a random subset of K, sorted), as DiffusionNFT trains on the rollout's own
-    timesteps."""
+def rollout_times(sigmas: Tensor, fraction: float = 1.0) -> TimeSampler:
+    """Times from a rollout's grid: K of the first ceil(fraction T) grid times sigma_0.. (all of them
+    when K is that many, in order; else a random subset of K, sorted), as DiffusionNFT (fraction 1) and
+    DGPO (0.7) train on the rollout's own timesteps."""
     grid = sigmas[:-1].float().cpu()
+    grid = grid[:max(1, math.ceil(fraction * len(grid) - 1e-9))]
 
     def draw(k: int, gen: torch.Generator) -> Tensor:
         if k >= len(grid):

@@ -51,16 +51,17 @@ class AWMOptions:
 
 @dataclass
 class DGPOOptions:
-    beta_dpo: float = _f(100.0, "beta of the group-level Bradley-Terry likelihood log sigmoid(beta (R(G+) - R(G-)))")
+    beta_dpo: float = _f(100.0, "beta of the group-level Bradley-Terry likelihood log sigmoid(R(G+) - R(G-)), r_i = -beta d_i (the authors: 100 with CFG rollouts, 10 PickScore, 2000-5000 with an EMA reference)")
     kl_beta: float = _f(1e-3, "weight of the KL term mean((v - v_ref)^2) against the reference (0: no KL pass)")
     reference: Literal["frozen", "ema"] = _f("frozen", "the DPO reference: the frozen base model, or an EMA of the trained weights")
-    ema_decay: float = _f(0.99, "decay per update of the EMA reference (reference=ema)")
-    timesteps: int = _f(2, "training times per sample")
-    time_sampler: Literal["logit_normal", "uniform", "rollout"] = _f("uniform", "how training times are drawn: logit_normal | uniform | rollout (the rollout's grid)")
+    ema_decay: float = _f(0.3, "decay per optimizer step of the EMA reference (reference=ema)")
+    timesteps: int = _f(4, "training times per sample (the authors: 4)")
+    time_sampler: Literal["rollout", "grid_strata", "logit_normal", "uniform"] = _f("rollout", "rollout: K of the first time_fraction of the rollout's grid times (the authors) | grid_strata | logit_normal | uniform")
+    time_fraction: float = _f(0.7, "rollout time sampler: the first fraction of the grid to draw from (the authors: 7 of 10 steps, 5 for GenEval)")
     logit_mean: float = _f(0.0, "logit-normal time sampler: mean")
     logit_std: float = _f(1.0, "logit-normal time sampler: std")
-    time_shift: float = _f(1.0, "timestep shift s of drawn times")
-    train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free)")
+    time_shift: float = _f(1.0, "logit-normal time sampler: shift s")
+    train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free, as the authors train)")
 
 
 def check_objective_options(loss_cfg) -> None:
@@ -87,5 +88,6 @@ def check_objective_options(loss_cfg) -> None:
     need(n.timesteps >= 0, "nft.timesteps", n.timesteps, ">= 0 (0: every grid time)")
     for key, v in (("awm.timesteps", a.timesteps), ("dgpo.timesteps", d.timesteps)):
         need(v >= 1, key, v, ">= 1")
+    need(0 < d.time_fraction <= 1, "dgpo.time_fraction", d.time_fraction, "in (0, 1]")
     need(a.ghuber_power > 0, "awm.ghuber_power", a.ghuber_power, "> 0")
     need(a.ema_decay_rate >= 0, "awm.ema_decay_rate", a.ema_decay_rate, ">= 0")
