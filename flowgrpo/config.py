@@ -337,6 +337,33 @@ def _check_trackers(trackers: list) -> None:
             raise ConfigError(f"config key 'log.trackers': unknown tracker {t!r}; valid choices: {', '.join(valid)}")
 
 
+#: numeric fields and their allowed ranges: (key, low, high, low inclusive); NaN and inf are never allowed
+RANGES = [
+    ("sampler.noise_level", 0.0, None, True), ("sampler.shift", 0.0, None, False),
+    ("loss.clip_range", 0.0, None, False), ("loss.clip_adapt", 0.0, None, True), ("loss.beta", 0.0, None, True),
+    ("loss.sft_weight", 0.0, None, True), ("loss.anchor_weight", 0.0, None, True),
+    ("train.lr", 0.0, None, False), ("train.weight_decay", 0.0, None, True), ("train.adam_eps", 0.0, None, False),
+    ("train.max_grad_norm", 0.0, None, False), ("train.ema_decay", 0.0, 1.0, True), ("train.max_minutes", 0.0, None, True),
+    ("model.guidance_scale", 0.0, None, True), ("advantage.clip", 0.0, None, False), ("advantage.eps", 0.0, None, True),
+]
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    """Every numeric field in :data:`RANGES` is finite and within its range (one line naming the key)."""
+    import math
+
+    for key, lo, hi, lo_incl in RANGES:
+        sec, name = key.split(".")
+        v = getattr(getattr(cfg, sec), name)
+        bad = not math.isfinite(v) or (v < lo if lo_incl else v <= lo) or (hi is not None and v >= hi)
+        if bad:
+            want = f"{'>=' if lo_incl else '>'} {lo}" + (f" and < {hi}" if hi is not None else "")
+            raise ConfigError(f"config key '{key}' must be a finite number {want}, got {v!r}")
+    betas = cfg.train.adam_betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"config key 'train.adam_betas' must be two numbers in [0, 1), got {betas!r}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options."""
     check_choices(cfg)
@@ -350,6 +377,7 @@ def validate(cfg: RunConfig) -> None:
         sec, name = key.split(".")
         if getattr(getattr(cfg, sec), name) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(getattr(cfg, sec), name)}")
+    _check_ranges(cfg)
     if not 0.0 < cfg.train.timestep_fraction <= 1.0:
         raise ConfigError(f"config key 'train.timestep_fraction' must be in (0, 1], got {cfg.train.timestep_fraction}")
     if not cfg.reward.weights:
