@@ -216,7 +216,8 @@ def _cmd_serve_reward(args) -> int:
 
     return serve_reward(args.reward, args.option, host=args.host, port=args.port, token_env=args.token_env,
                         max_batch=args.max_batch, window_ms=args.window_ms, max_body_mb=args.max_body_mb,
-                        max_image_pixels=args.max_image_pixels, log_level=args.log_level)
+                        max_image_pixels=args.max_image_pixels, max_decoded_mb=args.max_decoded_mb,
+                        max_images=args.max_images, body_timeout_s=args.body_timeout_s, log_level=args.log_level)
 
 
 def _cmd_build_ext(args) -> int:
@@ -293,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--window-ms", type=float, default=5.0, help="how long a batch waits for more requests")
     s.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body in MiB")
     s.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image (width x height)")
+    from .serve.codec import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_DECODED_MB, DEFAULT_MAX_IMAGES
+
+    s.add_argument("--max-decoded-mb", type=float, default=DEFAULT_MAX_DECODED_MB,
+                   help="decoded images per request and per reward call (float32 RGB), MiB; larger requests get 413")
+    s.add_argument("--max-images", type=int, default=DEFAULT_MAX_IMAGES,
+                   help="images per request (also bounds a pairwise reward's pairs); more get 413")
+    s.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds for a request body to arrive (408 after)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=_cmd_serve_reward)
     x = sub.add_parser("build-ext", help="build the fused loss extension ahead of time")

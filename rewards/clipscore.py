@@ -1,8 +1,9 @@
 """CLIPScore: image-text agreement of any open_clip model (architecture + pretrained tag or checkpoint).
 
-``formula="cosine"`` (default): the cosine of the L2-normalised image and text embeddings.
-``formula="clipscore"``: the CLIPScore paper's (Hessel et al., 2021) ``2.5 * max(cos, 0)``, with the
-prompt prefixed by "A photo depicts " as in the paper's reference code (``prefix`` overrides).
+``formula="clipscore"`` (default): the published metric, CLIPScore (Hessel et al., 2021),
+``2.5 * max(cos, 0)`` of the L2-normalised image and text embeddings, with the prompt prefixed by
+"A photo depicts " as in the paper's reference code (``prefix`` overrides). ``formula="cosine"``:
+the raw cosine, unclamped and unscaled, without a prefix (opt-in: it is not the published metric).
 The result is multiplied by ``scale``; the raw cosine is always the component ``cosine``.
 
 Preprocessing: ``preprocess="tensor"`` (default) resizes on the reward's device as open_clip's eval
@@ -26,16 +27,17 @@ class CLIPScoreReward(OpenClipReward):
     """``reward(images [B, 3, H, W] in [0, 1], prompts [B]) -> scale * f(cos)`` for an open_clip model.
 
     Options: ``model_name`` (open_clip architecture, "ViT-L-14"), ``pretrained`` (a tag such as
-    "openai" or a checkpoint path), ``device``, ``batch_size``, ``scale`` (1.0), ``formula``
-    ("cosine" | "clipscore"), ``prefix`` (prepended to prompts; default "A photo depicts " for
-    "clipscore", "" for "cosine"), ``preprocess`` ("tensor" | "pil"), ``quick_gelu`` (None: as the
-    pretrained tag says, e.g. True for "openai"; set it for a checkpoint of a QuickGELU model).
+    "openai" or a checkpoint path), ``device``, ``batch_size``, ``scale`` (1.0, a multiplier),
+    ``formula`` ("clipscore": the paper's ``2.5 * max(cos, 0)``, default | "cosine": the raw cosine),
+    ``prefix`` (prepended to prompts; default "A photo depicts " for "clipscore", "" for "cosine"),
+    ``preprocess`` ("tensor" | "pil"), ``quick_gelu`` (None: as the pretrained tag says, e.g. True
+    for "openai"; set it for a checkpoint of a QuickGELU model).
     """
 
     name = "clipscore"
 
     def __init__(self, model_name: str = "ViT-L-14", pretrained: str = "openai", device: str | None = None,
-                 batch_size: int = 16, scale: float = 1.0, formula: str = "cosine", prefix: str | None = None,
+                 batch_size: int = 16, scale: float = 1.0, formula: str = "clipscore", prefix: str | None = None,
                  preprocess: str = "tensor", quick_gelu: bool | None = None):
         self.device = resolve_device(device)
         self.batch_size = positive_int("clipscore batch_size", batch_size)

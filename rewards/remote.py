@@ -1,14 +1,13 @@
 """The ``remote`` reward: score images on a flowgrpo reward server (``flowgrpo serve-reward``).
 
-The wire format is JSON only (never pickle)::
-
-    POST {url}/score   {"prompts": [str], "images": [base64 PNG], "groups": [int] (optional)}
-                    -> {"scores": [float | null], "components": {name: [float | null]}}
+The wire format (JSON only, never pickle) is in :mod:`flowgrpo.rewards.wire`, shared with the server.
 
 Images travel as 8-bit PNG after ``round(x * 255)``, the quantisation the shapes, JPEG and OCR
 rewards apply before scoring, so their remote scores equal the in-process ones (a reward that reads
-float pixels sees them quantised to 1/255). ``null`` (a failed sample) comes back as NaN. Requests hold at most ``batch_size`` images and never split a group (pairwise rewards
-compare within groups); without groups, images of one prompt stay together.
+float pixels sees them quantised to 1/255). ``null`` (a failed sample) comes back as NaN. Requests
+hold at most ``batch_size`` images and never split a group (pairwise rewards compare within groups);
+without groups, images of one prompt stay together. A request over the server's limits (images per
+request, decoded size) is refused with a 413 naming the limit: lower ``batch_size``.
 
 Connection errors, timeouts, 429 and 5xx answers are retried ``retries`` times with exponential
 backoff (``backoff``, ``2 * backoff``, ...); then :class:`~flowgrpo.errors.RewardUnavailableError`
@@ -18,72 +17,17 @@ other 4xx answer is an immediate :class:`~flowgrpo.errors.UserError` with the se
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import io
 import os
 import time
-from collections.abc import Hashable, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from flowgrpo.errors import ConfigError, RewardUnavailableError, UserError
 
 from .base import RewardOutput
-
-
-def to_uint8_hwc(images: Tensor) -> np.ndarray:
-    """images [B, 3, H, W] float in [0, 1] -> uint8 array [B, H, W, 3] (``round(x * 255)``)."""
-    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-
-
-def encode_png_b64(images: Tensor) -> list[str]:
-    """images [B, 3, H, W] float in [0, 1] -> B base64 strings of 8-bit RGB PNGs (lossless)."""
-    from PIL import Image
-
-    out = []
-    for img in to_uint8_hwc(images):
-        buf = io.BytesIO()
-        Image.fromarray(np.ascontiguousarray(img)).save(buf, format="PNG", compress_level=1)
-        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
-    return out
-
-
-def pack_groups(keys: Sequence[Hashable], limit: int) -> list[list[int]]:
-    """Indices [B] packed into chunks of at most ``limit`` that never split a key's members.
-
-    Keys (group ids or prompts) are taken in order of first appearance; a key with more than
-    ``limit`` members forms a chunk of its own. Returns lists of indices into ``keys``.
-    """
-    members: dict[Hashable, list[int]] = {}
-    for i, k in enumerate(keys):
-        members.setdefault(k, []).append(i)
-    chunks: list[list[int]] = []
-    cur: list[int] = []
-    for idx in members.values():
-        if cur and len(cur) + len(idx) > limit:
-            chunks.append(cur)
-            cur = []
-        cur = cur + idx
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-
-def one_line(text: object, limit: int = 300) -> str:
-    """``text`` with all whitespace runs collapsed to one space, cut to ``limit`` characters."""
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[:limit - 3] + "..."
-
-
-def _floats(values, n: int, what: str) -> Tensor:
-    if not isinstance(values, list) or len(values) != n:
-        raise ValueError(f"{what} is not a list of {n} numbers")
-    if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
-        raise ValueError(f"{what} holds something other than numbers and null")
-    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+from .wire import encode_png_b64, one_line, pack_groups, parse_floats
 
 
 class RemoteReward:
@@ -130,12 +74,12 @@ class RemoteReward:
                 body["groups"] = [group_list[i] for i in idx]
             answer = self._post(body)
             try:
-                scores[idx] = _floats(answer.get("scores"), len(idx), "scores")
+                scores[idx] = parse_floats(answer.get("scores"), len(idx), "scores")
                 raw_comps = answer.get("components") or {}
                 if not isinstance(raw_comps, dict):
                     raise ValueError("components is not a mapping")
                 for k, v in raw_comps.items():
-                    comps.setdefault(str(k), torch.full((n,), float("nan"), dtype=torch.float32))[idx] = _floats(
+                    comps.setdefault(str(k), torch.full((n,), float("nan"), dtype=torch.float32))[idx] = parse_floats(
                         v, len(idx), f"components.{k}")
             except (AttributeError, ValueError) as exc:
                 raise UserError(f"reward server {self.endpoint} sent a malformed answer: {one_line(exc)}") from None

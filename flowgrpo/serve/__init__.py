@@ -8,7 +8,9 @@ Endpoints (see :mod:`flowgrpo.serve.app`)::
     GET  /stats   -> {"requests", "batches", "images", "batch_sizes": {size: count}}
 
 Concurrent requests are batched (:mod:`flowgrpo.serve.batcher`); the ``remote`` reward
-(:mod:`flowgrpo.rewards.remote`) is the client. Needs the ``remote`` extra (fastapi, uvicorn).
+(:mod:`flowgrpo.rewards.remote`) is the client, and :mod:`flowgrpo.rewards.wire` holds the protocol
+helpers both sides use. Limits on memory and time per request: :func:`flowgrpo.serve.app.create_app`.
+Needs the ``remote`` extra (fastapi, uvicorn).
 """
 
 from .server import ServerThread, free_port, is_loopback, resolve_token, serve_reward, start_server_process

@@ -1,14 +1,16 @@
 """Batching concurrent ``/score`` requests into few reward calls, off the event loop.
 
 A request is cut into *parts* of at most ``max_batch`` images that never split a group. One asyncio
-task takes the pending parts, up to ``max_batch`` images, and runs the reward on them in a single
-worker thread (the event loop keeps answering). While other requests are still arriving (being read
-or decoded: ``arriving``), it waits for them up to ``window_s`` after the first part; with none on
-the way it starts at once, so a lone client pays no window. Requests that come while a batch runs
-queue up and form the next one.
-Within a batch, images of one size are scored together; each part's group ids are made distinct
-from the other parts', so grouping is exactly what the request asked for. Results are split back.
-If a batch fails, its parts are retried one by one so that one bad request fails only itself.
+task takes the pending parts, up to ``max_batch`` images and ``max_bytes`` of decoded images (float32
+RGB, as the reward receives them), and runs the reward on them in a single worker thread (the event
+loop keeps answering). While other requests are still arriving (being read or decoded:
+``arriving``), it waits for them up to ``window_s`` after the first part; with none on the way it
+starts at once, so a lone client pays no window. Requests that come while a batch runs queue up and
+form the next one. Images wait as uint8 and become float in [0, 1] only inside the batch that scores
+them, so a queued image costs a quarter of what the reward sees. Within a batch, images of one size
+are scored together; each part's group ids are made distinct from the other parts', so grouping is
+exactly what the request asked for. Results are split back. If a batch fails, its parts are retried
+one by one so that one bad request fails only itself.
 """
 
 from __future__ import annotations
@@ -23,23 +25,43 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..rewards.remote import pack_groups
+from ..rewards.wire import pack_groups
+from .codec import decoded_bytes
 
 
 @dataclass
 class Part:
-    """Up to ``max_batch`` images of one request: images [1, 3, H, W] each, prompts, group keys."""
+    """Up to ``max_batch`` images of one request: images [1, 3, H, W] each (uint8, or float in
+    [0, 1]), prompts, group keys; ``nbytes``: their decoded size (:func:`~.codec.decoded_bytes`)."""
 
     images: list[Tensor]
     prompts: list[str]
     groups: list
     future: asyncio.Future = field(default=None, repr=False)
+    nbytes: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.nbytes = sum(decoded_bytes(img) for img in self.images)
 
 
 @dataclass
 class PartResult:
     scores: Tensor  # [n] float32
     components: dict[str, Tensor]  # name -> [n] float32
+
+
+def _float_batch(images: list[Tensor]) -> Tensor:
+    """Images [1, 3, H, W] of one size (uint8, or float in [0, 1]) -> float32 [n, 3, H, W] in [0, 1].
+
+    Filled image by image: the batch's float copy is the only one (``torch.cat`` of the uint8
+    images first would add a quarter more), and it lives only while the batch is scored.
+    """
+    out = torch.empty((len(images), *images[0].shape[1:]), dtype=torch.float32)
+    for k, img in enumerate(images):
+        out[k].copy_(img[0])
+        if img.dtype == torch.uint8:
+            out[k].div_(255.0)  # as uint8 -> float -> / 255: the same float32 values
+    return out
 
 
 def _score_parts(reward, parts: list[Part]) -> list[PartResult]:
@@ -54,7 +76,7 @@ def _score_parts(reward, parts: list[Part]) -> list[PartResult]:
     for k, item in enumerate(flat):
         by_size.setdefault(tuple(item[2].shape[-2:]), []).append(k)
     for rows in by_size.values():
-        images = torch.cat([flat[k][2] for k in rows])
+        images = _float_batch([flat[k][2] for k in rows])
         out = reward(images, [flat[k][3] for k in rows], groups=torch.tensor([flat[k][4] for k in rows]))
         scores = out.scores.detach().float().cpu().reshape(-1)
         comps = {name: v.detach().float().cpu().reshape(-1) for name, v in out.components.items()}
@@ -72,9 +94,10 @@ def _score_parts(reward, parts: list[Part]) -> list[PartResult]:
 class Batcher:
     """Collects :class:`Part` s and scores them in batches (see the module docstring)."""
 
-    def __init__(self, reward, max_batch: int = 32, window_s: float = 0.005):
+    def __init__(self, reward, max_batch: int = 32, window_s: float = 0.005, max_bytes: float = float("inf")):
         self.reward = reward
         self.max_batch = max(1, int(max_batch))
+        self.max_bytes = max_bytes  # a part alone may exceed it (the app keeps requests within it)
         self.window_s = float(window_s)
         self.queue: asyncio.Queue[Part] | None = None
         self._task: asyncio.Task | None = None
@@ -97,8 +120,9 @@ class Batcher:
 
     async def score(self, images: list[Tensor], prompts: list[str], groups: list[int] | None
                     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Score one request: images [1, 3, H, W] each (sizes may differ), prompts [B], groups [B] or
-        None (then the images of one prompt form a group). Returns scores [B] and components [B]."""
+        """Score one request: images [1, 3, H, W] each (uint8 or float in [0, 1]; sizes may differ),
+        prompts [B], groups [B] or None (then the images of one prompt form a group). Returns scores
+        [B] and components [B]."""
         keys = list(groups) if groups is not None else list(prompts)
         loop = asyncio.get_running_loop()
         parts = []
@@ -124,9 +148,9 @@ class Batcher:
         while True:
             first = carry if carry is not None else await self.queue.get()
             carry = None
-            batch, count = [first], len(first.images)
+            batch, count, nbytes = [first], len(first.images), first.nbytes
             deadline = time.monotonic() + self.window_s
-            while count < self.max_batch:
+            while count < self.max_batch and nbytes < self.max_bytes:
                 left = deadline - time.monotonic()
                 try:
                     if self.queue.empty() and self.arriving > 0 and left > 0:
@@ -135,11 +159,12 @@ class Batcher:
                         nxt = self.queue.get_nowait()
                 except (asyncio.QueueEmpty, asyncio.TimeoutError):
                     break
-                if count + len(nxt.images) > self.max_batch:
+                if count + len(nxt.images) > self.max_batch or nbytes + nxt.nbytes > self.max_bytes:
                     carry = nxt
                     break
                 batch.append(nxt)
                 count += len(nxt.images)
+                nbytes += nxt.nbytes
             batch = [p for p in batch if not p.future.done()]  # a client that went away cancels its parts
             if batch:
                 await self._run(loop, batch)

@@ -1,7 +1,9 @@
 """Decoding and checking what a client sends to the reward server (JSON and PNG/JPEG only).
 
 Every check raises :class:`RequestError` with an HTTP status and a one-line reason; nothing here
-ever unpickles or evaluates client data.
+ever unpickles or evaluates client data. Memory is bounded before it is spent: the number of images
+per request is checked after parsing the JSON, and every image's size is read from its header (PNG
+IHDR, JPEG SOF) so that the request's decoded size is checked before any pixel is decompressed.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import base64
 import binascii
 import io
 import json
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -18,11 +19,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
-FORMATS = ("PNG", "JPEG")
+from ..rewards.wire import FIELDS, IMAGE_FORMATS
+
+#: decoded bytes counted per pixel: float32 RGB, the tensor the reward receives (the server itself
+#: holds uint8 until a batch is scored, a quarter of that)
+DECODED_BYTES_PER_PIXEL = 3 * 4
+MIB = 1024 * 1024
+
+# The server's default limits (options of create_app and serve_reward).
+DEFAULT_MAX_BODY_MB = 64
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+#: decoded images per request and per reward call, as float32 RGB: 64 images of 1024 x 1024 (768 MiB)
+#: fit, as do five of 4096 x 4096 (192 MiB each)
+DEFAULT_MAX_DECODED_MB = 1024
+#: images per request: a pairwise reward judges up to 256 * 255 / 2 = 32,640 pairs
+DEFAULT_MAX_IMAGES = 256
+#: seconds for a whole request body to arrive (64 MiB at about 1 MiB/s)
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 class RequestError(Exception):
-    """A bad request: ``status`` (400, 413, 415, 422, ...) and a one-line ``reason``."""
+    """A bad request: ``status`` (400, 408, 413, 415, 422, ...) and a one-line ``reason``."""
 
     def __init__(self, status: int, reason: str):
         super().__init__(reason)
@@ -39,18 +56,21 @@ class ScoreRequest:
     groups: list[int] | None
 
 
-def parse_score_request(body: bytes) -> ScoreRequest:
-    """The raw JSON body -> :class:`ScoreRequest`; malformed JSON is a 400, a wrong schema a 422."""
+def parse_score_request(body: bytes, max_images: int | None = None) -> ScoreRequest:
+    """The raw JSON body -> :class:`ScoreRequest`; malformed JSON is a 400, a wrong schema a 422,
+    more than ``max_images`` images a 413."""
     try:
         data = json.loads(body)
+    except RecursionError:  # "[[[[..." a few KB deep: the parser's recursion limit, not a server fault
+        raise RequestError(400, "malformed JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(400, f"malformed JSON: {' '.join(str(exc).split())}") from None
     if not isinstance(data, dict):
         raise RequestError(422, "the body must be a JSON object with 'prompts' and 'images'")
-    unknown = sorted(set(data) - {"prompts", "images", "groups"})
+    unknown = sorted(set(data) - set(FIELDS))
     if unknown:
-        raise RequestError(422, f"unknown field(s) {', '.join(map(repr, unknown))}; expected prompts, images, groups")
-    prompts, images, groups = data.get("prompts"), data.get("images"), data.get("groups")
+        raise RequestError(422, f"unknown field(s) {', '.join(map(repr, unknown))}; expected {', '.join(FIELDS)}")
+    prompts, images, groups = (data.get(k) for k in FIELDS)
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise RequestError(422, "'prompts' must be a list of strings")
     if not isinstance(images, list) or not all(isinstance(s, str) for s in images):
@@ -62,15 +82,53 @@ def parse_score_request(body: bytes) -> ScoreRequest:
             raise RequestError(422, "'groups' must be a list of integers")
         if len(groups) != len(images):
             raise RequestError(422, f"{len(groups)} groups but {len(images)} images")
+    if max_images is not None and len(images) > max_images:
+        # pairwise rewards judge every pair of a group: memory and time grow with the square
+        raise RequestError(413, f"the request holds {len(images)} images, more than the server's limit of "
+                                f"{max_images} per request (max_images); send fewer per request")
     return ScoreRequest(prompts, images, groups)
 
 
-def decode_image(text: str, max_pixels: int, index: int = 0) -> Tensor:
-    """One base64 PNG/JPEG -> float tensor [1, 3, H, W] in [0, 1] (``uint8 / 255``).
+def decoded_bytes(image: Tensor) -> int:
+    """What an image [1, 3, H, W] counts against the decoded-size limits (float32 RGB)."""
+    return image.shape[-1] * image.shape[-2] * DECODED_BYTES_PER_PIXEL
 
-    The size is checked from the header before any pixel is decompressed (a decompression bomb is a
-    413); anything that is not valid base64 or not a readable PNG/JPEG is a 400.
+
+def decode_images(texts: list[str], max_pixels: int, max_bytes: int) -> list[Tensor]:
+    """Base64 PNG/JPEG images -> uint8 tensors [1, 3, H, W] (the reward gets ``uint8 / 255``).
+
+    Every header is read first: an image over ``max_pixels`` (W * H; decompression bombs included)
+    or a request whose images would decode to more than ``max_bytes`` (see
+    :data:`DECODED_BYTES_PER_PIXEL`) is a 413 before any pixel is decompressed. Anything that is not
+    valid base64 or not a readable PNG/JPEG is a 400.
     """
+    opened = []
+    try:
+        total = 0
+        for i, text in enumerate(texts):
+            im = _open(text, i)
+            opened.append(im)
+            w, h = im.size
+            if w < 1 or h < 1 or w * h > max_pixels:
+                raise RequestError(413, f"image {i} is {w}x{h}: more than the server's limit of {max_pixels} "
+                                        f"pixels per image (max_image_pixels)")
+            total += w * h * DECODED_BYTES_PER_PIXEL
+        if total > max_bytes:
+            raise RequestError(413, f"the request's {len(texts)} images decode to {total / MIB:.0f} MiB (float32 "
+                                    f"RGB), more than the server's limit of {max_bytes / MIB:g} MiB per request "
+                                    f"(max_decoded_mb); send fewer or smaller images per request")
+        images = []
+        for i, im in enumerate(opened):
+            images.append(_pixels(im, i))
+            im.close()  # PIL's own copy of the pixels goes now, not after the last image
+        return images
+    finally:
+        for im in opened:
+            im.close()
+
+
+def _open(text: str, index: int):
+    """base64 -> a PIL image whose header is read and whose pixels are not."""
     from PIL import Image
 
     try:
@@ -80,21 +138,17 @@ def decode_image(text: str, max_pixels: int, index: int = 0) -> Tensor:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(raw), formats=FORMATS) as im:
-                w, h = im.size
-                if w < 1 or h < 1 or w * h > max_pixels:
-                    raise RequestError(413, f"image {index} is {w}x{h}: more than the server's limit of "
-                                            f"{max_pixels} pixels")
-                arr = np.asarray(im.convert("RGB"))
-    except RequestError:
-        raise
+            return Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise RequestError(413, f"image {index} is a decompression bomb") from None
     except Exception as exc:  # PIL raises many types for truncated or foreign data
         raise RequestError(400, f"image {index} is not a readable PNG or JPEG ({type(exc).__name__})") from None
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).unsqueeze(0).float().div_(255.0)
 
 
-def json_floats(values: Tensor) -> list[float | None]:
-    """A float tensor [B] -> a JSON-safe list: NaN and +-inf become ``null``."""
-    return [v if math.isfinite(v) else None for v in values.detach().float().cpu().tolist()]
+def _pixels(im, index: int) -> Tensor:
+    """An opened PIL image -> uint8 [1, 3, H, W] (one copy of the pixels besides PIL's own)."""
+    try:
+        arr = np.array(im if im.mode == "RGB" else im.convert("RGB"))
+    except Exception as exc:  # truncated or corrupt pixel data
+        raise RequestError(400, f"image {index} is not a readable PNG or JPEG ({type(exc).__name__})") from None
+    return torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0)

@@ -1,8 +1,12 @@
 """Running the reward server: bind checks, token from the environment, uvicorn in the foreground
-(``flowgrpo serve-reward``), in a thread or in a subprocess (tests and the benchmark)."""
+(``flowgrpo serve-reward``), in a thread or in a subprocess (tests and the benchmark).
+
+The listening socket is bound before anything else happens, so a port already in use is one line
+(exit code 2) before a reward model is loaded or "serving ..." is printed."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
@@ -13,6 +17,8 @@ import threading
 import time
 
 from ..errors import UserError
+from .codec import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_MB, DEFAULT_MAX_DECODED_MB, DEFAULT_MAX_IMAGE_PIXELS,
+                    DEFAULT_MAX_IMAGES)
 
 
 def is_loopback(host: str) -> bool:
@@ -55,6 +61,14 @@ def parse_options(pairs: list[str]) -> dict:
     return options
 
 
+def check_reward(reward_name: str, options: dict) -> None:
+    """Refuse an unknown reward name or options (one-line :class:`~flowgrpo.errors.UserError`)
+    without building the reward: a reward model may take minutes to load."""
+    from ..rewards import REWARDS, check_options
+
+    check_options(reward_name, REWARDS.get(reward_name), options)
+
+
 def build_app(reward_name: str, options: dict, token: str | None, **limits):
     """The reward ``build_reward(reward_name, **options)`` served by :func:`~flowgrpo.serve.app.create_app`."""
     from ..rewards import build_reward
@@ -63,31 +77,64 @@ def build_app(reward_name: str, options: dict, token: str | None, **limits):
     return create_app(build_reward(reward_name, **options), token=token, name=reward_name, **limits)
 
 
-def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn in the foreground until interrupted."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (not yet listening: uvicorn listens on it).
+
+    A port in use or an address that is not this machine's is a one-line
+    :class:`~flowgrpo.errors.UserError`.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        hint = " (another server uses that port? pick one with --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+    return sock
+
+
+def run_server(app, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn on the bound socket ``sock`` in the foreground until interrupted."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug"))
+    server.run(sockets=[sock])
+    if not server.started:  # uvicorn has logged why (e.g. the app's startup failed)
+        raise UserError("the reward server failed to start")
 
 
 def serve_reward(reward: str, options: list[str] = (), host: str = "127.0.0.1", port: int = 8000,
-                 token_env: str | None = None, max_batch: int = 32, window_ms: float = 5.0, max_body_mb: float = 64.0,
-                 max_image_pixels: int = 4096 * 4096, log_level: str = "info") -> int:
-    """``flowgrpo serve-reward``: check the bind and the limits, build the reward, serve until interrupted."""
+                 token_env: str | None = None, max_batch: int = 32, window_ms: float = 5.0,
+                 max_body_mb: float = DEFAULT_MAX_BODY_MB, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 max_decoded_mb: float = DEFAULT_MAX_DECODED_MB, max_images: int = DEFAULT_MAX_IMAGES,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, log_level: str = "info") -> int:
+    """``flowgrpo serve-reward``: check the limits, the reward's options and the bind, bind, build the
+    reward, serve until interrupted. The limits are :func:`~flowgrpo.serve.app.create_app`'s."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise UserError("the reward server needs fastapi and uvicorn: pip install 'flowgrpo[remote]'") from None
     token = resolve_token(host, token_env)
-    if max_batch < 1 or max_body_mb <= 0 or max_image_pixels < 1 or window_ms < 0 or not 0 <= port <= 65535:
-        raise UserError("--max-batch, --max-body-mb and --max-image-pixels must be positive, --window-ms >= 0, "
-                        "--port in 0..65535")
-    app = build_app(reward, parse_options(list(options)), token, max_batch=max_batch, window_ms=window_ms,
-                    max_body_mb=max_body_mb, max_image_pixels=max_image_pixels)
-    auth = f"bearer token from ${token_env}" if token else "no token"
-    print(f"serving reward {reward!r} on http://{host}:{port} ({auth}; max batch {max_batch})", flush=True)
-    run_server(app, host, port, log_level)
+    if (max_batch < 1 or max_body_mb <= 0 or max_image_pixels < 1 or max_decoded_mb <= 0 or max_images < 1
+            or body_timeout_s <= 0 or window_ms < 0 or not 0 <= port <= 65535):
+        raise UserError("max_batch, max_body_mb, max_image_pixels, max_decoded_mb, max_images and body_timeout_s "
+                        "must be positive, window_ms >= 0, port in 0..65535")
+    options = parse_options(list(options))
+    check_reward(reward, options)  # an unknown reward or option: refused before binding or loading
+    sock = bind_socket(host, port)
+    try:
+        app = build_app(reward, options, token, max_batch=max_batch, window_ms=window_ms, max_body_mb=max_body_mb,
+                        max_image_pixels=max_image_pixels, max_decoded_mb=max_decoded_mb, max_images=max_images,
+                        body_timeout_s=body_timeout_s)
+        auth = f"bearer token from ${token_env}" if token else "no token"
+        bound = sock.getsockname()[1]
+        print(f"serving reward {reward!r} on http://{host}:{bound} ({auth}; max batch {max_batch}, "
+              f"{max_images} images and {max_decoded_mb:g} MiB decoded per request)", flush=True)
+        run_server(app, sock, log_level)
+    finally:
+        sock.close()
     return 0
 
 
@@ -105,9 +152,7 @@ class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1"):
         import uvicorn
 
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
+        self.sock = bind_socket(host, 0)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
