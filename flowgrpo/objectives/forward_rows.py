@@ -82,7 +82,7 @@ def build_sample_rows(collected, credit, seed: int, times: TimeSampler, per_leaf
         credit: its :class:`~flowgrpo.objectives.base.Credit` (whole-forest leaf advantages and mask).
         seed: ``train.seed``.
         times: draws a leaf's ``per_leaf`` times from the leaf's generator.
-        per_leaf: K, rows per leaf.
+        per_leaf: K, rows per leaf (a grid sampler on a grid of fewer times gives all of them).
         only_signal: keep only leaves in the estimator's mask (valid reward, group with signal);
             otherwise every leaf with a finite reward (advantage 0 where the group has no spread).
     Returns None when no leaf is kept.
@@ -106,9 +106,10 @@ def build_sample_rows(collected, credit, seed: int, times: TimeSampler, per_leaf
     ts, noises = [], []
     for g in gids.tolist():
         gen = torch.Generator().manual_seed(derive_seed(seed, collected.iteration, FORWARD_ROWS, g))
-        ts.append(times(per_leaf, gen).float())
-        noises.append(torch.randn((per_leaf, *shape), generator=gen))
-    k = per_leaf
+        t = times(per_leaf, gen).float()
+        ts.append(t)
+        noises.append(torch.randn((len(t), *shape), generator=gen))
+    k = len(ts[0])  # a grid sampler gives at most the grid's times (fewer than per_leaf on a short grid)
     rep = lambda v: v.repeat_interleave(k)  # noqa: E731  (leaf-major rows: leaf j's K rows are adjacent)
     advantage = torch.nan_to_num(adv.leaf_advantages.float().cpu()[gids], nan=0.0)
     return SampleRows(
