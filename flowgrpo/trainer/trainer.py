@@ -64,7 +64,10 @@ class Trainer:
     directory, logging, evaluation) lives in :mod:`flowgrpo.trainer.run`.
     """
 
-    def __init__(self, cfg: RunConfig, accelerator=None):
+    def __init__(self, cfg: RunConfig, accelerator=None, objective=None):
+        """Args: cfg, the run's configuration; accelerator, an accelerate ``Accelerator`` (default: one
+        made from ``cfg``); objective, an :class:`~flowgrpo.objectives.Objective` instance to train with
+        instead of the one ``cfg.loss.objective`` names (a new objective needs no registry entry)."""
         from .accelerator import make_accelerator, weight_engine
 
         self.cfg = cfg
@@ -80,7 +83,7 @@ class Trainer:
         self.dp.tree_shard(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt)  # fail now if too few trees
         torch.manual_seed(tc.seed)  # adapter initialisation
         self.policy = build_policy(cfg.model).to(self.accelerator.device)
-        self.objective = build_objective(cfg, self.accelerator.device)
+        self.objective = objective if objective is not None else build_objective(cfg, self.accelerator.device)
         if self.objective.needs_reference:
             self.policy.snapshot_reference()
         self.engine.prepare(self.policy)  # before the optimizer and EMA see the parameters
