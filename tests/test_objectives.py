@@ -261,3 +261,16 @@ def test_a_new_objective_plugs_in_without_touching_the_trainer(tiny_config):
     assert m["rows"] > 0 and m["loss"] == m["loss"]
     after = trainer.policy.trainable_state_dict()
     assert max(float((after[k] - before[k]).abs().max()) for k in before) > 0
+
+
+def test_nft_low_noise_rows_train_only_the_anchor(objective_trainer):
+    """policy_min_t: rows below it carry anchor_beta * mean((v - v_ref)^2) instead of the NFT loss;
+    on a 4-step grid (t = 1, .75, .5, .25) and policy_min_t = 0.6, half the rows are anchors, and at
+    the base weights the anchor is 0."""
+    trainer = objective_trainer("nft", **{"loss.nft.timesteps": 0, "loss.nft.policy_min_t": 0.6,
+                                          "loss.nft.anchor_beta": 2.0, "loss.nft.kl_beta": 0.0})
+    assert trainer.objective.needs_reference
+    m0 = trainer.iteration_step().metrics
+    assert m0["anchor_rows"] == pytest.approx(0.5) and m0["kl"] == 0.0
+    m1 = trainer.iteration_step().metrics
+    assert m1["kl"] > 0  # the weights moved away from the base; the anchor now pulls back

@@ -15,6 +15,11 @@ v- for bad ones, with adaptive weights w+- = max(mean|x0+- - x0|, floor) that ca
     L_row = A_max / beta * [ r mean((x0+ - x0)^2) / w+ + (1 - r) mean((x0- - x0)^2) / w- ]
             + kl_beta * mean((v - v_ref)^2).
 
+Optionally (``policy_min_t`` > 0) rows at low-noise times train only an anchor
+anchor_beta * mean((v - v_ref)^2) to the base model instead: the alignment then happens where the
+image's composition is decided, and the fine detail stays the base model's (with full fine-tuning
+every time shares the weights, and the policy loss alone lets detail drift into a faint texture).
+
 Pulling v- toward the data for a bad sample pushes v *away* from it (v- moves opposite to v): the
 negative samples are used without a likelihood. At theta = old both terms' gradients cancel for
 r = 1/2, so a sample with zero advantage only ties the policy to the old one.
@@ -82,7 +87,7 @@ class NFTObjective(Objective):
     def __init__(self, cfg):
         self.opt = cfg.loss.nft
         self.seed = cfg.train.seed
-        self.needs_reference = self.opt.kl_beta > 0
+        self.needs_reference = self.opt.kl_beta > 0 or (self.opt.policy_min_t > 0 and self.opt.anchor_beta > 0)
         self.schedule = DecaySchedule(self.opt.decay_flat, self.opt.decay_rate, self.opt.decay_cap)
         self.old: OldPolicy | None = None
         self._policy = None
@@ -110,14 +115,19 @@ class NFTObjective(Objective):
             v_old = self.old.velocity(policy, x_in, rows.t, cond, o.train_guidance).float()
             v = policy.velocity(x_in, rows.t, cond, o.train_guidance).float()
         r = nft_optimality(rows.advantage.to(v.device), o.adv_clip, o.adv_mode)
-        loss, parts = nft_policy_loss(v, v_old, x_t, rows.x0.float().to(v.device), rows.t.to(v.device), r,
-                                      o.beta, o.adv_clip, o.weight_floor)
+        t = rows.t.to(v.device)
+        loss, parts = nft_policy_loss(v, v_old, x_t, rows.x0.float().to(v.device), t, r, o.beta, o.adv_clip,
+                                      o.weight_floor)
         stats = {"nft_r": r.detach(), **parts, "v_old_dev": per_row_mean((v - v_old).abs()).detach()}
-        if o.kl_beta > 0:
+        if self.needs_reference:
             v_ref = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
             kl = per_row_mean((v - v_ref) ** 2)
-            loss = loss + o.kl_beta * kl
             stats["kl"] = kl.detach()
+            if o.policy_min_t > 0:  # low-noise rows: the anchor to the base model replaces the NFT loss
+                low = t < o.policy_min_t
+                loss = torch.where(low, o.anchor_beta * kl, loss)
+                stats["anchor_rows"] = low.float()
+            loss = loss + o.kl_beta * kl
         return MicroLoss(loss=loss.mean(), stats=stats)
 
     def idle_pass(self, ctx: UpdateContext) -> torch.Tensor:

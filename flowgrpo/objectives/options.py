@@ -22,6 +22,8 @@ class NFTOptions:
     adv_mode: Literal["all", "positive_only", "negative_only", "binary"] = _f("all", "which advantages train: all | positive_only (A < 0 -> 0) | negative_only (A > 0 -> 0) | binary (sign(A) * A_max)")
     timesteps: int = _f(0, "training times per sample, taken from the rollout's grid (0: all T grid times; K < T: a random subset of K per sample; the authors train 9 of 10)")
     sample_with_old: bool = _f(True, "roll out with the old policy, as the authors do (false: with the trained weights)")
+    policy_min_t: float = _f(0.0, "rows at times t below this train only an anchor mean((v - v_ref)^2) to the base model, weight anchor_beta, instead of the NFT loss: low-noise detail stays the base model's (0: every row trains the NFT loss, as the authors)")
+    anchor_beta: float = _f(1.0, "weight of the low-noise anchor (rows with t < policy_min_t)")
     decay_flat: int = _f(0, "old-policy EMA schedule d(step) = min(max(step - flat, 0) * rate, cap): flat")
     decay_rate: float = _f(0.001, "old-policy EMA schedule: rate per update")
     decay_cap: float = _f(0.5, "old-policy EMA schedule: cap (0 with rate 0: the old policy is the previous update's weights)")
@@ -84,6 +86,8 @@ def check_objective_options(loss_cfg) -> None:
         need(v > 0, key, v, "> 0")
     for key, v in (("nft.decay_cap", n.decay_cap), ("awm.ema_decay_cap", a.ema_decay_cap), ("dgpo.ema_decay", d.ema_decay)):
         need(0 <= v < 1, key, v, "in [0, 1)")
+    need(0 <= n.policy_min_t < 1, "nft.policy_min_t", n.policy_min_t, "in [0, 1)")
+    need(n.anchor_beta >= 0, "nft.anchor_beta", n.anchor_beta, ">= 0")
     need(n.decay_flat >= 0, "nft.decay_flat", n.decay_flat, ">= 0")
     need(n.timesteps >= 0, "nft.timesteps", n.timesteps, ">= 0 (0: every grid time)")
     for key, v in (("awm.timesteps", a.timesteps), ("dgpo.timesteps", d.timesteps)):
