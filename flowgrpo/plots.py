@@ -126,3 +126,155 @@ def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def grid_captions(prompts: list[str], rewards: list[float | None] | None, ncol: int) -> list[tuple[str, list[str]]]:
+    """Captions for a grid of ``len(prompts)`` images laid out ``ncol`` per row (row-major, as
+    :func:`image_grid` lays them out): one ``(text, cells)`` per row, ``text`` the row's prompts
+    (each once, in order, joined by `` | ``; empty prompts are padding and skipped) and ``cells`` a
+    label per image of the row, its reward (``r 0.531``; ``""`` where ``rewards`` is None or the
+    entry is None)."""
+    out = []
+    for start in range(0, len(prompts), ncol):
+        row = range(start, min(len(prompts), start + ncol))
+        seen: list[str] = []
+        for i in row:
+            if prompts[i] and prompts[i] not in seen:
+                seen.append(prompts[i])
+        cells = ["" if rewards is None or rewards[i] is None else f"r {rewards[i]:.3f}" for i in row]
+        given = [rewards[i] for i in row if rewards is not None and rewards[i] is not None]
+        mean = f"  (mean r {float(np.nanmean(given)):.3f})" if len(given) > 1 and not all(np.isnan(given)) else ""
+        out.append((" | ".join(seen) + mean, cells))
+    return out
+
+
+def rows_by_key(keys: list, max_rows: int = 8, max_cols: int = 8) -> list[list[int]]:
+    """Indices of ``keys`` grouped one row per distinct key (first ``max_rows`` keys in order of
+    appearance, at most ``max_cols`` indices each): a sample grid whose rows are prompts."""
+    rows: dict = {}
+    for i, k in enumerate(keys):
+        if k not in rows:
+            if len(rows) == max_rows:
+                continue
+            rows[k] = []
+        if len(rows[k]) < max_cols:
+            rows[k].append(i)
+    return list(rows.values())
+
+
+def _caption_font(size: int):
+    from PIL import ImageFont
+
+    try:
+        from matplotlib import font_manager
+
+        return ImageFont.truetype(font_manager.findfont("DejaVu Sans"), size)
+    except Exception:  # no matplotlib font or no FreeType: Pillow's own
+        try:
+            return ImageFont.load_default(size=size)
+        except TypeError:  # Pillow < 10.1
+            return ImageFont.load_default()
+
+
+def _fit(text: str, font, width: float) -> str:
+    """``text`` cut (with an ellipsis) to at most ``width`` pixels."""
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "…") > width:
+        text = text[:-1]
+    return text + "…"
+
+
+def _wrap(text: str, font, width: float, lines: int) -> list[str]:
+    """``text`` in at most ``lines`` lines of at most ``width`` pixels (the last cut with an ellipsis)."""
+    words, out, cur = text.split(), [], ""
+    for w in words:
+        if cur and font.getlength(cur + " " + w) > width:
+            out.append(cur)
+            cur = w
+        else:
+            cur = f"{cur} {w}".strip()
+    out.append(cur)
+    if len(out) > lines:
+        out = out[:lines - 1] + [" ".join(out[lines - 1:])]
+    return [_fit(ln, font, width) for ln in out]
+
+
+def captioned_grid(images: Tensor, ncol: int, captions: list[tuple[str, list[str]]], pad: int = 2,
+                   scale: int = 1) -> np.ndarray:
+    """:func:`image_grid` with a caption band above each row: the row's text (its prompt, up to two
+    lines) and, centred over each image, that image's label (its reward). ``captions`` as
+    :func:`grid_captions` returns them, one per row."""
+    from PIL import Image, ImageDraw
+
+    bare = image_grid(images, ncol, pad=pad, scale=scale)
+    n, h = images.shape[0], images.shape[2] * max(1, scale)
+    w = images.shape[3] * max(1, scale)
+    rows = (n + ncol - 1) // ncol
+    if len(captions) != rows:
+        raise ValueError(f"{rows} grid rows but {len(captions)} captions")
+    size = int(min(28, max(11, w // 6)))
+    font = _caption_font(size)
+    line = size + 3
+    has_cells = any(any(c) for _, c in captions)
+    width = bare.shape[1]
+    texts = [_wrap(t, font, width - 2 * pad - 4, 2) if t else [] for t, _ in captions]
+    band = line * (max((len(t) for t in texts), default=0) + has_cells) + 6
+    canvas = Image.new("RGB", (width, rows * (band + h + pad) + pad), "white")
+    draw = ImageDraw.Draw(canvas)
+    for r, (lines, (_, cells)) in enumerate(zip(texts, captions)):
+        top = r * (band + h + pad)
+        strip = bare[r * (h + pad): r * (h + pad) + h + 2 * pad]
+        canvas.paste(Image.fromarray(strip), (0, top + band))
+        for k, text in enumerate(lines):
+            draw.text((pad + 2, top + 4 + k * line), text, fill=(0, 0, 0), font=font)
+        y = top + 4 + len(lines) * line
+        for c, label in enumerate(cells):
+            if label:
+                label = _fit(label, font, w)
+                x = pad + c * (w + pad) + (w - font.getlength(label)) / 2
+                draw.text((x, y), label, fill=(90, 90, 90), font=font)
+    return np.asarray(canvas)
+
+
+def save_captioned_grid(path: Path, images: Tensor, ncol: int, captions: list[tuple[str, list[str]]],
+                        scale: int = 1) -> None:
+    """Write :func:`captioned_grid` as a png."""
+    import imageio.v3 as iio
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    iio.imwrite(path, captioned_grid(images, ncol, captions, scale=scale))
+
+
+def save_sample_grid(path: Path, images: Tensor, prompts: list[str], row_keys: list, rewards: Tensor | None) -> None:
+    """An iteration's samples as a png, one row per prompt (up to 8 prompts x 8 samples), each row
+    captioned with its prompt and each image with its reward.
+
+    Args: images, [L, 3, H, W] in [0, 1], or videos [L, F, 3, H, W] (the first also as an mp4 beside
+    the png; the frames of up to 8 videos as rows); prompts, [L] each leaf's prompt; row_keys, [L]
+    which row a leaf belongs to (its prompt index: tree rollouts interleave prompts among leaves);
+    rewards, [L] each leaf's reward or None."""
+    path = Path(path)
+    reward = (lambda i: None) if rewards is None else (lambda i: float(rewards[i]))
+    if images.ndim == 5:
+        from .video_io import save_mp4
+
+        save_mp4(path.with_suffix(".mp4"), images[0])
+        b, f = min(8, images.shape[0]), images.shape[1]
+        frames = images[:b].detach().float().reshape(b * f, *images.shape[2:]).cpu()
+        cell_prompts = [prompts[i] for i in range(b) for _ in range(f)]
+        cell_rewards = [reward(i) if k == 0 else None for i in range(b) for k in range(f)]
+        save_captioned_grid(path, frames, f, grid_captions(cell_prompts, cell_rewards, f), scale=2)
+        return
+    rows = rows_by_key(row_keys)
+    ncol = max(len(r) for r in rows)
+    blank = torch.ones_like(images[0])
+    cells, cell_prompts, cell_rewards = [], [], []
+    for row in rows:
+        for k in range(ncol):
+            i = row[k] if k < len(row) else None
+            cells.append(blank if i is None else images[i])
+            cell_prompts.append("" if i is None else prompts[i])
+            cell_rewards.append(None if i is None else reward(i))
+    save_captioned_grid(path, torch.stack(cells).detach().float().cpu(), ncol,
+                        grid_captions(cell_prompts, cell_rewards, ncol), scale=2)

@@ -36,4 +36,23 @@ def build_reward(name: str, **options) -> Reward:
     return factory(**options)
 
 
-__all__ = ["REWARDS", "Reward", "RewardOutput", "build_reward"]
+def check_rewards_fit_model(rewards: dict[str, Reward], model_cfg) -> None:
+    """Refuse, with one line, a reward that can read only one model's images (its ``images_of``,
+    e.g. the shapes verifier reads only the shapes world) paired with another model: such a run
+    would score every image NaN and train nothing."""
+    from flowgrpo.errors import UserError
+    from flowgrpo.policies import resolve_model
+
+    adapter = None
+    for name, reward in rewards.items():
+        only = getattr(reward, "images_of", None)
+        if only is None:
+            continue
+        adapter = adapter or resolve_model(model_cfg)[0]
+        if adapter != only:
+            raise UserError(f"reward {name!r} scores only the {only} model's images, not model.name="
+                            f"{model_cfg.name!r} ({adapter}): choose rewards for this model with reward.weights=... "
+                            f"(e.g. reward.weights={{pickscore: 1.0}}; valid: {', '.join(REWARDS.names())})")
+
+
+__all__ = ["REWARDS", "Reward", "RewardOutput", "build_reward", "check_rewards_fit_model"]

@@ -224,6 +224,7 @@ class ShapesPairwiseReward(PairwiseReward):
     """Pref-GRPO on the shapes world: win rate under :class:`ShapesPairwiseJudge` (one order per pair)."""
 
     name = "shapes_pairwise"
+    images_of = "shapes"  # see ShapesReward.images_of
 
     def __init__(self, swap: bool = False):
         super().__init__(ShapesPairwiseJudge(), swap=swap)

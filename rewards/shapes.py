@@ -20,6 +20,8 @@ class ShapesReward:
     """
 
     name = "shapes"
+    #: the only policy adapter whose images this reward can read (the trainer refuses other models up front)
+    images_of = "shapes"
 
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
         arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()

@@ -40,10 +40,11 @@ import yaml
 from ..config import RunConfig, apply_dict, to_dict, validate
 from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
-from ..plots import save_accuracy_curve, save_grid, save_labeled_grid, save_reward_curve
+from ..plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
 from .accelerator import start_trackers
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsLogger, read_metrics
+from .progress import bar_fields, progress_bar
 from .trainer import GRPOTrainer
 
 _GRID_PROMPTS = 16
@@ -88,13 +89,6 @@ def _grid_subset(res: EvalResult, seeds_per_prompt: int) -> tuple[torch.Tensor, 
 def _next_end(train_seconds: float, recent: list[float]) -> float:
     """When the next iteration would likely end: the longest of the last 5 iterations, +25 %."""
     return train_seconds + (1.25 * max(recent[-5:]) if recent else 0.0)
-
-
-def _progress(enabled: bool, total: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("{task.fields[info]}"), disable=not enabled, transient=False)
 
 
 def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp) -> Path:
@@ -172,8 +166,10 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     eval_every_s = cfg.eval.every_minutes * 60 if cfg.eval.every_minutes and evaluator is not None else 0.0
     next_eval_s = len(curve) * eval_every_s if eval_every_s else float("inf")
     total = cfg.train.iterations
-    with _progress(cfg.log.progress and main, total) as bar:
-        task = bar.add_task("train", total=total, completed=start_iter, info="")
+    objective = trainer.objective.name or cfg.loss.objective
+    ref_kl = objective != "grpo" or cfg.loss.beta > 0  # GRPO reports kl = 0 without a reference model
+    with progress_bar(cfg.log.progress and main) as bar:
+        task = bar.add_task(**bar_fields(objective, start_iter, total, train_seconds, cfg.train.max_minutes))
         recent: list[float] = []  # seconds of the latest iterations, checkpoint writes included
         while trainer.iteration < total:
             # stop before an iteration that would likely end past the budget, so that train_seconds
@@ -187,14 +183,9 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             m = out.metrics
             it = m["iteration"]
             if main and cfg.log.grid_every and (it % cfg.log.grid_every == 0):
-                per_row = min(8, cfg.data.trees_per_prompt)
-                if out.images.ndim == 5:  # videos [B, F, 3, H, W]: the first as mp4, frames of a few as rows
-                    from ..video_io import save_frame_grid, save_mp4
-
-                    save_mp4(run_dir / "grids" / f"iter_{it:06d}.mp4", out.images[0])
-                    save_frame_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:8], scale=2)
-                else:
-                    save_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images[:8 * per_row], ncol=per_row, scale=2)
+                ro = out.rollout
+                save_sample_grid(run_dir / "grids" / f"iter_{it:06d}.png", out.images, ro.leaf_prompts,
+                                 ro.tree_prompt[ro.leaf_tree].tolist(), out.leaf_rewards)
                 logger.log_image("samples", run_dir / "grids" / f"iter_{it:06d}.png", it)
             # one clock for every rank (the main process's), so that time-based decisions agree
             train_seconds = dp.broadcast(train_seconds + time.perf_counter() - t0)
@@ -223,9 +214,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                     save_checkpoint(run_dir, done, {"trainer": state, "train_seconds": train_seconds})
                 train_seconds += time.perf_counter() - t1
             recent.append(train_seconds - spent_before)
-            info = (f"reward {m.get('reward_mean', float('nan')):.3f}  kl {m.get('approx_kl', 0):.2e}  "
-                    f"clip {m.get('clipfrac_high', 0) + m.get('clipfrac_low', 0):.2f}")
-            bar.update(task, completed=done, info=info)
+            bar.update(task, **bar_fields(objective, done, total, train_seconds, cfg.train.max_minutes, m, ref_kl))
     dp.barrier()
     mine = {"iterations": trainer.iteration, "train_seconds": train_seconds, "rank": dp.rank}
     if not (main or gathers or lockstep):
@@ -316,6 +305,6 @@ def _save_before_after(path: Path, before, after, acc_before: float, acc_after: 
     both = fid_before is not None and fid_after is not None  # runs from before fidelity existed have none
     fidelity = f"; fidelity {fid_before:.2f} -> {fid_after:.2f}" if both else ""
     save_labeled_grid(path, imgs, labels, verdicts, ncol=8,
-                      title=f"held-out prompts, same seeds: rows alternate before / after GRPO; accuracy "
+                      title=f"held-out prompts, same seeds: rows alternate before / after training; accuracy "
                             f"{acc_before:.2f} -> {acc_after:.2f}{fidelity} (green frame = verifier says correct, "
                             f"red = wrong)")

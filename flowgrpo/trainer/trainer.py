@@ -33,7 +33,8 @@ from ..config import RunConfig
 from ..data import PromptSource
 from ..objectives import Collected, Credit, UpdateContext, build_objective
 from ..policies import build_policy
-from ..rewards import build_reward
+from ..errors import UserError
+from ..rewards import REWARDS, build_reward, check_rewards_fit_model
 from ..rewards.video import score_frames
 from ..samplers.forest import Rollout
 from ..samplers.rollout import ForestSampler
@@ -54,6 +55,7 @@ class IterationResult:
     rollout: Rollout
     images: torch.Tensor
     advantages: AdvantageResult | None = None
+    leaf_rewards: torch.Tensor | None = None  # [L_local] weighted reward sum of this rank's leaves (NaN: a reward failed)
 
 
 class Trainer:
@@ -82,6 +84,9 @@ class Trainer:
         self.dp.equal_shards = self.engine.lockstep
         self.dp.tree_shard(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt)  # fail now if too few trees
         torch.manual_seed(tc.seed)  # adapter initialisation
+        # rewards first: a reward that cannot read this model's images fails before the model loads
+        self.rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
+        check_rewards_fit_model(self.rewards, cfg.model)
         self.policy = build_policy(cfg.model).to(self.accelerator.device)
         self.objective = objective if objective is not None else build_objective(cfg, self.accelerator.device)
         if self.objective.needs_reference:
@@ -95,7 +100,6 @@ class Trainer:
                                                        weight_decay=tc.weight_decay), self.policy, tc.max_grad_norm)
         self.strategy = build_strategy(cfg.sampler, cfg.strategy, grid=self._model_grid())
         self.sampler = ForestSampler(self.policy, cfg.sampler.max_micro_batch)
-        self.rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
         self.prompts = PromptSource(cfg.data.prompts, tc.seed)
         self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
         self.objective.setup(self.policy)
@@ -201,9 +205,15 @@ class Trainer:
         seconds = time.perf_counter() - t0
         local_rewards, local_comps = self.score(images, rollout.leaf_prompts, rollout.leaf_groups)
         view = self.dp.forest_view(rollout)
+        rewards = view.gather_leaf_values(local_rewards)
+        for name, r in rewards.items():
+            if r.numel() and not torch.isfinite(r).any():  # the whole iteration: every rank stops together
+                raise UserError(f"reward {name!r} gave NaN for all {r.numel()} images of iteration {iteration}: it "
+                                f"cannot score this model's images or prompts (model.name={cfg.model.name!r}, "
+                                f"data.prompts={cfg.data.prompts!r}); choose rewards for them with reward.weights=... "
+                                f"(valid: {', '.join(REWARDS.names())})")
         return Collected(iteration=iteration, plan=plan, cond=cond, rollout=rollout, images=images, view=view,
-                         rewards=view.gather_leaf_values(local_rewards),
-                         components=view.gather_leaf_values(local_comps), seconds=seconds)
+                         rewards=rewards, components=view.gather_leaf_values(local_comps), seconds=seconds)
 
     def credit(self, col: Collected) -> Credit:
         """Advantages over the whole iteration's forest, the edges that may train (a leaf with
@@ -268,7 +278,10 @@ class Trainer:
         metrics.update({"nfe_rollout": col.view.whole.nfe, "rollout_s": col.seconds, "train_s": t_train,
                         "iter_s": time.perf_counter() - t0, "trained_steps": len(cr.steps)})
         self.iteration += 1
-        return IterationResult(metrics, col.rollout, col.images, adv)
+        w = cfg.reward.weights
+        local = col.view.local_leaves
+        leaf_rewards = sum(wt * col.rewards[k].float()[local] for k, wt in w.items())
+        return IterationResult(metrics, col.rollout, col.images, adv, leaf_rewards)
 
 
 #: the trainer's former name (it runs every objective, not only GRPO)
