@@ -1,16 +1,23 @@
-"""End-to-end benchmark: held-out accuracy against training wall-clock on the shapes world.
+"""End-to-end benchmark: held-out accuracy and image fidelity against training wall-clock on the
+shapes world, for each preset over several training seeds.
 
-    flowgrpo bench e2e [--out DIR] [--json PATH]    (or: python -m flowgrpo.benchmarks.bench_e2e --minutes 4)
+    flowgrpo bench e2e [--minutes 10]                      (the defaults below)
+    python -m flowgrpo.benchmarks.bench_e2e --presets flow-grpo diffusion-nft --seeds 0 1 \\
+        --minutes 10 --eval-every 60 --jobs 2 --runs-dir bench_runs --out results
+    python -m flowgrpo.benchmarks.bench_e2e --runs-dir bench_runs --aggregate-only
 
-Each preset trains from the same shipped base model under the same wall-clock budget. Every
-``--eval-every`` seconds of training the held-out accuracy is measured. Evaluation time is not
-counted: the clock is paused while it runs. Every preset starts from the same weights and the
-evaluation is deterministic, so the base model is evaluated once and shared. The target is
-flow-grpo's final accuracy, and ``seconds_to_target`` is the first training time (> 0: the base
-point does not count) at which a preset reaches it; when flow-grpo ends no higher than the base,
-the JSON says so (``target_above_base: false``) and the times only say who first matched it.
-Writes ``e2e.csv`` and ``e2e.png`` into ``--out`` (default: the current directory), and the JSON
-``{"rows": [{"preset", "final_accuracy", "seconds_to_target"}], "target": x}`` to ``--json``.
+Each (preset, seed) is one ordinary ``flowgrpo train`` run (``RUNS_DIR/<preset>-s<seed>``) with
+``train.max_minutes`` and ``eval.every_minutes``: the run's own periodic held-out evaluation
+(clock paused while it runs) gives the curve, its ``summary.json`` holds it. A run that already
+has its summary is reused and an interrupted one is resumed, so the benchmark, hours long, can be
+stopped and restarted; ``--aggregate-only`` summarises whatever runs the folder holds (any run
+folder named ``<label>-s<seed>`` counts, e.g. runs made by hand).
+
+The target is flow-grpo's final accuracy (mean over its seeds). A seed's ``seconds_to_target`` is
+the first training time > 0 at which its accuracy reaches it; a preset's is the mean over its seeds
+that reached it, and ``time_ratio`` is that over flow-grpo's. Writes ``e2e.csv`` (one row per
+evaluation) and ``e2e.png`` (accuracy and fidelity against minutes, each seed thin, the mean over
+seeds thick) into ``--out``, prints a table and writes the JSON to ``--json``.
 """
 
 from __future__ import annotations
@@ -18,204 +25,245 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
+import os
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-
-from flowgrpo.config import load_config
-from flowgrpo.trainer.trainer import GRPOTrainer
-
-try:  # the shapes-world evaluation (moving from flowgrpo.evaluate to flowgrpo.shapes.evaluate)
-    from flowgrpo.shapes.evaluate import evaluate_policy
-except ImportError:  # pragma: no cover - older layout
-    from flowgrpo.evaluate import evaluate_policy
 
 from . import output_dir, write_json
 
-PRESETS = ("flow-grpo", "dance-grpo", "mix-grpo", "mix-grpo-flash-star", "branch-grpo-mix", "tempflow-grpo",
-           "pref-grpo")
+PRESETS = ("flow-grpo", "mix-grpo", "shapes", "diffusion-nft", "awm", "dgpo")
+TARGET_PRESET = "flow-grpo"
 MIX_CLAIM = 0.6  # MixGRPO's claim: it reaches Flow-GRPO's result in <= 0.6x the time
 
 
-def _accuracy(trainer: GRPOTrainer, num_prompts: int, seeds: int) -> float:
-    cfg = trainer.cfg
-    with trainer.ema_weights():
-        res = evaluate_policy(trainer.policy, num_prompts, seeds, cfg.eval.num_steps, cfg.sampler.shift)
-    return res["accuracy"] if isinstance(res, dict) else res.accuracy
+@dataclass(frozen=True)
+class CurvePoint:
+    """One held-out evaluation of a run: training seconds, accuracy and fidelity (0-1; None for runs
+    from before fidelity was measured)."""
+
+    seconds: float
+    accuracy: float
+    fidelity: float | None = None
 
 
-def train_curve(preset: str, minutes: float, eval_every_s: float, num_prompts: int, seeds: int,
-                overrides: list[str] = (), base_accuracy: float | None = None) -> tuple[list[tuple[float, float]], int]:
-    """(training seconds, held-out accuracy) points for one preset, starting with the base model
-    (``base_accuracy`` when the caller already measured it, else evaluated here), and the number of
-    iterations run."""
-    cfg = load_config(preset, None, ["train.iterations=100000", *overrides])
-    trainer = GRPOTrainer(cfg)
-    if base_accuracy is None:
-        base_accuracy = _accuracy(trainer, num_prompts, seeds)
-    points = [(0.0, base_accuracy)]
-    spent, next_eval = 0.0, eval_every_s
-    while spent < minutes * 60:
-        t0 = time.perf_counter()
-        trainer.iteration_step()
-        spent += time.perf_counter() - t0
-        if spent >= next_eval or spent >= minutes * 60:
-            points.append((spent, _accuracy(trainer, num_prompts, seeds)))
-            next_eval += eval_every_s
-            print(f"  {preset}: {spent:7.1f} s  iteration {trainer.iteration}  accuracy {points[-1][1]:.3f}", flush=True)
-    return points, trainer.iteration
+def run_curve(run_dir: Path) -> list[CurvePoint]:
+    """A finished run's evaluations from its summary.json: the base model at 0 s, then the run's
+    ``eval_curve`` (the final evaluation included)."""
+    s = json.loads((Path(run_dir) / "summary.json").read_text())
+    before = s.get("eval_before") or {}
+    points = [CurvePoint(0.0, before["accuracy"], before.get("fidelity"))]
+    for c in s.get("eval_curve") or []:
+        if c["train_seconds"] > points[-1].seconds:
+            points.append(CurvePoint(float(c["train_seconds"]), float(c["accuracy"]), c.get("fidelity")))
+    return points
 
 
-def target_preset(presets) -> str:
-    """The preset whose final accuracy is the target: flow-grpo when it ran, else the first."""
-    presets = list(presets)
-    return "flow-grpo" if "flow-grpo" in presets else presets[0]
-
-
-def seconds_to(points: list[tuple[float, float]], target: float) -> float | None:
+def seconds_to(points: list[CurvePoint], target: float) -> float | None:
     """First training time > 0 whose accuracy reaches ``target`` (None if never)."""
-    for s, acc in points:
-        if s > 0 and acc >= target - 1e-9:
-            return s
+    for p in points:
+        if p.seconds > 0 and p.accuracy >= target - 1e-9:
+            return p.seconds
     return None
 
 
-def plot_e2e(curves: dict, target: float, target_name: str, minutes: float, n_samples: int, path: Path) -> None:
-    """Accuracy against training seconds per preset, each curve with its band of +-1 standard error
-    of an ``n_samples``-sample accuracy (binomial), and the target line, so that differences smaller
-    than the evaluation noise read as such."""
-    import math
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
+
+def _se(xs: list[float]) -> float | None:
+    """Standard error of the mean over seeds (None below 2 seeds)."""
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def summarize(curves: dict[str, dict[int, list[CurvePoint]]], minutes: float | None = None,
+              out_dir: str | Path | None = None, json_path: str | None = None, quiet: bool = False) -> dict:
+    """Rows per preset from its seeds' curves (``curves[preset][seed]``), CSV/PNG into ``out_dir``,
+    table and JSON. The target preset is flow-grpo where it ran, else the first."""
+    target_name = TARGET_PRESET if TARGET_PRESET in curves else next(iter(curves))
+    target = _mean([c[-1].accuracy for c in curves[target_name].values()])
+    rows = []
+    for preset, seeds in curves.items():
+        finals = [c[-1].accuracy for c in seeds.values()]
+        gains = [c[-1].accuracy - c[0].accuracy for c in seeds.values()]
+        peaks = [max(p.accuracy for p in c) for c in seeds.values()]
+        fid = [c[-1].fidelity for c in seeds.values() if c[-1].fidelity is not None]
+        reached = [t for t in (seconds_to(c, target) for c in seeds.values()) if t is not None]
+        rows.append({"preset": preset, "seeds": sorted(seeds), "final_accuracy": _mean(finals),
+                     "final_accuracy_se": _se(finals), "gain": _mean(gains), "gain_se": _se(gains),
+                     "peak_accuracy": _mean(peaks), "final_fidelity": _mean(fid),
+                     "seeds_reaching_target": len(reached), "seconds_to_target": _mean(reached)})
+    t_ref = next(r["seconds_to_target"] for r in rows if r["preset"] == target_name)
+    for r in rows:
+        s = r["seconds_to_target"]
+        r["time_ratio"] = s / t_ref if (s is not None and t_ref) else None
+    out = output_dir(out_dir)
+    with (out / "e2e.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["preset", "seed", "train_seconds", "accuracy", "fidelity"])
+        for preset, seeds in curves.items():
+            for seed, c in sorted(seeds.items()):
+                for p in c:
+                    w.writerow([preset, seed, f"{p.seconds:.1f}", f"{p.accuracy:.4f}",
+                                "" if p.fidelity is None else f"{p.fidelity:.4f}"])
+    plot_e2e(curves, target, target_name, out / "e2e.png")
+    if not quiet:
+        _print_table(rows, target, target_name)
+    mix = next((r for r in rows if r["preset"] == "mix-grpo"), None)
+    result = {"rows": rows, "target": target, "target_preset": target_name, "minutes": minutes,
+              "mix_grpo_within_claim": None if mix is None else (mix["time_ratio"] is not None
+                                                                 and mix["time_ratio"] <= MIX_CLAIM),
+              "curves": {p: {str(s): [[c.seconds, c.accuracy, c.fidelity] for c in cs] for s, cs in seeds.items()}
+                         for p, seeds in curves.items()}}
+    write_json(json_path, result)
+    return result
+
+
+def _print_table(rows: list[dict], target: float, target_name: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x, fmt=".3f"):
+        return "-" if x is None else format(x, fmt)
+
+    table = Table(title=f"bench e2e: mean over seeds (target = {target_name} final accuracy {target:.3f})")
+    for col in ("preset", "seeds", "final acc", "gain (s.e.)", "peak", "fidelity", "reached", "s to target",
+                f"x {target_name}"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        gain = f"{f(r['gain'], '+.3f')} ({f(r['gain_se'])})"
+        table.add_row(r["preset"], str(len(r["seeds"])), f(r["final_accuracy"]), gain, f(r["peak_accuracy"]),
+                      f(r["final_fidelity"], ".2f"), f"{r['seeds_reaching_target']}/{len(r['seeds'])}",
+                      f(r["seconds_to_target"], ".0f"), f(r["time_ratio"], ".2f"))
+    Console().print(table)
+
+
+def plot_e2e(curves: dict[str, dict[int, list[CurvePoint]]], target: float, target_name: str, path: Path) -> None:
+    """Two panels against training minutes: held-out accuracy (with the target line) and image
+    fidelity; each seed a thin line, the mean over seeds (on the union of their evaluation times,
+    interpolated) a thick one."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for p, c in curves.items():
-        t, acc = [s for s, _ in c], [a for _, a in c]
-        se = [math.sqrt(a * (1 - a) / max(1, n_samples)) for a in acc]
-        (line,) = ax.plot(t, acc, "o-", ms=3, label=p)
-        ax.fill_between(t, [a - e for a, e in zip(acc, se)], [a + e for a, e in zip(acc, se)],
-                        color=line.get_color(), alpha=0.12)
-    ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_name} final)")
-    ax.set_xlabel("training wall-clock (s)")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_title(f"shapes world, {minutes:g} min of training per preset (bands: +-1 s.e., {n_samples} samples)",
-                 fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (preset, seeds) in enumerate(curves.items()):
+        color = f"C{i % 10}"
+        for key, ax in (("accuracy", axes[0]), ("fidelity", axes[1])):
+            runs = [[(p.seconds / 60, getattr(p, key)) for p in c if getattr(p, key) is not None] for c in seeds.values()]
+            runs = [r for r in runs if r]
+            for r in runs:
+                ax.plot([x for x, _ in r], [y for _, y in r], color=color, lw=0.7, alpha=0.35)
+            if runs:
+                grid = np.array(sorted({x for r in runs for x, _ in r if x <= min(rr[-1][0] for rr in runs)}))
+                mean = np.mean([np.interp(grid, [x for x, _ in r], [y for _, y in r]) for r in runs], axis=0)
+                ax.plot(grid, mean, color=color, lw=2, label=f"{preset} ({len(runs)} seeds)")
+    axes[0].axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_name} final)")
+    axes[0].set_ylabel("held-out accuracy")
+    axes[1].set_ylabel("image fidelity (1 = the base model's)")
+    for ax in axes:
+        ax.set_xlabel("training wall-clock (min; evaluation not counted)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("shapes world: thin lines one training seed, thick the mean over seeds", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def run_bench_e2e(json_path: str | None = None, presets=PRESETS, minutes: float = 4.0, eval_every_s: float = 80.0,
-                  num_prompts: int = 64, seeds: int = 4, overrides: list[str] = (), out_dir: str | Path | None = None,
-                  quiet: bool = False) -> dict:
-    """Train each preset for ``minutes`` of wall-clock, evaluating every ``eval_every_s`` seconds.
-
-    Writes ``e2e.csv`` (preset, train_seconds, accuracy per evaluation) and ``e2e.png`` under
-    ``out_dir`` (default: the current directory) and returns the JSON-able result.
-    """
-    curves: dict[str, list[tuple[float, float]]] = {}
-    iterations: dict[str, int] = {}
-    base_acc = None
-    for p in presets:
-        print(f"[e2e] {p}: {minutes} min of training", flush=True)
-        curves[p], iterations[p] = train_curve(p, minutes, eval_every_s, num_prompts, seeds, overrides, base_acc)
-        base_acc = curves[p][0][1]
-    return summarize(curves, iterations, minutes, num_prompts * seeds, out_dir, json_path, quiet)
+def run_name(preset: str, seed: int) -> str:
+    return f"{preset}-s{seed}"
 
 
-def summarize(curves: dict, iterations: dict, minutes: float, samples: int, results: str | Path | None = None,
-              json_path: str | None = None, quiet: bool = False) -> dict:
-    """Rows (final accuracy, time to the target and its ratio to the target preset's), CSV and PNG
-    in ``results`` (default: the current directory), table and JSON from per-preset curves (from
-    one run or merged from several)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    results = output_dir(results)
-    base_acc = next(iter(curves.values()))[0][1]
-    base = target_preset(curves)
-    target = curves[base][-1][1]
-    t_ref = seconds_to(curves[base], target)
-    rows = []
-    for p, c in curves.items():
-        s_to = seconds_to(c, target)
-        rows.append({"preset": p, "final_accuracy": c[-1][1], "seconds_to_target": s_to,
-                     "time_ratio": (s_to / t_ref) if (s_to is not None and t_ref) else None})
-    with (results / "e2e.csv").open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["preset", "train_seconds", "accuracy"])
-        for p, c in curves.items():
-            for s, a in c:
-                w.writerow([p, f"{s:.1f}", f"{a:.4f}"])
-    plot_e2e(curves, target, base, minutes, samples, results / "e2e.png")
-    table = Table(title=f"bench e2e (target = {base} final accuracy {target:.3f})")
-    for col in ("preset", "iterations", "base acc", "final acc", "s to target", f"x {base}"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        s, ratio = r["seconds_to_target"], r["time_ratio"]
-        table.add_row(r["preset"], str(iterations.get(r["preset"], "?")), f"{curves[r['preset']][0][1]:.3f}",
-                      f"{r['final_accuracy']:.3f}", "-" if s is None else f"{s:.0f}",
-                      "-" if ratio is None else f"{ratio:.2f}")
-    if not quiet:
-        Console().print(table)
-    out = {"rows": rows, "target": target, "base_accuracy": base_acc, "target_preset": base,
-           "target_above_base": target > base_acc,
-           "mix_grpo_within_claim": next((r["time_ratio"] is not None and r["time_ratio"] <= MIX_CLAIM
-                                          for r in rows if r["preset"] == "mix-grpo"), None),
-           "minutes": minutes, "samples": samples, "iterations": iterations,
-           "curves": {p: c for p, c in curves.items()}}
-    write_json(json_path, out)
-    return out
+def collect_runs(runs_dir: Path) -> dict[str, dict[int, list[CurvePoint]]]:
+    """Every finished run ``<label>-s<seed>`` under ``runs_dir``: label -> seed -> curve, presets in
+    :data:`PRESETS` order first."""
+    found: dict[str, dict[int, list[CurvePoint]]] = {}
+    for d in sorted(Path(runs_dir).iterdir()) if Path(runs_dir).is_dir() else []:
+        label, sep, seed = d.name.rpartition("-s")
+        if sep and seed.isdigit() and (d / "summary.json").is_file():
+            found.setdefault(label, {})[int(seed)] = run_curve(d)
+    order = [p for p in PRESETS if p in found] + sorted(p for p in found if p not in PRESETS)
+    return {p: found[p] for p in order}
 
 
-def merge(json_paths: list[str], out_json: str | None, results: str | Path | None = None) -> dict:
-    """Combine results of ``bench e2e`` runs over disjoint presets (e.g. run side by side on two
-    cores) into one table, CSV, PNG and JSON. The runs must share the budget and evaluation set."""
-    parts = [json.loads(Path(p).read_text()) for p in json_paths]
-    if len({(d["minutes"], d["samples"], d["base_accuracy"]) for d in parts}) != 1:
-        raise SystemExit("bench e2e --merge: the runs differ in minutes, evaluation samples or base accuracy")
-    curves, iterations = {}, {}
-    for d in parts:
-        for p, c in d["curves"].items():
-            curves[p] = [tuple(x) for x in c]
-            iterations[p] = d.get("iterations", {}).get(p, "?")
-    order = [p for p in PRESETS if p in curves] + [p for p in curves if p not in PRESETS]
-    curves = {p: curves[p] for p in order}
-    return summarize(curves, iterations, parts[0]["minutes"], parts[0]["samples"], results, out_json)
+def train_command(preset: str, seed: int, minutes: float, eval_every_s: float, runs_dir: Path,
+                  overrides: list[str] = ()) -> list[str]:
+    """The ``flowgrpo train`` command of one benchmark run (``--resume`` where it was interrupted)."""
+    run_dir = runs_dir / run_name(preset, seed)
+    base = [sys.executable, "-m", "flowgrpo.cli", "train"]
+    if (run_dir / "config.yaml").is_file() and any(run_dir.glob("checkpoints/ckpt_*")):
+        return [*base, "--resume", str(run_dir)]
+    return [*base, "--preset", preset, f"train.seed={seed}", f"train.max_minutes={minutes}",
+            f"eval.every_minutes={eval_every_s / 60}", f"log.out_dir={runs_dir}", f"log.run_name={run_name(preset, seed)}",
+            "log.progress=false", *overrides]
+
+
+def run_all(presets, seeds, minutes: float, eval_every_s: float, runs_dir: Path, jobs: int = 1,
+            overrides: list[str] = ()) -> None:
+    """Train every (preset, seed) without a summary yet, ``jobs`` at a time (each run uses
+    ``train.threads`` threads: the presets' one thread lets 2 runs share 2 cores). Each run's output
+    goes to ``RUNS_DIR/<name>.log``; a failed run is reported and skipped."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    todo = [(p, s) for p in presets for s in seeds if not (runs_dir / run_name(p, s) / "summary.json").is_file()]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    running: list[tuple[str, subprocess.Popen, object]] = []
+    while todo or running:
+        while todo and len(running) < max(1, jobs):
+            p, s = todo.pop(0)
+            log = (runs_dir / f"{run_name(p, s)}.log").open("a")
+            print(f"[e2e] start {run_name(p, s)} ({minutes:g} min)", flush=True)
+            cmd = train_command(p, s, minutes, eval_every_s, runs_dir, overrides)
+            running.append((run_name(p, s), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        time.sleep(1.0)
+        for item in list(running):
+            name, proc, log = item
+            if proc.poll() is not None:
+                log.close()
+                running.remove(item)
+                status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see {name}.log)"
+                print(f"[e2e] {name} {status}", flush=True)
+
+
+def run_bench_e2e(json_path: str | None = None, presets=PRESETS, seeds=(0, 1), minutes: float = 10.0,
+                  eval_every_s: float = 60.0, runs_dir: str | Path | None = None, jobs: int = 2,
+                  overrides: list[str] = (), out_dir: str | Path | None = None, quiet: bool = False,
+                  aggregate_only: bool = False) -> dict:
+    """Train (unless ``aggregate_only``) and summarise; ``runs_dir`` defaults to ``OUT/e2e_runs``."""
+    runs = Path(runs_dir) if runs_dir is not None else output_dir(out_dir) / "e2e_runs"
+    if not aggregate_only:
+        run_all(presets, seeds, minutes, eval_every_s, runs, jobs, overrides)
+    curves = collect_runs(runs)
+    if not aggregate_only:
+        curves = {p: {s: c for s, c in curves[p].items() if s in seeds} for p in presets if p in curves}
+    if not curves:
+        raise SystemExit(f"bench e2e: no finished run (summary.json) under {runs}")
+    return summarize(curves, minutes, out_dir, json_path, quiet)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", nargs="+", default=list(PRESETS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="training seeds (train.seed)")
+    ap.add_argument("--minutes", type=float, default=10.0, help="training budget per run (train.max_minutes)")
+    ap.add_argument("--eval-every", type=float, default=60.0, help="seconds of training between evaluations")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread by the presets)")
+    ap.add_argument("--runs-dir", default=None, help="where the runs go (default: OUT/e2e_runs); reused on restart")
+    ap.add_argument("--aggregate-only", action="store_true", help="only summarise the finished runs in --runs-dir")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--minutes", type=float, default=4.0, help="training budget per preset")
-    ap.add_argument("--eval-every", type=float, default=80.0, help="seconds of training between evaluations")
-    ap.add_argument("--presets", nargs="*", default=list(PRESETS))
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw e2e.png (into --out) from a saved result JSON")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="combine result JSONs of runs over disjoint presets (written to --json and beside it)")
-    ap.add_argument("--out", "--out-dir", dest="out", default=None,
-                    help="where e2e.csv / e2e.png go (default: the current directory)")
-    ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every preset")
-    args = ap.parse_args(argv)
-    if args.replot:
-        data = json.loads(Path(args.replot).read_text())
-        plot_e2e(data["curves"], data["target"], data.get("target_preset") or target_preset(data["curves"]),
-                 data["minutes"], data.get("samples", 256), output_dir(args.out) / "e2e.png")
-        return
-    out_dir = args.out
-    if args.merge:
-        merge(args.merge, args.json, out_dir)
-        return
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run_bench_e2e(args.json, args.presets, args.minutes, args.eval_every, overrides=args.overrides, out_dir=out_dir)
+    ap.add_argument("--out", "--out-dir", dest="out", default=None, help="where e2e.csv / e2e.png go")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every run")
+    a = ap.parse_args(argv)
+    run_bench_e2e(a.json, a.presets, a.seeds, a.minutes, a.eval_every, a.runs_dir, a.jobs, a.overrides, a.out,
+                  aggregate_only=a.aggregate_only)
 
 
 if __name__ == "__main__":
