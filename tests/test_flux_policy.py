@@ -109,6 +109,22 @@ def test_pipeline_dir_resolves_and_schnell_has_no_guidance(tmp_path):
                            policy.velocity(x, torch.tensor([0.5]), cond, guidance_scale=7.0))
 
 
+def test_unset_sizes_are_the_adapters_own_defaults(flux_dir):
+    """model.resolution / model.max_sequence_length left unset: FluxPolicy's own defaults apply (the
+    config used to pass 64 px and 32 T5 tokens to every adapter)."""
+    import inspect
+
+    cfg = load_config("flow-grpo", None, [f"model.name={flux_dir}", "model.train_mode=lora"]).model
+    assert cfg.resolution is None and cfg.max_sequence_length is None
+    policy = build_policy(cfg)
+    own = inspect.signature(FluxPolicy.__init__).parameters
+    assert policy.resolution == own["resolution"].default
+    assert policy.max_sequence_length == own["max_sequence_length"].default
+    assert policy.latent_shape == (16, own["resolution"].default // 8, own["resolution"].default // 8)
+    # a set value still wins
+    assert build_policy(ModelConfig(name=str(flux_dir), resolution=RES, max_sequence_length=SEQ)).max_sequence_length == SEQ
+
+
 def test_saved_lora_loads_into_stock_pipeline(flux_dir, tmp_path):
     policy, pipe = make_policy(flux_dir), load_pipe(flux_dir)
     gen = torch.Generator().manual_seed(2)

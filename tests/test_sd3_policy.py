@@ -246,6 +246,26 @@ def diffusers_sigmas(num_steps: int, shift: float = 1.0, num_train: int = 1000, 
     return out + [0.0]
 
 
+def test_unset_sizes_are_the_adapters_own_defaults(tmp_path):
+    """model.resolution / model.max_sequence_length left unset: SD3Policy's own defaults for an SD3
+    folder, the tiny model's own for sd3-tiny (the config used to pass 64 px and 32 T5 tokens)."""
+    import inspect
+
+    from flowgrpo.policies.sd3_tiny import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
+
+    tiny_sd3_pipeline(seed=0).save_pretrained(tmp_path / "pipe")
+    cfg = ModelConfig(name=str(tmp_path / "pipe"), lora_rank=4)
+    assert cfg.resolution is None and cfg.max_sequence_length is None
+    own = inspect.signature(SD3Policy.__init__).parameters
+    loaded = build_policy(cfg)
+    assert (loaded.resolution, loaded.max_sequence_length) == (own["resolution"].default,
+                                                                own["max_sequence_length"].default)
+    tiny = build_policy(ModelConfig(name="sd3-tiny", lora_rank=4))
+    assert (tiny.resolution, tiny.max_sequence_length) == (TINY_RESOLUTION, TINY_MAX_SEQUENCE_LENGTH)
+    tiny = build_policy(ModelConfig(name="sd3-tiny", lora_rank=4, resolution=128, max_sequence_length=8))
+    assert (tiny.resolution, tiny.max_sequence_length) == (128, 8)
+
+
 @pytest.mark.parametrize("num_steps", [4, 10, 28])
 def test_sigma_grid_is_the_sd3_schedulers(num_steps):
     from flowgrpo.samplers import sigma_grid as flux_grid

@@ -5,7 +5,10 @@
   float32, the whole transformer, or nothing);
 * :func:`scheduler_grid`: the sigma grid a pipeline's scheduler denoises on, from a copy of it,
   checked to be a flow-matching Euler grid;
-* :func:`load_policy`: a policy from a local pipeline folder and a ``ModelConfig``.
+* :func:`load_policy`: a policy from a local pipeline folder and a ``ModelConfig``;
+* :func:`set_model_options`: the ``ModelConfig`` fields that are unset unless a run sets them
+  (``resolution``, ``max_sequence_length``, ``num_frames``): an unset one is not passed, so the
+  adapter's own default (its class's keyword default) applies.
 
 Together, ``load_frozen`` and ``make_trainable`` are the ``model.dtype`` handling of every adapter:
 transformer and text encoders in the model dtype (but for the submodules their library keeps in
@@ -110,19 +113,29 @@ def scheduler_grid(scheduler, num_steps: int, **set_timesteps_kwargs) -> Tensor:
     return sigmas
 
 
+#: ModelConfig fields whose null means "the adapter's own default" (the adapter class's keyword default)
+ADAPTER_DEFAULTED = ("resolution", "max_sequence_length", "num_frames")
+
+
+def set_model_options(cfg, names: tuple[str, ...] = ("resolution", "max_sequence_length")) -> dict:
+    """``{name: value}`` of the fields ``names`` (from :data:`ADAPTER_DEFAULTED`) that ``cfg`` sets; an
+    unset (None) field is left out, so the adapter's keyword default applies."""
+    return {n: getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None}
+
+
 def load_policy(policy_cls, pipeline_cls, path, cfg, dtype: torch.dtype, what: str, **options):
     """``policy_cls.from_components`` over ``pipeline_cls.from_pretrained(path)`` (local files only) with
-    the ``ModelConfig`` fields every adapter takes, plus ``options``; load and argument errors become
-    one-line UserErrors (``what``: "an SD3", "a FLUX", ...)."""
+    the ``ModelConfig`` fields every adapter takes (``resolution`` and ``max_sequence_length`` only
+    where set: :func:`set_model_options`), plus ``options``; load and argument errors become one-line
+    UserErrors (``what``: "an SD3", "a FLUX", ...)."""
     try:
         pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load {what} pipeline from {str(path)!r}: {exc}") from None
     try:
         return policy_cls.from_components(
-            pipe.components, resolution=cfg.resolution, guidance_scale=cfg.guidance_scale,
-            train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-            max_sequence_length=cfg.max_sequence_length, dtype=dtype, **options,
+            pipe.components, guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
+            lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, dtype=dtype, **set_model_options(cfg), **options,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -28,6 +28,9 @@ import torch
 #: number of CLIP BPE merges kept in the tiny CLIP vocabulary (512 byte symbols + merges + 2 specials)
 CLIP_MERGES = 2000
 CLIP_MAX_LENGTH = 16
+#: ``model.name=sd3-tiny``'s own image side and T5 tokens (used where the run leaves them unset)
+TINY_RESOLUTION = 64
+TINY_MAX_SEQUENCE_LENGTH = 32
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -150,13 +153,16 @@ def tiny_sd3_pipeline(seed: int = 0, shift: float = 3.0):
 
 
 def build_tiny_sd3_policy(cfg):
-    """Factory for ``model.name=sd3-tiny``: an :class:`~flowgrpo.policies.sd3.SD3Policy` over random tiny weights."""
+    """Factory for ``model.name=sd3-tiny``: an :class:`~flowgrpo.policies.sd3.SD3Policy` over random tiny
+    weights. Unset ``model.resolution`` / ``model.max_sequence_length`` are this model's own
+    :data:`TINY_RESOLUTION` / :data:`TINY_MAX_SEQUENCE_LENGTH` (SD3's 512 px would only slow it down)."""
+    from .diffusers_common import set_model_options
     from .sd3 import SD3Policy
     from .switches import runtime_options, torch_dtype
 
+    sizes = {"resolution": TINY_RESOLUTION, "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, **set_model_options(cfg)}
     return SD3Policy.from_components(
-        tiny_sd3_components(seed=0),
-        resolution=cfg.resolution, guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
-        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, max_sequence_length=cfg.max_sequence_length,
-        dtype=torch_dtype(cfg.dtype), **runtime_options(cfg),
+        tiny_sd3_components(seed=0), guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
+        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, dtype=torch_dtype(cfg.dtype), **sizes,
+        **runtime_options(cfg),
     )

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .diffusers_common import check_train_mode, load_frozen, load_policy, make_trainable, scheduler_grid
+from .diffusers_common import check_train_mode, load_frozen, load_policy, make_trainable, scheduler_grid, set_model_options
 from .sd3 import SD3Policy
 from .switches import SwitchedPolicy, runtime_options, torch_dtype
 
@@ -174,4 +174,4 @@ def build_wan_policy(cfg) -> WanPolicy:
     from diffusers import WanPipeline
 
     return load_policy(WanPolicy, WanPipeline, path, cfg, torch_dtype(cfg.dtype), "a Wan",
-                       num_frames=cfg.num_frames, **runtime_options(cfg))
+                       **set_model_options(cfg, ("num_frames",)), **runtime_options(cfg))
