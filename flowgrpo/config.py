@@ -19,14 +19,15 @@ import yaml
 from .errors import ConfigError, UserError
 from .fields import check_choices, help_field as _f, merge_into
 from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
-from .samplers.sde import DEFAULT_NOISE_LEVEL
+from .policies.base import TrainMode
+from .samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
 
 
 @dataclass
 class ModelConfig:
     name: str = _f("shapes", "policy adapter (shapes | sd3 | sd3-tiny | flux | wan, see `flowgrpo.policies.POLICIES`), or a diffusers pipeline directory / cached hub id whose model_index.json picks the adapter")
     path: str | None = _f(None, "local weights directory (shapes: default shipped weights; sd3 / flux / wan: a diffusers pipeline folder)")
-    train_mode: Literal["lora", "full"] = _f("lora", "lora (peft adapter) | full (all transformer weights)")
+    train_mode: TrainMode = _f("lora", "lora (peft adapter) | full (all transformer weights)")
     lora_rank: int = _f(32, "LoRA rank r")
     lora_alpha: float = _f(64.0, "LoRA alpha (scale = alpha / r)")
     guidance_scale: float = _f(1.0, "classifier-free guidance scale during rollouts and eval (1 = off)")
@@ -47,8 +48,8 @@ class SamplerConfig:
     strategy: str = _f("flow_grpo", "sampling strategy (plan per iteration): see `flowgrpo.samplers.STRATEGIES`; its options are `strategy.*`")
     num_steps: int = _f(10, "denoising steps T of a rollout")
     noise_level: float = _f(DEFAULT_NOISE_LEVEL, "SDE noise level a (flow_grpo, cps) or eta (dance)")
-    sde_kind: Literal["flow_grpo", "dance", "cps"] = _f("flow_grpo", "SDE discretisation (flowgrpo.samplers.sde)")
-    cps_log_prob: Literal["gaussian", "mse"] = _f("gaussian", "log-prob of CPS steps: gaussian (DESIGN §3) | mse (Flow-GRPO-Fast's -mean((x' - mu)^2), a Gaussian with std 1/sqrt(2) up to a constant)")
+    sde_kind: SDEKindName = _f("flow_grpo", "SDE discretisation (flowgrpo.samplers.sde)")
+    cps_log_prob: LogProbConvention = _f("gaussian", "log-prob of CPS steps: gaussian (the transition's Gaussian density, as every other kind) | mse (Flow-GRPO-Fast's -mean((x' - mu)^2), a Gaussian with std 1/sqrt(2) up to a constant)")
     shift: float = _f(1.0, "timestep shift s of the sigma grid (models whose pipeline owns its grid, e.g. sd3, ignore it)")
     shared_group_noise: bool = _f(False, "all members of a group start from the same initial noise (DanceGRPO)")
     max_micro_batch: int = _f(256, "largest model batch during rollouts (nodes of one depth are chunked by it)")

@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 #: The default SDE noise level a (eta for the "dance" kind): Flow-GRPO's and MixGRPO's 0.7.
 DEFAULT_NOISE_LEVEL = 0.7
-#: Log-prob conventions: "gaussian" (DESIGN §3, every kind) or "mse" (CPS, Flow-GRPO-Fast).
+#: Log-prob conventions: "gaussian" (the transition's own Gaussian density, every kind) or "mse"
+#: (CPS only, Flow-GRPO-Fast's -mean((x' - mu)^2)). The one list of them (``sampler.cps_log_prob``'s type).
 LogProbConvention = Literal["gaussian", "mse"]
-LOG_PROB_CONVENTIONS = ("gaussian", "mse")
+LOG_PROB_CONVENTIONS: tuple[str, ...] = get_args(LogProbConvention)
 _MSE_STD = 1.0 / math.sqrt(2.0)
 
 
@@ -125,6 +126,8 @@ class CPSSDE(SDEKind):
 
 
 SDE_KINDS: dict[str, SDEKind] = {k.name: k for k in (FlowGRPOSDE(), DanceSDE(), CPSSDE())}
+#: The names of :data:`SDE_KINDS` as a type (``sampler.sde_kind``'s): the choices are the kinds above.
+SDEKindName = Literal[tuple(SDE_KINDS)]  # type: ignore[valid-type]
 
 
 def sde_kind(name: str) -> SDEKind:

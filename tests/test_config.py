@@ -268,3 +268,16 @@ def test_model_name_may_be_a_pipeline_directory(tmp_path):
         load_config("shapes", None, [f"model.name={other}"])
     with pytest.raises(ConfigError, match="neither an adapter \\(flux, sd3, sd3-tiny, shapes, wan\\)"):
         load_config("shapes", None, [f"model.name={tmp_path / 'missing'}"])
+
+
+def test_choice_lists_are_defined_once_where_they_live():
+    """sampler.sde_kind / sampler.cps_log_prob / model.train_mode take their choices from the modules
+    that implement them (a new SDE kind or train mode needs no second list in the config)."""
+    from flowgrpo.config import ModelConfig, SamplerConfig
+    from flowgrpo.fields import choices_of, hints
+    from flowgrpo.policies.base import TRAIN_MODES
+    from flowgrpo.samplers.sde import LOG_PROB_CONVENTIONS, SDE_KINDS
+
+    assert choices_of(hints(SamplerConfig)["sde_kind"]) == tuple(SDE_KINDS)
+    assert choices_of(hints(SamplerConfig)["cps_log_prob"]) == LOG_PROB_CONVENTIONS
+    assert (*choices_of(hints(ModelConfig)["train_mode"]), "frozen") == TRAIN_MODES

@@ -11,13 +11,26 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Literal, get_args
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
 from ..sharded_tensors import like_param
+
+
+#: What ``model.train_mode`` can train: a peft LoRA adapter on the transformer, or all its weights.
+TrainMode = Literal["lora", "full"]
+#: Every adapter's train modes: :data:`TrainMode`'s and "frozen" (nothing trainable; evaluation only).
+TRAIN_MODES: tuple[str, ...] = (*get_args(TrainMode), "frozen")
+
+
+def check_train_mode(train_mode: str) -> str:
+    """``train_mode`` itself, or ValueError unless it is one of :data:`TRAIN_MODES`."""
+    if train_mode not in TRAIN_MODES:
+        raise ValueError(f"unknown train_mode {train_mode!r}; valid: {', '.join(TRAIN_MODES)}")
+    return train_mode
 
 
 @dataclass

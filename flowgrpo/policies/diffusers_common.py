@@ -25,16 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
+from .base import TRAIN_MODES, check_train_mode  # noqa: F401  (the adapters import them from here)
 from .lora import add_lora
-
-TRAIN_MODES = ("lora", "full", "frozen")
-
-
-def check_train_mode(train_mode: str) -> str:
-    """``train_mode`` itself, or ValueError unless it is one of :data:`TRAIN_MODES`."""
-    if train_mode not in TRAIN_MODES:
-        raise ValueError(f"unknown train_mode {train_mode!r}; valid: {', '.join(TRAIN_MODES)}")
-    return train_mode
 
 
 def float32_submodules(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:

@@ -8,7 +8,7 @@ import copy
 from torch import Tensor, nn
 
 from ..errors import UserError
-from ..policies.base import Policy
+from ..policies.base import Policy, check_train_mode
 from ..policies.lora import add_lora, lora_disabled
 from .model import ShapesFlowModel
 
@@ -34,9 +34,9 @@ class ShapesPolicy(Policy):
     def __init__(self, model: ShapesFlowModel | None = None, guidance_scale: float = 1.0, train_mode: str = "lora",
                  lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None):
         super().__init__(guidance_scale)
+        self.train_mode = check_train_mode(train_mode)
         self.model = model if model is not None else ShapesFlowModel.load()
         self.model.requires_grad_(False)
-        self.train_mode = train_mode
         self._frozen: nn.Module | None = None
         size = self.model.cfg.image_size
         self.latent_shape = (3, size, size)
@@ -44,8 +44,6 @@ class ShapesPolicy(Policy):
             add_lora(self.model.transformer, lora_rank, lora_alpha, lora_targets or SD3_LORA_TARGETS)
         elif train_mode == "full":
             self.model.transformer.requires_grad_(True)
-        elif train_mode != "frozen":
-            raise ValueError(f"unknown train_mode {train_mode!r}; valid: lora, full, frozen")
 
     @property
     def denoiser(self) -> nn.Module:
