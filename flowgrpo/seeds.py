@@ -21,6 +21,9 @@ STEP_SUBSET = 29
 UPDATE = 31
 #: forward-process objectives: timesteps and noise of the training rows (flowgrpo.objectives.forward_rows)
 FORWARD_ROWS = 37
+#: MixGRPO's random window position, redrawn every ``strategy.shift_every`` iterations from
+#: (``strategy.seed``, window period, salt) (flowgrpo.samplers.chains, ``strategy.mode=random``)
+MIX_WINDOW = 97
 
 
 def derive_seed(seed: int, iteration: int, salt: int, *more: int) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from flowgrpo.errors import ConfigError
 from flowgrpo.fields import help_field
+from flowgrpo.seeds import MIX_WINDOW
 
 from .plan import PlanMeta, SamplingPlan, StepSpec
 from .solvers import compressed_grid
@@ -126,7 +127,7 @@ class MixGRPOStrategy(Strategy):
         if o.mode == "frozen":
             return o.start
         if o.mode == "random":
-            return int(np.random.default_rng([o.seed, k, 97]).integers(0, l_max + 1))
+            return int(np.random.default_rng([o.seed, k, MIX_WINDOW]).integers(0, l_max + 1))
         if o.rollback:
             positions = list(range(o.start, l_max, o.stride)) + [l_max]
             return positions[k % len(positions)]
