@@ -5,7 +5,8 @@ gathered to rows; with both options on the weights multiply.
 
 * **GRPO-Guard gradient reweighting** (``loss.guard_reweight``): delta_t proportional to 1 / |Delta_t|
   (Delta_t = sigma' - sigma of the step), normalised to mean 1 over the distinct steps trained in
-  this update. The SDE mean depends on the velocity through a factor proportional to Delta_t, so the
+  this update by any process (:func:`iteration_trained_steps`), so that the weights do not depend on
+  how the rows are split across processes. The SDE mean depends on the velocity through a factor proportional to Delta_t, so the
   policy gradient of a step scales with |Delta_t|; the weight equalises it across noise levels
   (together with the ratio normalisation ``loss.guard``, which equalises the ratio's spread).
 * **TempFlow-GRPO noise-aware weighting** (``loss.tempflow_weight``): w_t proportional to the std of
@@ -65,12 +66,36 @@ def tempflow_step_weights(plan) -> Tensor:
     return (raw / mean).float() if mean > 0 else torch.ones(plan.num_steps)
 
 
-def transition_weights(batch, plan, loss_cfg) -> Tensor:
-    """Weights [M] for the transitions of ``batch`` (ones unless a weighting option is on)."""
+def transition_weights(batch, plan, loss_cfg, trained_steps: list[int] | None = None) -> Tensor:
+    """Weights [M] for the transitions of ``batch`` (ones unless a weighting option is on).
+
+    ``trained_steps``: the plan steps trained in this update on every rank, over which the GRPO-Guard
+    weights are normalised (default: the steps of ``batch``). Under several processes a rank's batch
+    may lack a step that another rank trains: pass the whole iteration's steps
+    (:func:`iteration_trained_steps`), so that a row's weight does not depend on the rank it is on."""
     w = torch.ones(len(batch))
     step = batch.step.long().cpu()
     if loss_cfg.guard_reweight:
-        w = w * guard_step_weights(plan, step.unique().tolist())[step]
+        steps = step.unique().tolist() if trained_steps is None else list(trained_steps)
+        missing = set(step.unique().tolist()) - set(steps)
+        if missing:
+            raise ValueError(f"the batch has rows at plan steps {sorted(missing)} outside trained_steps {steps}")
+        w = w * guard_step_weights(plan, steps)[step]
     if loss_cfg.tempflow_weight:
         w = w * tempflow_step_weights(plan)[step]
     return w
+
+
+def iteration_trained_steps(forest, edge_advantages, steps: list[int], edge_masks) -> list[int]:
+    """The plan steps among ``steps`` at which the whole iteration trains at least one transition.
+
+    Args:
+        forest: the whole iteration's forest (``ForestView.whole``: on several processes every rank
+            holds its structure, with [N, 0] states, so this costs no model-sized memory).
+        edge_advantages, edge_masks: per depth, [N_d(whole)] (the credit stage's).
+        steps: the credit stage's selected steps (``Credit.steps``).
+
+    Returns the same sorted list on every rank: the distinct steps of the 1-process batch. Steps that
+    are selected but whose edges are all masked (no signal, backward-only pruning) are left out."""
+    batch = forest.transitions(edge_advantages, steps, edge_masks, allow_empty=True)
+    return sorted(set(batch.step.tolist()))

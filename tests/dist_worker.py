@@ -2,8 +2,8 @@
 
 Started by ``accelerate launch`` (several processes) or directly (one process) from
 tests/test_multiprocess.py: ``python dist_worker.py OUT_DIR ITERATIONS key=value ...``. Every rank
-writes OUT_DIR/rank{r}.pt with the whole iteration's advantages, its trainable weights after each
-iteration and the metrics.
+writes OUT_DIR/rank{r}.pt with the whole iteration's advantages, its trainable weights before and after
+each iteration, the metrics and the plan steps of its own training rows.
 """
 
 import sys
@@ -32,6 +32,15 @@ def main() -> None:
         run_idle(cond)
 
     trainer._idle_pass = counted_idle_pass
+    row_steps, rows_of = [], trainer.objective.rows  # the plan steps of this rank's rows, per iteration
+
+    def recorded_rows(ctx):
+        rows = rows_of(ctx)
+        row_steps.append([] if rows is None else sorted(set(rows.step.tolist())))
+        return rows
+
+    trainer.objective.rows = recorded_rows
+    record["initial"] = trainer.state_dict()["trainable"]
     for _ in range(iterations):
         res = trainer.iteration_step()
         record["leaf_advantages"].append(res.advantages.leaf_advantages.clone())
@@ -41,6 +50,7 @@ def main() -> None:
         record["local_trees"].append(res.rollout.levels[0].tree.cpu().tolist())
     record["ema"] = trainer.engine.full(trainer.ema)
     record["idle_passes"] = idle[0]
+    record["row_steps"] = row_steps
     out.mkdir(parents=True, exist_ok=True)
     torch.save(record, out / f"rank{trainer.dp.rank}.pt")
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from flowgrpo.config import LossConfig
-from flowgrpo.loss_weights import guard_step_weights, tempflow_step_weights, transition_weights
+from flowgrpo.loss_weights import (guard_step_weights, iteration_trained_steps, tempflow_step_weights,
+                                   transition_weights)
 from flowgrpo.ops import grpo_loss_ref
 from flowgrpo.samplers.plan import SamplingPlan, StepSpec
 from flowgrpo.samplers.schedule import sigma_grid
@@ -249,3 +250,38 @@ def test_transition_weights_gather_step_weights():
     # the mean is 1 over the distinct trained steps (rows 0, 3, 4), not over the rows (step 1 is thrice)
     assert float(g[[0, 3, 4]].double().mean()) == pytest.approx(1.0, abs=1e-6)
     assert abs(float(g.double().mean()) - 1.0) > 0.05
+
+
+def test_guard_weights_of_a_row_do_not_depend_on_the_rows_beside_it():
+    """Under several processes each rank weighs its own rows: normalised over the whole update's
+    steps, a rank holding only some of them gives its rows the weights of the 1-process batch."""
+    plan = plan_of(GRID, [sde() for _ in range(8)])
+    cfg = LossConfig(guard_reweight=True)
+    whole = transition_weights(_Batch([1, 1, 4, 6, 6]), plan, cfg)
+    rank0 = transition_weights(_Batch([1, 1, 4]), plan, cfg, trained_steps=[1, 4, 6])
+    rank1 = transition_weights(_Batch([6, 6]), plan, cfg, trained_steps=[1, 4, 6])
+    torch.testing.assert_close(torch.cat([rank0, rank1]), whole, rtol=0, atol=0)
+    # without the update's steps a rank normalises over its own: rank 1 alone would weigh its rows 1
+    torch.testing.assert_close(transition_weights(_Batch([6, 6]), plan, cfg), torch.ones(2))
+    assert abs(float(rank1[0]) - 1.0) > 0.1
+    with pytest.raises(ValueError, match=r"plan steps \[6\] outside trained_steps"):
+        transition_weights(_Batch([1, 6]), plan, cfg, trained_steps=[1, 4])
+
+
+def test_iteration_trained_steps_are_the_steps_with_a_trainable_row(tiny_policy):
+    """The whole forest's steps among the selected ones that keep at least one edge after masking,
+    i.e. the distinct steps of the batch the update trains on one process."""
+    from flowgrpo.samplers.rollout import ForestSampler
+
+    plan = plan_of(UNIFORM[:5] + [0.0], [sde(), sde(), ode(), sde(), sde()])
+    ro = ForestSampler(tiny_policy).rollout(plan, ["a", "b"], 2, torch.Generator().manual_seed(0))
+    adv = [None] + [torch.zeros(len(lv)) for lv in ro.levels[1:]]
+    assert iteration_trained_steps(ro, adv, [0, 1, 3, 4], [None] * len(ro.levels)) == [0, 1, 3, 4]
+    assert iteration_trained_steps(ro, adv, [1, 4], None) == [1, 4]
+    # every edge out of step 3 (into depth 4) masked, and the edges out of step 0 of tree 0 only
+    masks = [None] * len(ro.levels)
+    masks[4] = torch.zeros(len(ro.levels[4]), dtype=torch.bool)
+    masks[1] = ro.levels[1].tree != 0
+    steps = iteration_trained_steps(ro, adv, [0, 1, 3, 4], masks)
+    assert steps == [0, 1, 4]
+    assert steps == sorted(set(ro.transitions(adv, [0, 1, 3, 4], masks).step.tolist()))

@@ -91,6 +91,38 @@ def test_two_processes_make_the_same_parameter_update_as_one(one_and_two):
             assert math.isclose(r["metrics"][0][key], one["metrics"][0][key], rel_tol=1e-5, abs_tol=1e-7), key
 
 
+def test_guard_reweighting_on_two_processes_makes_the_one_process_update(tmp_path):
+    """GRPO-Guard's per-step weights 1/|dt| are normalised to mean 1 over the steps trained in the
+    update. TempFlow-GRPO on the shipped shapes weights with its verifier (seed 5, shift 3: unequal
+    steps) leaves some branch points without signal: at iteration 0 rank 1's trees have no row at
+    step 2 while rank 0's do. Its weights must still be normalised over the whole iteration's
+    steps {0, 1, 2}, as on one process (normalising over its own {0, 1} moved the weights by 4e-5
+    and the gradient norm by 6 %)."""
+    from flowgrpo.shapes.model import WEIGHTS_DIR
+
+    ov = tiny_overrides(WEIGHTS_DIR, **SMOOTH_ADAM, **{
+        "train.seed": 5, "sampler.shift": 3.0, "loss.guard_reweight": "true", "sampler.strategy": "tempflow_grpo",
+        "advantage.estimator": "tempflow", "strategy.branch": 3, "data.prompts_per_iteration": 3,
+        "data.trees_per_prompt": 3, "reward.weights": "{shapes: 1.0}", "log.trackers": "[]"})
+    one = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "one"), "1", *ov], env=cli_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _launch(2, [str(tmp_path / "two"), "1", *ov])
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = torch.load(tmp_path / "one" / "rank0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    # the case under test: the ranks train different steps, together those of the 1-process run
+    assert a["row_steps"][0] == ranks[0]["row_steps"][0] == [0, 1, 2] and ranks[1]["row_steps"][0] == [0, 1]
+    moved = 0.0
+    for name, w in a["weights"][0].items():
+        for r in ranks:
+            assert (r["weights"][0][name] - w).abs().max() <= 1e-6, name
+        moved = max(moved, float((w - a["initial"][name]).abs().max()))
+    assert moved > 1e-4  # the weights did move: the check is not vacuous
+    for r in ranks:
+        assert math.isclose(r["metrics"][0]["grad_norm"], a["metrics"][0]["grad_norm"], rel_tol=1e-5)
+
+
 # ----------------------------------------------------------------------------- forward-process objectives
 
 OBJECTIVES = {"nft": {"loss.objective": "nft", "loss.nft.timesteps": 2},

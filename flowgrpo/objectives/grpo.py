@@ -19,7 +19,7 @@ import torch
 
 from ..anchor import ode_anchor_loss
 from ..clip_schedule import clip_range_for
-from ..loss_weights import transition_weights
+from ..loss_weights import iteration_trained_steps, transition_weights
 from ..ops import grpo_loss, grpo_loss_ref
 from ..samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
 from ..sft import best_path_sft_loss, best_paths
@@ -67,7 +67,10 @@ class GRPOObjective(Objective):
         plan = col.plan
         it = self._it
         it["clip"] = clip_range_for(self.cfg.clip_range, self.cfg.clip_adapt, col.rewards)
-        it["weights"] = transition_weights(batch, plan, self.cfg)
+        steps = None  # one process: the batch's own steps are the iteration's
+        if self.cfg.guard_reweight and ctx.dp.world > 1:  # normalise over every rank's steps
+            steps = iteration_trained_steps(view.whole, adv.edge_advantages, cr.steps, cr.edge_masks)
+        it["weights"] = transition_weights(batch, plan, self.cfg, steps)
         it["logp_std"] = transition_log_prob_std(batch, plan)
         it["best"] = None
         if self.cfg.sft_weight > 0:
