@@ -88,7 +88,7 @@ class LossConfig:
     clip_adapt: float = _f(0.0, "reward-adaptive clip (Dynamic-TreeRPO): eps = clip_range * (1 + clip_adapt * (1 - clamp(mean reward, 0, 1))); 0 = fixed")
     beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass")
     kl_sigma: Literal["sigma_t", "transition_std"] = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide beta by ~T to match)")
-    guard: bool = _f(False, "GRPO-Guard ratio normalisation")
+    guard: bool = _f(False, "GRPO-Guard ratio normalisation (with the gaussian log-prob: not with sampler.cps_log_prob=mse)")
     guard_reweight: bool = _f(False, "GRPO-Guard per-step gradient reweighting (weight proportional to 1/|dt|, mean 1)")
     tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to the transition std, mean 1)")
     sft_weight: float = _f(0.0, "weight of the best-path SFT term (Dynamic-TreeRPO / LayerTuning-RL, flowgrpo.sft); 0 = off")
@@ -365,6 +365,21 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'train.adam_betas' must be two numbers in [0, 1), got {betas!r}")
 
 
+def _check_guard_log_prob(cfg: RunConfig) -> None:
+    """Refuse GRPO-Guard's ratio normalisation (``loss.guard``) with CPS's mse log-prob.
+
+    Guard's log r^ = s (logp - logp_old) + mse / (2 s), s the std the log-prob is scored with, is
+    -mean_D((mu_old - mu) eps) for x' = mu_old + s eps when s is the transition's std: the same spread
+    at every step. The mse convention scores with 1/sqrt(2), which leaves -sqrt(2) s mean_D(...), a
+    spread that scales with s = sigma' sin(a pi / 2) again. With the true s it would be exactly the
+    gaussian convention's r^ (logp_mse - logp_mse_old = 2 s^2 (logp - logp_old)): mse has no place
+    under Guard, so the pair is refused rather than silently ignored."""
+    if cfg.loss.guard and cfg.sampler.sde_kind == "cps" and cfg.sampler.cps_log_prob == "mse":
+        raise ConfigError("config keys 'loss.guard' = true and 'sampler.cps_log_prob' = mse cannot be combined: "
+                          "GRPO-Guard normalises by the transition std, the mse log-prob scores with 1/sqrt(2); "
+                          "use sampler.cps_log_prob=gaussian (under Guard the mse ratio would equal it)")
+
+
 def validate(cfg: RunConfig) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options."""
     check_choices(cfg)
@@ -418,6 +433,7 @@ def validate(cfg: RunConfig) -> None:
                               f"auto, none, {', '.join(EVALUATORS.names())}")
     if cfg.sampler.cps_log_prob != "gaussian" and cfg.sampler.sde_kind != "cps":
         raise ConfigError("config key 'sampler.cps_log_prob' = mse needs sampler.sde_kind = cps")
+    _check_guard_log_prob(cfg)
     parse_options(options_class(cfg.sampler.strategy), cfg.strategy, cfg.sampler.num_steps)
     check_objective_options(cfg.loss)
 
