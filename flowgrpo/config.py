@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from .errors import ConfigError, UserError
-from .fields import check_choices, help_field as _f, merge_into
+from .fields import check_choices, check_ranges, field_ranges, help_field as _f, merge_into
 from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
 from .policies.base import TrainMode
 from .samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
@@ -30,11 +30,11 @@ class ModelConfig:
     train_mode: TrainMode = _f("lora", "lora (peft adapter) | full (all transformer weights)")
     lora_rank: int = _f(32, "LoRA rank r")
     lora_alpha: float = _f(64.0, "LoRA alpha (scale = alpha / r)")
-    guidance_scale: float = _f(1.0, "classifier-free guidance scale during rollouts and eval (1 = off)")
+    guidance_scale: float = _f(1.0, "classifier-free guidance scale during rollouts and eval (1 = off)", ge=0.0)
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "model dtype (step math is always float32; LoRA weights stay float32, and modules the library keeps in float32, e.g. Wan norms or T5 wo under fp16, stay so)")
-    resolution: int | None = _f(None, "image (or video frame) side in pixels for latent models (sd3, flux, wan); null: the adapter's own default (its class's `resolution` argument)")
-    max_sequence_length: int | None = _f(None, "T5 / UMT5 tokens of the text encoding (sd3, flux, wan); null: the adapter's own default (its class's `max_sequence_length` argument)")
-    num_frames: int | None = _f(None, "video frames for video models (wan): 4k + 1; null: the adapter's own default")
+    resolution: int | None = _f(None, "image (or video frame) side in pixels for latent models (sd3, flux, wan); null: the adapter's own default (its class's `resolution` argument)", ge=1)
+    max_sequence_length: int | None = _f(None, "T5 / UMT5 tokens of the text encoding (sd3, flux, wan); null: the adapter's own default (its class's `max_sequence_length` argument)", ge=1)
+    num_frames: int | None = _f(None, "video frames for video models (wan): 4k + 1; null: the adapter's own default", ge=1)
     gradient_checkpointing: bool = _f(False, "recompute transformer blocks in the backward pass (less memory, ~30 % slower; diffusers models)")
     vae_slicing: bool = _f(False, "decode one image at a time through the VAE (less memory; same images)")
     vae_tiling: bool = _f(False, "decode large images in overlapping VAE tiles (less memory at high resolution; not bit-identical once the image exceeds one tile)")
@@ -46,20 +46,20 @@ class ModelConfig:
 @dataclass
 class SamplerConfig:
     strategy: str = _f("flow_grpo", "sampling strategy (plan per iteration): see `flowgrpo.samplers.STRATEGIES`; its options are `strategy.*`")
-    num_steps: int = _f(10, "denoising steps T of a rollout")
-    noise_level: float = _f(DEFAULT_NOISE_LEVEL, "SDE noise level a (flow_grpo, cps) or eta (dance)")
+    num_steps: int = _f(10, "denoising steps T of a rollout", ge=1)
+    noise_level: float = _f(DEFAULT_NOISE_LEVEL, "SDE noise level a (flow_grpo, cps) or eta (dance)", ge=0.0)
     sde_kind: SDEKindName = _f("flow_grpo", "SDE discretisation (flowgrpo.samplers.sde)")
     cps_log_prob: LogProbConvention = _f("gaussian", "log-prob of CPS steps: gaussian (the transition's Gaussian density, as every other kind) | mse (Flow-GRPO-Fast's -mean((x' - mu)^2), a Gaussian with std 1/sqrt(2) up to a constant)")
-    shift: float = _f(1.0, "timestep shift s of the sigma grid (models whose pipeline owns its grid, e.g. sd3, ignore it)")
+    shift: float = _f(1.0, "timestep shift s of the sigma grid (models whose pipeline owns its grid, e.g. sd3, ignore it)", gt=0.0)
     shared_group_noise: bool = _f(False, "all members of a group start from the same initial noise (DanceGRPO)")
-    max_micro_batch: int = _f(256, "largest model batch during rollouts (nodes of one depth are chunked by it)")
+    max_micro_batch: int = _f(256, "largest model batch during rollouts (nodes of one depth are chunked by it)", ge=1)
 
 
 @dataclass
 class DataConfig:
     prompts: str = _f("shapes", "prompt source: 'shapes' (procedural world) or a .txt/.jsonl prompt file")
-    prompts_per_iteration: int = _f(8, "distinct prompts per iteration")
-    trees_per_prompt: int = _f(8, "initial noises (rollout trees) per prompt. A chain is a tree with one leaf, so for chain strategies this is the GRPO group size; tree strategies have trees_per_prompt x leaves-per-tree samples per prompt (formerly data.group_size)")
+    prompts_per_iteration: int = _f(8, "distinct prompts per iteration", ge=1)
+    trees_per_prompt: int = _f(8, "initial noises (rollout trees) per prompt. A chain is a tree with one leaf, so for chain strategies this is the GRPO group size; tree strategies have trees_per_prompt x leaves-per-tree samples per prompt (formerly data.group_size)", ge=1)
 
 
 @dataclass
@@ -67,7 +67,7 @@ class RewardConfig:
     weights: dict = _f({"shapes": 1.0}, "reward name -> weight (names from `flowgrpo.rewards.REWARDS`)")
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = _f("sum_then_normalize", "sum_then_normalize (Flow-GRPO) | normalize_then_sum (MixGRPO, Pref-GRPO)")
     options: dict = _f({}, "reward name -> {option: value} passed to the reward's factory (e.g. reward.options.hpsv2.checkpoint=/path/HPS_v2.1_compressed.pt); `flowgrpo.rewards.build_reward` lists a reward's valid options on a miss")
-    frame_stride: int = _f(1, "videos [B, F, 3, H, W]: every reward scores frames 0, s, 2s, ... and averages per video (flowgrpo.rewards.video)")
+    frame_stride: int = _f(1, "videos [B, F, 3, H, W]: every reward scores frames 0, s, 2s, ... and averages per video (flowgrpo.rewards.video)", ge=1)
     renormalize: bool = _f(False, "normalize_then_sum with several rewards: z-score the weighted sum of z-scores again per group (the references do not)")
 
 
@@ -76,23 +76,23 @@ class AdvantageConfig:
     estimator: str = _f("group_zscore", "advantage estimator: see `flowgrpo.advantages.ESTIMATORS`")
     std: Literal["group", "global"] = _f("group", "normalise by the std of each group (group) or of the whole batch (global)")
     std_estimator: Literal["population", "unbiased"] = _f("population", "population std (divide by n: Flow-GRPO) | unbiased (n - 1: DanceGRPO, MixGRPO, BranchGRPO)")
-    clip: float = _f(5.0, "advantages are clipped to +-clip")
-    eps: float = _f(1e-4, "added to the std before dividing (Flow-GRPO 1e-4; DanceGRPO/MixGRPO/BranchGRPO 1e-8)")
+    clip: float = _f(5.0, "advantages are clipped to +-clip", gt=0.0)
+    eps: float = _f(1e-4, "added to the std before dividing (Flow-GRPO 1e-4; DanceGRPO/MixGRPO/BranchGRPO 1e-8)", ge=0.0)
     fusion_beta: float = _f(0.0, "branch_grpo estimator: reward fusion r(n) = sum_l softmax(beta log p(l | n)) r_l (0: mean of descendant leaves; 1: path probability)")
 
 
 @dataclass
 class LossConfig:
     objective: str = _f("grpo", "training objective (flowgrpo.objectives): grpo (clipped log-prob ratios on SDE transitions; the keys below) | nft (DiffusionNFT, loss.nft.*) | awm (Advantage Weighted Matching, loss.awm.*) | dgpo (Direct Group Preference Optimization, loss.dgpo.*)")
-    clip_range: float = _f(1e-4, "PPO clip epsilon on the importance ratio")
-    clip_adapt: float = _f(0.0, "reward-adaptive clip (Dynamic-TreeRPO): eps = clip_range * (1 + clip_adapt * (1 - clamp(mean reward, 0, 1))); 0 = fixed")
-    beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass")
+    clip_range: float = _f(1e-4, "PPO clip epsilon on the importance ratio", gt=0.0)
+    clip_adapt: float = _f(0.0, "reward-adaptive clip (Dynamic-TreeRPO): eps = clip_range * (1 + clip_adapt * (1 - clamp(mean reward, 0, 1))); 0 = fixed", ge=0.0)
+    beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass", ge=0.0)
     kl_sigma: Literal["sigma_t", "transition_std"] = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide beta by ~T to match)")
     guard: bool = _f(False, "GRPO-Guard ratio normalisation (with the gaussian log-prob: not with sampler.cps_log_prob=mse)")
     guard_reweight: bool = _f(False, "GRPO-Guard per-step gradient reweighting (weight proportional to 1/|dt|, mean 1)")
     tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to the transition std, mean 1)")
-    sft_weight: float = _f(0.0, "weight of the best-path SFT term (Dynamic-TreeRPO / LayerTuning-RL, flowgrpo.sft); 0 = off")
-    anchor_weight: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.anchor)")
+    sft_weight: float = _f(0.0, "weight of the best-path SFT term (Dynamic-TreeRPO / LayerTuning-RL, flowgrpo.sft); 0 = off", ge=0.0)
+    anchor_weight: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.anchor)", ge=0.0)
     anchor_steps: int = _f(2, "ODE depths per update on which the anchor term is evaluated")
     backend: Literal["auto", "reference", "fused"] = _f("auto", "auto (fused op where built, else reference) | reference | fused")
     nft: NFTOptions = field(default_factory=NFTOptions, metadata={"help": "DiffusionNFT options (loss.objective=nft)"})
@@ -102,20 +102,20 @@ class LossConfig:
 
 @dataclass
 class TrainConfig:
-    iterations: int = _f(100, "outer iterations (rollout + update)")
-    max_minutes: float = _f(0.0, "stop after this many minutes of training wall-clock (0 = no limit)")
-    lr: float = _f(3e-4, "AdamW learning rate")
-    weight_decay: float = _f(1e-4, "AdamW weight decay")
+    iterations: int = _f(100, "outer iterations (rollout + update)", ge=1)
+    max_minutes: float = _f(0.0, "stop after this many minutes of training wall-clock (0 = no limit)", ge=0.0)
+    lr: float = _f(3e-4, "AdamW learning rate", gt=0.0)
+    weight_decay: float = _f(1e-4, "AdamW weight decay", ge=0.0)
     adam_betas: list = _f([0.9, 0.999], "AdamW betas")
-    adam_eps: float = _f(1e-8, "AdamW epsilon")
-    max_grad_norm: float = _f(1.0, "gradient clipping norm")
-    inner_epochs: int = _f(1, "passes over one iteration's rollouts")
-    minibatches: int = _f(1, "optimizer steps per inner epoch (samples split into this many minibatches)")
-    micro_batch: int = _f(64, "transitions per forward/backward")
-    timestep_fraction: float = _f(1.0, "fraction of trainable SDE steps used for the update")
+    adam_eps: float = _f(1e-8, "AdamW epsilon", gt=0.0)
+    max_grad_norm: float = _f(1.0, "gradient clipping norm", gt=0.0)
+    inner_epochs: int = _f(1, "passes over one iteration's rollouts", ge=1)
+    minibatches: int = _f(1, "optimizer steps per inner epoch (samples split into this many minibatches)", ge=1)
+    micro_batch: int = _f(64, "transitions per forward/backward", ge=1)
+    timestep_fraction: float = _f(1.0, "fraction of trainable SDE steps used for the update", gt=0.0, le=1.0)
     timestep_order: Literal["ordered", "random"] = _f("ordered", "ordered (the first fraction of steps) | random (a fresh random subset each iteration)")
     ema: bool = _f(True, "keep an EMA of the trainable weights (used for evaluation)")
-    ema_decay: float = _f(0.9, "EMA decay per iteration")
+    ema_decay: float = _f(0.9, "EMA decay per iteration", ge=0.0, lt=1.0)
     seed: int = _f(0, "seed of every random choice (prompts, noise, subsets); runs are reproducible")
     threads: int = _f(0, "torch CPU threads (0 = torch default)")
     deterministic: bool = _f(True, "torch deterministic algorithms (resume reproduces an uninterrupted run)")
@@ -124,10 +124,10 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     evaluator: str = _f("auto", "held-out evaluator: auto (the model's own, e.g. shapes accuracy for the shapes world; none for models without one) | none | a name from `flowgrpo.evaluation.EVALUATORS`")
-    num_prompts: int = _f(64, "held-out prompts")
+    num_prompts: int = _f(64, "held-out prompts", ge=1)
     seen: bool = _f(True, "also evaluate on prompts from the training pools before and after (reported as eval_*_seen)")
-    seeds_per_prompt: int = _f(4, "fixed seeds per held-out prompt")
-    num_steps: int = _f(20, "ODE steps for evaluation")
+    seeds_per_prompt: int = _f(4, "fixed seeds per held-out prompt", ge=1)
+    num_steps: int = _f(20, "ODE steps for evaluation", ge=1)
     every: int = _f(0, "evaluate every N iterations during training (0 = only before and after)")
     every_minutes: float = _f(0.0, "evaluate every N minutes of training wall-clock (0 = off); the clock is paused while evaluating")
     options: dict = _f({}, "options of the selected evaluator (e.g. eval.options.judge_url=... for unigenbench); the evaluator lists its valid options on a miss")
@@ -146,7 +146,7 @@ class LogConfig:
 
 @dataclass
 class DistConfig:
-    timeout_s: float = _f(600.0, "multi-process runs: seconds a collective waits for the other processes; a rank that died or hangs longer stops the run with an error naming it (the last checkpoint resumes). The other ranks wait while the main process evaluates and writes checkpoints, so keep it above the longest of those")
+    timeout_s: float = _f(600.0, "multi-process runs: seconds a collective waits for the other processes; a rank that died or hangs longer stops the run with an error naming it (the last checkpoint resumes). The other ranks wait while the main process evaluates and writes checkpoints, so keep it above the longest of those", gt=0.0)
 
 
 @dataclass
@@ -338,30 +338,13 @@ def _check_trackers(trackers: list) -> None:
             raise ConfigError(f"config key 'log.trackers': unknown tracker {t!r}; valid choices: {', '.join(valid)}")
 
 
-#: numeric fields and their allowed ranges: (key, low, high, low inclusive); NaN and inf are never allowed
-RANGES = [
-    ("sampler.noise_level", 0.0, None, True), ("sampler.shift", 0.0, None, False),
-    ("loss.clip_range", 0.0, None, False), ("loss.clip_adapt", 0.0, None, True), ("loss.beta", 0.0, None, True),
-    ("loss.sft_weight", 0.0, None, True), ("loss.anchor_weight", 0.0, None, True),
-    ("train.lr", 0.0, None, False), ("train.weight_decay", 0.0, None, True), ("train.adam_eps", 0.0, None, False),
-    ("train.max_grad_norm", 0.0, None, False), ("train.ema_decay", 0.0, 1.0, True), ("train.max_minutes", 0.0, None, True),
-    ("model.guidance_scale", 0.0, None, True), ("advantage.clip", 0.0, None, False), ("advantage.eps", 0.0, None, True),
-]
+#: the bounded numeric fields, ``{"section.key": {"ge" | "gt" | "lt" | "le": bound}}``: the bounds are
+#: written beside each field (``_f(..., ge=0.0)``) and checked by :func:`flowgrpo.fields.check_ranges`
+RANGES = field_ranges(RunConfig)
 
 
-def _check_ranges(cfg: RunConfig) -> None:
-    """Every numeric field in :data:`RANGES` is finite and within its range (one line naming the key)."""
-    import math
-
-    for key, lo, hi, lo_incl in RANGES:
-        sec, name = key.split(".")
-        v = getattr(getattr(cfg, sec), name)
-        bad = not math.isfinite(v) or (v < lo if lo_incl else v <= lo) or (hi is not None and v >= hi)
-        if bad:
-            want = f"{'>=' if lo_incl else '>'} {lo}" + (f" and < {hi}" if hi is not None else "")
-            raise ConfigError(f"config key '{key}' must be a finite number {want}, got {v!r}")
-    betas = cfg.train.adam_betas
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+def _check_adam_betas(betas: list) -> None:
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
         raise ConfigError(f"config key 'train.adam_betas' must be two numbers in [0, 1), got {betas!r}")
 
 
@@ -384,18 +367,8 @@ def validate(cfg: RunConfig) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options."""
     check_choices(cfg)
     _check_trackers(cfg.log.trackers)
-    if cfg.dist.timeout_s <= 0:
-        raise ConfigError(f"config key 'dist.timeout_s' must be > 0, got {cfg.dist.timeout_s}")
-    positive = ["reward.frame_stride", "sampler.num_steps", "data.prompts_per_iteration", "data.trees_per_prompt", "train.iterations",
-                "train.inner_epochs", "train.minibatches", "train.micro_batch", "eval.num_prompts",
-                "eval.seeds_per_prompt", "eval.num_steps", "sampler.max_micro_batch"]
-    for key in positive:
-        sec, name = key.split(".")
-        if getattr(getattr(cfg, sec), name) < 1:
-            raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(getattr(cfg, sec), name)}")
-    _check_ranges(cfg)
-    if not 0.0 < cfg.train.timestep_fraction <= 1.0:
-        raise ConfigError(f"config key 'train.timestep_fraction' must be in (0, 1], got {cfg.train.timestep_fraction}")
+    check_ranges(cfg)
+    _check_adam_betas(cfg.train.adam_betas)
     if not cfg.reward.weights:
         raise ConfigError("config key 'reward.weights' needs at least one reward")
     for name, opts in cfg.reward.options.items():

@@ -7,6 +7,8 @@ field's type, so a bad key or value reads the same wherever it is written.
 * :func:`help_field` declares a field with its default and help text (``metadata["help"]``).
 * A field typed ``Literal["a", "b"]`` accepts exactly those values; :func:`merge_into` and
   :func:`check_choices` enforce it, :func:`choices_of` lists them for help screens.
+* A numeric field declared with bounds (``help_field(0.9, "...", ge=0, lt=1)``) must be finite and
+  within them; :func:`check_ranges` enforces it (a None value of an optional field is not checked).
 """
 
 from __future__ import annotations
@@ -20,11 +22,63 @@ from typing import Any, Literal
 from .errors import ConfigError
 
 
-def help_field(default: Any, help: str, **kw) -> Any:
-    """A dataclass field with ``default`` (lists and dicts are copied per instance) and ``help``."""
+#: the bound keywords of :func:`help_field` and how a value is compared with each
+BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+
+def help_field(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
+               lt: float | None = None, le: float | None = None, **kw) -> Any:
+    """A dataclass field with ``default`` (lists and dicts are copied per instance) and ``help``.
+
+    ``gt`` / ``ge`` / ``lt`` / ``le``: bounds of a numeric field (value > gt, >= ge, < lt, <= le),
+    kept in ``metadata["range"]`` and checked by :func:`check_ranges`.
+    """
+    metadata = {"help": help}
+    bounds = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
+    if bounds:
+        metadata["range"] = bounds
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
+
+
+def field_ranges(cls: Any, prefix: str = "") -> dict[str, dict[str, float]]:
+    """``{"section.key": bounds}`` of every field of dataclass ``cls`` (nested ones flattened) declared
+    with bounds (see :func:`help_field`)."""
+    out: dict[str, dict[str, float]] = {}
+    h = hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = h[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            out.update(field_ranges(hint, f"{prefix}{f.name}."))
+        elif "range" in f.metadata:
+            out[prefix + f.name] = f.metadata["range"]
+    return out
+
+
+def range_text(bounds: dict[str, float]) -> str:
+    """``{"ge": 0, "lt": 1}`` -> ``">= 0 and < 1"``."""
+    return " and ".join(f"{BOUNDS[k]} {v}" for k, v in bounds.items())
+
+
+def check_ranges(cfg: Any, prefix: str = "") -> None:
+    """Every bounded field of ``cfg`` (recursively) is a finite number within its bounds; else a
+    :class:`~flowgrpo.errors.ConfigError` naming the key (NaN and inf are never within bounds)."""
+    import math
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_ranges(value, f"{prefix}{f.name}.")
+            continue
+        bounds = f.metadata.get("range")
+        if not bounds or value is None:
+            continue
+        ok = math.isfinite(value) and all({"gt": value > b, "ge": value >= b, "lt": value < b, "le": value <= b}[k]
+                                          for k, b in bounds.items())
+        if not ok:
+            what = range_text(bounds) if isinstance(value, int) else f"a finite number {range_text(bounds)}"
+            raise ConfigError(f"config key '{prefix}{f.name}' must be {what}, got {value!r}")
 
 
 def hints(obj_or_cls: Any) -> dict[str, Any]:

@@ -126,7 +126,7 @@ def test_unknown_keys_list_the_valid_ones():
     ("reward.combine=max", "sum_then_normalize"),
     ("train.iterations=0", ">= 1"),
     ("data.trees_per_prompt=0", ">= 1"),
-    ("train.timestep_fraction=1.5", "(0, 1]"),
+    ("train.timestep_fraction=1.5", "> 0.0 and <= 1.0"),
     ("reward.weights={}", "at least one reward"),
 ])
 def test_value_validation(override, needle):
