@@ -4,7 +4,7 @@ Both paths train the same policy (the tiny random SD3 with a LoRA adapter) with 
 code; they differ in who samples:
 
 * **sd3 path**: :class:`~flowgrpo.trainer.trainer.GRPOTrainer`'s own rollout
-  (:class:`~flowgrpo.samplers.rollout.ForestSampler` calling the policy's velocity);
+  (:class:`~flowgrpo.samplers.forest_sampler.ForestSampler` calling the policy's velocity);
 * **plug-in path**: the stock ``StableDiffusion3Pipeline`` built over the *same* modules, with
   :class:`~flowgrpo.diffusers.scheduler.FlowGRPOScheduler` and the recorder
   (:func:`flowgrpo.diffusers.rollout`), then the trainer's decode, rewards, advantages and update.

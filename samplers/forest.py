@@ -1,4 +1,7 @@
-"""The rollout forest: one tree per (prompt, initial noise); a chain is a tree with branching 1.
+"""The rollout forest's data structure: :class:`Rollout` (the sampled forest, by depth :class:`Level` s)
+and :class:`TransitionBatch` (its SDE transitions, flattened for the loss). One tree per (prompt,
+initial noise); a chain is a tree with branching 1. The sampler that builds a :class:`Rollout` is
+:class:`~flowgrpo.samplers.forest_sampler.ForestSampler`.
 
 Storage is by depth (number of edges from the root), so that every node of one depth across the
 whole forest is one batch: ``levels[d].x`` holds the states of all nodes at depth d ([N_d, ...]) and

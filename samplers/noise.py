@@ -7,8 +7,9 @@ in the batch, so the same tree would get other noise when the forest is split ac
 rollout's generator, made for all ``num_trees`` trees of the iteration whatever the shard, so that
 tree t's noise is the same in a 1-process run and on whichever rank holds it in an N-process run.
 
-Groups that share their initial noise (DanceGRPO's ``shared_group_noise``) draw it from a
-per-group stream in the same way, so a group split across ranks still starts from one noise.
+The trees of one prompt that share their initial noise (DanceGRPO's ``shared_group_noise``) draw it
+from a per-prompt stream in the same way, so a prompt's trees split across ranks still start from
+one noise.
 """
 
 from __future__ import annotations
@@ -24,32 +25,32 @@ class TreeNoise:
 
     Args:
         generator: the rollout's generator; exactly two int64 draws of size ``num_trees`` and
-            ``num_groups`` are taken from it, whatever ``trees`` is.
+            ``num_prompts`` are taken from it, whatever ``trees`` is.
         num_trees: trees in the whole iteration (all ranks together).
         trees: the global ids of the trees this process rolls out (a contiguous range).
-        group_size: trees per group (tree t belongs to group t // group_size).
+        trees_per_prompt: trees per prompt (tree t belongs to prompt t // trees_per_prompt).
         device: where drawn noise is placed (drawing itself is on the CPU, so it is the same on
             every device).
     """
 
-    def __init__(self, generator: torch.Generator, num_trees: int, trees: range, group_size: int,
+    def __init__(self, generator: torch.Generator, num_trees: int, trees: range, trees_per_prompt: int,
                  device: torch.device | str = "cpu"):
         tree_seeds = torch.randint(0, _SEED_RANGE, (num_trees,), generator=generator, dtype=torch.int64)
-        num_groups = -(-num_trees // group_size)
-        group_seeds = torch.randint(0, _SEED_RANGE, (num_groups,), generator=generator, dtype=torch.int64)
+        num_prompts = -(-num_trees // trees_per_prompt)
+        prompt_seeds = torch.randint(0, _SEED_RANGE, (num_prompts,), generator=generator, dtype=torch.int64)
         self.trees = trees
-        self.group_size = group_size
+        self.trees_per_prompt = trees_per_prompt
         self.device = device
         self._gens = {t: torch.Generator().manual_seed(int(tree_seeds[t])) for t in trees}
-        self._group_seeds = group_seeds
+        self._prompt_seeds = prompt_seeds
 
     def initial(self, shape: tuple[int, ...], shared_group_noise: bool) -> Tensor:
         """[len(trees), *shape] float32 initial noise, one row per tree in ``trees`` order; with
-        ``shared_group_noise`` every tree of a group gets its group's noise."""
+        ``shared_group_noise`` every tree of a prompt gets that prompt's noise."""
         rows = []
         for t in self.trees:
             if shared_group_noise:
-                gen = torch.Generator().manual_seed(int(self._group_seeds[t // self.group_size]))
+                gen = torch.Generator().manual_seed(int(self._prompt_seeds[t // self.trees_per_prompt]))
             else:
                 gen = self._gens[t]
             rows.append(torch.randn(shape, generator=gen, dtype=torch.float32))

@@ -35,7 +35,7 @@ Numerics at the ends of the grid, where lambda is infinite:
   error ~ log(N) / N^2: the fitted slope is 1.80 over N = 80..640 and approaches 2 from below.
 * **History after a stochastic step.** The multistep formula assumes x0_hat^{(i-2)} was taken on the
   same ODE trajectory; after an SDE step it was not, so the sampler drops the history and the next
-  dpm2 step is first order (see :class:`~flowgrpo.samplers.rollout.ForestSampler`).
+  dpm2 step is first order (see :class:`~flowgrpo.samplers.forest_sampler.ForestSampler`).
 
 All math runs in float32 (float64 inputs stay float64, for the convergence tests).
 """

@@ -1,4 +1,5 @@
-"""The rollout forest and the ForestSampler (DESIGN §1): shapes, NFE, shared noise, branching, determinism."""
+"""The rollout forest (samplers/forest.py) and the ForestSampler (samplers/forest_sampler.py): level
+shapes, NFE, shared noise, branching, determinism."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from conftest import TinyPolicy
 
 from flowgrpo.samplers import sde_step, sigma_grid
 from flowgrpo.samplers.plan import SamplingPlan, StepSpec
-from flowgrpo.samplers.rollout import ForestSampler
+from flowgrpo.samplers.forest_sampler import ForestSampler
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
 
@@ -24,6 +25,12 @@ def branching_plan(num_steps=4, branch_at=1, k=2, ode_at=(3,)):
 def rollout(policy, plan, group_size=2, seed=0, shared=False, prompts=PROMPTS, **kw):
     sampler = ForestSampler(policy, **kw)
     return sampler.rollout(plan, prompts, group_size, torch.Generator().manual_seed(seed), shared_group_noise=shared)
+
+
+def test_the_old_module_path_still_imports_the_sampler():
+    from flowgrpo.samplers import rollout as old
+
+    assert old.ForestSampler is ForestSampler
 
 
 def test_level_shapes_parents_and_trees(tiny_policy):

@@ -116,8 +116,8 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_scanner_sees_relative_and_late_imports():
     g = _graph()
     assert "flowgrpo.samplers.steps" in g
-    # samplers/rollout.py: "from .steps import ..." at module level
-    assert "flowgrpo.samplers.steps" in g["flowgrpo.samplers.rollout"]
+    # samplers/forest_sampler.py: "from .steps import ..." at module level
+    assert "flowgrpo.samplers.steps" in g["flowgrpo.samplers.forest_sampler"]
     # config.validate imports the registries inside a function
     assert "flowgrpo.policies" in g["flowgrpo.config"]
 

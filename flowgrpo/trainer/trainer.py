@@ -37,7 +37,7 @@ from ..errors import UserError
 from ..rewards import REWARDS, build_reward, check_rewards_fit_model
 from ..rewards.video import score_frames
 from ..samplers.forest import Rollout
-from ..samplers.rollout import ForestSampler
+from ..samplers.forest_sampler import ForestSampler
 from ..samplers.schedule import sigma_grid
 from ..samplers.strategies import build_strategy
 from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
