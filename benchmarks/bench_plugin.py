@@ -53,7 +53,7 @@ def _plugin_iteration(trainer, pipe, it: int) -> int:
     prompts = trainer.prompts.batch(it, cfg.data.prompts_per_iteration)
     gen = torch.Generator().manual_seed(1000 + it)
     trainer.policy.eval()
-    out = rollout(pipe, prompts, group_size=cfg.data.trees_per_prompt, num_inference_steps=cfg.sampler.num_steps,
+    out = rollout(pipe, prompts, trees_per_prompt=cfg.data.trees_per_prompt, num_inference_steps=cfg.sampler.num_steps,
                   generator=gen, height=cfg.model.resolution, width=cfg.model.resolution, guidance_scale=1.0,
                   max_sequence_length=cfg.model.max_sequence_length,
                   scheduler_options={"noise_level": cfg.sampler.noise_level, "sde_kind": cfg.sampler.sde_kind})

@@ -76,7 +76,7 @@ def test_log_probs_and_first_ratio(pipes, name):
     pipe = pipes[name]
     stock = pipe.scheduler
     try:
-        pr = rollout(pipe, PROMPTS, group_size=2, num_inference_steps=4, generator=torch.Generator().manual_seed(1),
+        pr = rollout(pipe, PROMPTS, trees_per_prompt=2, num_inference_steps=4, generator=torch.Generator().manual_seed(1),
                      scheduler_options=dict(noise_level=0.7), **KW[name])
     finally:
         pipe.scheduler = stock
@@ -133,7 +133,7 @@ def test_config_round_trip_and_window(pipes, tmp_path):
     stock = pipe.scheduler
     try:
         pipe.scheduler = again
-        pr = rollout(pipe, PROMPTS[:1], group_size=2, num_inference_steps=5,
+        pr = rollout(pipe, PROMPTS[:1], trees_per_prompt=2, num_inference_steps=5,
                      generator=torch.Generator().manual_seed(2), **KW["sd3"])
     finally:
         pipe.scheduler = stock
@@ -156,7 +156,7 @@ def test_rollout_structure(pipes):
     pipe = pipes["flux"]
     stock = pipe.scheduler
     try:
-        pr = rollout(pipe, PROMPTS, group_size=3, num_inference_steps=3, generator=torch.Generator().manual_seed(3),
+        pr = rollout(pipe, PROMPTS, trees_per_prompt=3, num_inference_steps=3, generator=torch.Generator().manual_seed(3),
                      output_type="pt", scheduler_options=dict(noise_level=0.7, sde_kind="cps"), **KW["flux"])
     finally:
         pipe.scheduler = stock
@@ -178,6 +178,23 @@ def test_rollout_structure(pipes):
     assert tuple(pr.output.shape) == (n, 3, 32, 32)
     assert pr.conditioning["prompt_embeds"].shape[0] == n
     assert r.nfe == 3
+
+
+def test_group_size_is_a_deprecated_name_of_trees_per_prompt(pipes):
+    """rollout(group_size=G) still works (a DeprecationWarning) and is trees_per_prompt=G exactly."""
+    pipe = pipes["sd3"]
+    stock = pipe.scheduler
+    kw = dict(num_inference_steps=2, output_type="latent", scheduler_options=dict(noise_level=0.7), **KW["sd3"])
+    try:
+        new = rollout(pipe, PROMPTS[:1], trees_per_prompt=2, generator=torch.Generator().manual_seed(4), **kw)
+        with pytest.warns(DeprecationWarning, match="trees_per_prompt"):
+            old = rollout(pipe, PROMPTS[:1], group_size=2, generator=torch.Generator().manual_seed(4), **kw)
+        with pytest.raises(ValueError, match="trees_per_prompt only"):
+            rollout(pipe, PROMPTS[:1], group_size=2, trees_per_prompt=2, **kw)
+    finally:
+        pipe.scheduler = stock
+    assert old.rollout.tree_prompt.tolist() == new.rollout.tree_prompt.tolist() == [0, 0]
+    assert all(torch.equal(a.x, b.x) for a, b in zip(old.rollout.levels, new.rollout.levels))
 
 
 def test_step_dtype_and_reproducibility():

@@ -60,7 +60,7 @@ def _levels(pr) -> torch.Tensor:
 
 def _rollout(pipe, name, seed, **kw):
     gen = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
-    return rollout(pipe, PROMPTS, group_size=2, num_inference_steps=3, generator=gen,
+    return rollout(pipe, PROMPTS, trees_per_prompt=2, num_inference_steps=3, generator=gen,
                    scheduler_options=dict(noise_level=0.7), **KW[name], **kw)
 
 
@@ -153,7 +153,7 @@ def test_replay_equals_stepped_velocity(pipes, restore_scheduler, scheme):
     sched = ensure_flowgrpo_scheduler(pipe, noise_level=0.7)
     stepped = _capture_stepped_velocity(sched)
     kw = dict(KW[name], **extra)
-    pr = rollout(pipe, PROMPTS, group_size=2, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+    pr = rollout(pipe, PROMPTS, trees_per_prompt=2, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
                  **kw)
     del sched.step
     rec = pr.recorder

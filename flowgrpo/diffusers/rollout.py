@@ -5,7 +5,7 @@
 scheduler config when it has another one) and a :class:`~flowgrpo.diffusers.recorder.StepRecorder`,
 then assembles the recorded steps into a :class:`~flowgrpo.samplers.forest.Rollout` of chains: one
 tree per (prompt, sample), ``levels[d].x`` [N, ...] the latents at depth d (N = prompts x
-group_size, prompt-major as the pipelines repeat prompts), SDE edges carrying mean / std / log-prob.
+trees_per_prompt, prompt-major as the pipelines repeat prompts), SDE edges carrying mean / std / log-prob.
 The call's ``generator`` draws the initial noise and, handed to the scheduler for the call, every
 SDE step's noise: the same seed gives the same rollout.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,15 +107,16 @@ def levels_from_records(records: list[SDERecord]) -> list[Level]:
     return levels
 
 
-def rollout(pipe, prompts: str | list[str], *, group_size: int = 1, num_inference_steps: int = 10,
+def rollout(pipe, prompts: str | list[str], *, trees_per_prompt: int = 1, num_inference_steps: int = 10,
             generator: torch.Generator | None = None, output_type: str = "latent",
-            scheduler_options: dict | None = None, **pipe_kwargs) -> PipelineRollout:
-    """Sample ``group_size`` chains per prompt with the stock pipeline and record them.
+            scheduler_options: dict | None = None, group_size: int | None = None, **pipe_kwargs) -> PipelineRollout:
+    """Sample ``trees_per_prompt`` chains per prompt with the stock pipeline and record them.
 
     Args:
         pipe: a diffusers flow-matching pipeline (SD3, FLUX, Wan, ...).
         prompts: P prompts; one GRPO group per prompt.
-        group_size: G samples per prompt (passed as num_images_per_prompt / num_videos_per_prompt).
+        trees_per_prompt: G samples (chains) per prompt, the GRPO group size (passed as
+            num_images_per_prompt / num_videos_per_prompt); ``data.trees_per_prompt`` of a run.
         num_inference_steps: T.
         generator: the pipeline's generator, or one per sample (N = P * G): it draws the initial
             noise and then, handed to the scheduler for the call (:meth:`FlowGRPOScheduler.set_generator`),
@@ -123,27 +125,36 @@ def rollout(pipe, prompts: str | list[str], *, group_size: int = 1, num_inferenc
         output_type: the pipeline's output type ("latent" skips decoding).
         scheduler_options: FlowGRPOScheduler config overrides (noise_level, sde_kind, sde_steps,
             window_start, window_size, log_prob); without them a FlowGRPOScheduler is kept as is.
+        group_size: deprecated name of ``trees_per_prompt`` (still accepted, with a DeprecationWarning;
+            it will be removed).
         pipe_kwargs: anything else for the pipeline (height, width, guidance_scale, ...).
 
     Returns: :class:`PipelineRollout`; its ``rollout`` has N = P * G trees, T + 1 levels
     (``levels[d].x`` [N, ...] float32), ``tree_prompt`` = ``tree_group`` = [N] prompt index.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not (isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool) and group_size >= 1):
-        raise ValueError(f"rollout(): group_size={group_size!r} is invalid; valid: an integer >= 1")
+    if group_size is not None:
+        if trees_per_prompt != 1:
+            raise ValueError("rollout(): give trees_per_prompt only (group_size is its deprecated name)")
+        warnings.warn("rollout(group_size=...) is deprecated; use trees_per_prompt=...", DeprecationWarning,
+                      stacklevel=2)
+        trees_per_prompt = group_size
+    if not (isinstance(trees_per_prompt, numbers.Integral) and not isinstance(trees_per_prompt, bool)
+            and trees_per_prompt >= 1):
+        raise ValueError(f"rollout(): trees_per_prompt={trees_per_prompt!r} is invalid; valid: an integer >= 1")
     scheduler = ensure_flowgrpo_scheduler(pipe, **(scheduler_options or {}))
     params = inspect.signature(pipe.__call__).parameters
     if "callback_on_step_end" not in params:
         raise ValueError(f"{type(pipe).__name__} takes no callback_on_step_end, which rollout() records steps with")
     per_prompt = next((a for a in _PER_PROMPT_ARGS if a in params), None)
-    if per_prompt is None and group_size != 1:
-        raise ValueError(f"{type(pipe).__name__} takes no per-prompt sample count; use group_size=1")
+    if per_prompt is None and trees_per_prompt != 1:
+        raise ValueError(f"{type(pipe).__name__} takes no per-prompt sample count; use trees_per_prompt=1")
     if per_prompt is not None:
-        pipe_kwargs[per_prompt] = group_size
-    n = len(prompts) * group_size
+        pipe_kwargs[per_prompt] = trees_per_prompt
+    n = len(prompts) * trees_per_prompt
     if isinstance(generator, list) and len(generator) not in (1, n):
         raise ValueError(f"rollout(): {len(generator)} generators for a batch of {n} ({len(prompts)} prompts x "
-                         f"group_size {group_size}); give one generator or one per sample")
+                         f"trees_per_prompt {trees_per_prompt}); give one generator or one per sample")
     hints = [pipe_kwargs[a] for a in _CFG_ARGS if pipe_kwargs.get(a) is not None]
     recorder = StepRecorder(guidance_scales=hints).attach(pipe)
     # stock pipelines call scheduler.step without their generator: hand it over for this call only
@@ -160,7 +171,7 @@ def rollout(pipe, prompts: str | list[str], *, group_size: int = 1, num_inferenc
     if len(records) != len(scheduler.sigmas) - 1:
         raise RuntimeError(f"the scheduler recorded {len(records)} steps for a {len(scheduler.sigmas) - 1}-step grid")
     plan = plan_from_scheduler(scheduler, [r.sde for r in records])
-    tree_prompt = torch.arange(len(prompts)).repeat_interleave(group_size)
+    tree_prompt = torch.arange(len(prompts)).repeat_interleave(trees_per_prompt)
     calls = sum(len(c) for c in recorder.calls)
     forest = Rollout(plan=plan, levels=levels_from_records(records), prompts=prompts, tree_prompt=tree_prompt,
                      tree_group=tree_prompt.clone(), nfe=calls)
