@@ -28,7 +28,8 @@ class StepSpec:
     Attributes:
         sde: stochastic step with a log-prob (trainable) or deterministic ODE step.
         branch: children per node at this step (1 = chain). With branch > 1 the parent's velocity
-            is computed once and shared by its children (a shared prefix costs one forward).
+            is computed once and shared by its children (a shared prefix costs one forward). A plan
+            makes it 1 where the step turns out deterministic (std 0: CPS into sigma' = 0, noise level 0).
         noise_level: SDE noise level a (or eta for the "dance" kind).
         sde_kind: "flow_grpo" | "dance" | "cps" (:mod:`flowgrpo.samplers.sde`).
         log_prob: log-prob convention of SDE edges, "gaussian" or (CPS) "mse".
@@ -127,9 +128,10 @@ class SamplingPlan:
     def __post_init__(self):
         if len(self.sigmas) != len(self.steps) + 1:
             raise ValueError(f"plan has {len(self.steps)} steps but {len(self.sigmas)} sigmas (need steps + 1)")
-        # A step whose SDE kind has std 0 into its sigma' (CPS into sigma' = 0: s = sigma' sin(a pi / 2))
-        # is deterministic: it is run as an ODE step rather than as a zero-variance "SDE" (whose
-        # log-prob would be NaN), in chains and in every lane of a tree program alike.
+        # A step whose SDE kind has std 0 into its sigma' (CPS into sigma' = 0: s = sigma' sin(a pi / 2);
+        # any kind at noise level 0) is deterministic: it is run as an ODE step rather than as a
+        # zero-variance "SDE" (whose log-prob would be NaN), in chains and in every lane of a tree
+        # program alike, and with one child (K children would be K identical copies).
         self.steps = [self._ode_if_deterministic(s, i) for i, s in enumerate(self.steps)]
         if self.rules:
             self.rules = {lane: [tuple(self._ode_if_deterministic(spec, i) for spec in rule)
@@ -149,8 +151,9 @@ class SamplingPlan:
                                          "(sde, noise_level, sde_kind): the loss recomputes means from steps[i]")
 
     def _ode_if_deterministic(self, spec: StepSpec, i: int) -> StepSpec:
+        """``spec`` as one ODE child where its SDE would have std 0 (else ``spec`` unchanged)."""
         if spec.sde and sde_kind(spec.sde_kind).deterministic_at(float(self.sigmas[i + 1]), spec.noise_level):
-            return dataclasses.replace(spec, sde=False, train=False, branch_noise="iid")
+            return dataclasses.replace(spec, sde=False, train=False, branch=1, branch_noise="iid")
         return spec
 
     @property

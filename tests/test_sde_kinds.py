@@ -76,7 +76,7 @@ def test_cps_into_zero_is_an_ode_step_in_chains_and_tree_programs():
     prog = _tree_program("cps")
     assert [s.sde for s in prog.steps] == [True, True, True, False]
     last = prog.rule(0, 3)
-    assert len(last) == 1 and not last[0].sde and last[0].branch == 2  # still two children, deterministic
+    assert len(last) == 1 and not last[0].sde and last[0].branch == 1  # one child: two would be identical
     assert prog.trained_steps() == [0, 1, 2]
     # the other kinds keep a stochastic last step (their std into sigma' = 0 is positive)
     assert _tree_program("flow_grpo").rule(0, 3)[0].sde
