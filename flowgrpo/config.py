@@ -104,6 +104,7 @@ class LossConfig:
 class TrainConfig:
     iterations: int = _f(100, "outer iterations (rollout + update)", ge=1)
     max_minutes: float = _f(0.0, "stop after this many minutes of training wall-clock (0 = no limit)", ge=0.0)
+    clock: Literal["wall", "cpu"] = _f("wall", "what train.max_minutes and eval.every_minutes count: wall (wall-clock) | cpu (the process's CPU time: on a shared machine a one-thread run then gets the budget it would get on a quiet one; for comparing recipes on a busy machine)")
     lr: float = _f(3e-4, "AdamW learning rate", gt=0.0)
     weight_decay: float = _f(1e-4, "AdamW weight decay", ge=0.0)
     adam_betas: list = _f([0.9, 0.999], "AdamW betas")
@@ -380,14 +381,14 @@ def validate(cfg: RunConfig) -> None:
     # names are checked against the registries here, before any model is built (no heavy imports)
     from .advantages import ESTIMATORS
     from .objectives import OBJECTIVES
-    from .policies import POLICIES, resolve_model
+    from .policies import POLICIES, resolve_adapter
     from .rewards import REWARDS
     from .samplers.strategies import STRATEGIES, options_class
     from .samplers.strategy_base import parse_options
 
     if cfg.model.name not in POLICIES:  # a pipeline directory or cached hub id picks its adapter
         try:
-            resolve_model(cfg.model)
+            resolve_adapter(cfg.model)
         except UserError as exc:
             raise ConfigError(f"config key 'model.name': {exc}") from None
     for key, registry, names in (("sampler.strategy", STRATEGIES, [cfg.sampler.strategy]),

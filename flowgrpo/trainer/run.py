@@ -166,6 +166,8 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     eval_every_s = cfg.eval.every_minutes * 60 if cfg.eval.every_minutes and evaluator is not None else 0.0
     next_eval_s = len(curve) * eval_every_s if eval_every_s else float("inf")
     total = cfg.train.iterations
+    # the training clock: wall-clock, or this process's CPU time (train.clock=cpu, for a shared machine)
+    clock = time.process_time if cfg.train.clock == "cpu" else time.perf_counter
     objective = trainer.objective.name or cfg.loss.objective
     ref_kl = objective != "grpo" or cfg.loss.beta > 0  # GRPO reports kl = 0 without a reference model
     with progress_bar(cfg.log.progress and main) as bar:
@@ -178,7 +180,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                 say(f"time budget of {cfg.train.max_minutes} min reached at iteration {trainer.iteration}")
                 break
             spent_before = train_seconds
-            t0 = time.perf_counter()
+            t0 = clock()
             out = trainer.iteration_step()
             m = out.metrics
             it = m["iteration"]
@@ -188,7 +190,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                                  ro.tree_prompt[ro.leaf_tree].tolist(), out.leaf_rewards)
                 logger.log_image("samples", run_dir / "grids" / f"iter_{it:06d}.png", it)
             # one clock for every rank (the main process's), so that time-based decisions agree
-            train_seconds = dp.broadcast(train_seconds + time.perf_counter() - t0)
+            train_seconds = dp.broadcast(train_seconds + clock() - t0)
             m["train_seconds"] = train_seconds
             next_end = _next_end(train_seconds, recent + [train_seconds - spent_before])
             budget_left = not cfg.train.max_minutes or next_end <= cfg.train.max_minutes * 60
@@ -208,11 +210,11 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                 logger.log(m)
             done = trainer.iteration
             if (main or gathers) and (done % cfg.log.checkpoint_every == 0 or done == total):
-                t1 = time.perf_counter()
+                t1 = clock()
                 state = trainer.state_dict()  # with sharded weights a collective (whole tensors)
                 if main:
                     save_checkpoint(run_dir, done, {"trainer": state, "train_seconds": train_seconds})
-                train_seconds += time.perf_counter() - t1
+                train_seconds += clock() - t1
             recent.append(train_seconds - spent_before)
             bar.update(task, **bar_fields(objective, done, total, train_seconds, cfg.train.max_minutes, m, ref_kl))
     dp.barrier()
