@@ -41,14 +41,14 @@ def check_rewards_fit_model(rewards: dict[str, Reward], model_cfg) -> None:
     e.g. the shapes verifier reads only the shapes world) paired with another model: such a run
     would score every image NaN and train nothing."""
     from flowgrpo.errors import UserError
-    from flowgrpo.policies import resolve_model
+    from flowgrpo.policies import resolve_adapter
 
     adapter = None
     for name, reward in rewards.items():
         only = getattr(reward, "images_of", None)
         if only is None:
             continue
-        adapter = adapter or resolve_model(model_cfg)[0]
+        adapter = adapter or resolve_adapter(model_cfg)[0]
         if adapter != only:
             raise UserError(f"reward {name!r} scores only the {only} model's images, not model.name="
                             f"{model_cfg.name!r} ({adapter}): choose rewards for this model with reward.weights=... "

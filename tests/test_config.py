@@ -253,13 +253,13 @@ def test_reward_options_merge_and_reach_the_factory(tmp_path):
 
 
 def test_model_name_may_be_a_pipeline_directory(tmp_path):
-    from flowgrpo.policies import resolve_model
+    from flowgrpo.policies import resolve_adapter
 
     sd3 = tmp_path / "sd3"
     sd3.mkdir()
     (sd3 / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
     cfg = load_config("shapes", None, [f"model.name={sd3}"])
-    assert resolve_model(cfg.model) == ("sd3", str(sd3))
+    assert resolve_adapter(cfg.model) == ("sd3", str(sd3))
     other = tmp_path / "other"
     other.mkdir()
     (other / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')

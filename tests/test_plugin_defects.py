@@ -303,7 +303,7 @@ BROKEN = {"not_json": "{not json", "a_list": '["StableDiffusion3Pipeline"]', "bi
 @pytest.mark.parametrize("kind", list(BROKEN))
 def test_broken_model_index_is_a_user_error(tmp_path, kind):
     from flowgrpo.config import ModelConfig
-    from flowgrpo.policies import resolve_model
+    from flowgrpo.policies import resolve_adapter
 
     folder = tmp_path / kind
     folder.mkdir()
@@ -311,7 +311,7 @@ def test_broken_model_index_is_a_user_error(tmp_path, kind):
     path = folder / "model_index.json"
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.raises(UserError) as info:
-        resolve_model(ModelConfig(name=str(folder)))
+        resolve_adapter(ModelConfig(name=str(folder)))
     msg = str(info.value)
     print(msg)
     assert "\n" not in msg and str(path) in msg and "JSON object" in msg
@@ -319,11 +319,11 @@ def test_broken_model_index_is_a_user_error(tmp_path, kind):
 
 def test_model_index_with_a_non_string_class_name(tmp_path):
     from flowgrpo.config import ModelConfig
-    from flowgrpo.policies import resolve_model
+    from flowgrpo.policies import resolve_adapter
 
     (tmp_path / "model_index.json").write_text('{"_class_name": ["StableDiffusion3Pipeline"]}')
     with pytest.raises(UserError, match="pipeline class \\['StableDiffusion3Pipeline'\\] is not supported"):
-        resolve_model(ModelConfig(name=str(tmp_path)))
+        resolve_adapter(ModelConfig(name=str(tmp_path)))
 
 
 def test_broken_model_index_through_the_cli(tmp_path, shapes_model_dir):

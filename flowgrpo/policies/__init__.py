@@ -61,8 +61,9 @@ def _pipeline_class(index: Path):
     return content.get("_class_name")
 
 
-def resolve_model(model_cfg) -> tuple[str, str | None]:
-    """(adapter name, pipeline directory or None) for ``model_cfg.name``.
+def resolve_adapter(model_cfg) -> tuple[str, str | None]:
+    """(adapter name, pipeline directory or None) for ``model_cfg.name``: which adapter builds the
+    policy, and from which folder.
 
     An adapter name selects that adapter (with ``model.path``); a pipeline directory or cached hub id
     selects the adapter for its pipeline class. Anything else raises a UserError naming the valid
@@ -86,10 +87,15 @@ def build_policy(model_cfg) -> Policy:
     """Instantiate the policy for ``model_cfg.name`` (an adapter name or a pipeline directory)."""
     import dataclasses
 
-    adapter, directory = resolve_model(model_cfg)
+    adapter, directory = resolve_adapter(model_cfg)
     if directory is not None and directory != model_cfg.path:
         model_cfg = dataclasses.replace(model_cfg, path=directory)
     return POLICIES.build(adapter, model_cfg)
 
 
-__all__ = ["Conditioning", "PIPELINE_ADAPTERS", "POLICIES", "Policy", "build_policy", "resolve_model"]
+#: the old name of :func:`resolve_adapter`, kept for callers not yet renamed (flowgrpo.export,
+#: flowgrpo.unigenbench.generate, whose own ``resolve_model`` is another function: a run's config from --model)
+resolve_model = resolve_adapter
+
+__all__ = ["Conditioning", "PIPELINE_ADAPTERS", "POLICIES", "Policy", "build_policy", "resolve_adapter",
+           "resolve_model"]
