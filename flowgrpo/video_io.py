@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import Tensor
 
+from .images import to_uint8
 from .plots import image_grid
 
 
@@ -19,7 +19,7 @@ def _frames_uint8(video: Tensor) -> np.ndarray:
     """[F, 3, H, W] in [0, 1] -> uint8 [F, H, W, 3]."""
     if video.ndim != 4 or video.shape[1] != 3:
         raise ValueError(f"a video must be [F, 3, H, W], got {tuple(video.shape)}")
-    return (video.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return to_uint8(video)
 
 
 def save_mp4(path: str | Path, video: Tensor, fps: int = 16) -> Path:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowgrpo.errors import ConfigError, UserError
+from flowgrpo.images import to_uint8
 
 from .base import RewardOutput
 
@@ -234,8 +235,7 @@ def to_pil(images: Tensor) -> list:
     """Images [B, 3, H, W] in [0, 1] -> B RGB PIL images (``round(255 x)`` as uint8)."""
     from PIL import Image
 
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    return [Image.fromarray(a, mode="RGB") for a in arr]
+    return [Image.fromarray(a, mode="RGB") for a in to_uint8(images)]
 
 
 def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:

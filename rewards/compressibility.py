@@ -9,14 +9,15 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from flowgrpo.images import to_uint8
+
 from .base import RewardOutput
 
 
 def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:
     """Size in kB of each image [B, 3, H, W] in [0, 1] saved as JPEG at ``quality``. Returns [B]."""
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     sizes = []
-    for img in arr:
+    for img in to_uint8(images):
         buf = io.BytesIO()
         Image.fromarray(np.ascontiguousarray(img)).save(buf, format="JPEG", quality=quality)
         sizes.append(buf.tell() / 1000.0)

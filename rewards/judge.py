@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import logging
 import re
 from collections import OrderedDict
 from typing import Any, Callable
 
-import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 
 from flowgrpo.errors import ConfigError
+from flowgrpo.images import png_bytes
 
 from .base import RewardOutput
 from .openai_client import ChatClient
@@ -123,14 +121,6 @@ DEFAULT_TEMPLATES = {"score_0_10": SCORE_TEMPLATE, "yes_no": YES_NO_TEMPLATE}
 
 
 # --------------------------------------------------------------------------- images and the cache
-
-
-def encode_png(image: Tensor) -> bytes:
-    """PNG bytes of one image [3, H, W] in [0, 1] (8 bits per channel)."""
-    arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    buf = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(arr)).save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
 
 
 def image_part(png: bytes) -> dict:
@@ -252,7 +242,7 @@ class PointwiseJudgeReward:
         """Rate every image; ``groups`` is ignored."""
         if images.shape[0] != len(prompts):
             raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
-        answers = self.core.ask([(p, [encode_png(img)]) for p, img in zip(prompts, images)])
+        answers = self.core.ask([(p, [png_bytes(img)]) for p, img in zip(prompts, images)])
         scores = torch.tensor([float("nan") if a is None else float(a) for a in answers], dtype=torch.float32)
         return RewardOutput(scores, {"judge_failed": torch.isnan(scores).float()})
 
@@ -279,7 +269,7 @@ class HTTPPairwiseJudge(PairwiseJudgeBase):
         def png(img: Tensor) -> bytes:
             key = (img.data_ptr(), tuple(img.shape), tuple(img.stride()))
             if key not in pngs:
-                pngs[key] = encode_png(img)
+                pngs[key] = png_bytes(img)
             return pngs[key]
 
         return self.core.ask([(p, [png(a), png(b)]) for p, a, b in queries])

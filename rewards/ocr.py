@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.errors import UserError
+from flowgrpo.images import to_uint8
 
 from .base import RewardOutput
 
@@ -93,8 +94,7 @@ def to_bgr_uint8(images: Tensor) -> np.ndarray:
     RapidOCR (cv2 underneath) passes a 3-channel numpy array through unchanged as BGR; only file
     paths, bytes and PIL images are converted from RGB. So numpy input must be BGR.
     """
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    return np.ascontiguousarray(arr[..., ::-1])
+    return np.ascontiguousarray(to_uint8(images)[..., ::-1])
 
 
 class OCRReward:

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flowgrpo.images import to_uint8
+
 from .base import RewardOutput
 
 VERDICTS = ("a", "b", "tie")
@@ -193,8 +195,7 @@ class ShapesPairwiseJudge(PairwiseJudgeBase):
         from flowgrpo.shapes.prompts import parse_prompt
         from flowgrpo.shapes.verify import verify
 
-        arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-        return float(verify(parse_prompt(prompt), arr)["score"])
+        return float(verify(parse_prompt(prompt), to_uint8(image))["score"])
 
     def judge(self, prompt: str, image_a: Tensor, image_b: Tensor) -> str:
         try:

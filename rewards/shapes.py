@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flowgrpo.images import to_uint8
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import verify
 
@@ -24,9 +25,8 @@ class ShapesReward:
     images_of = "shapes"
 
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
-        arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         scores, correct = [], []
-        for prompt, img in zip(prompts, arr):
+        for prompt, img in zip(prompts, to_uint8(images)):
             try:
                 r = verify(parse_prompt(prompt), img)
             except ValueError:

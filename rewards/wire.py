@@ -13,13 +13,13 @@ folders import each other.
 from __future__ import annotations
 
 import base64
-import io
 import math
 from collections.abc import Hashable, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
+
+from flowgrpo.images import png_bytes, to_uint8
 
 #: the image formats a server decodes (anything else is a 400)
 IMAGE_FORMATS = ("PNG", "JPEG")
@@ -27,21 +27,9 @@ IMAGE_FORMATS = ("PNG", "JPEG")
 FIELDS = ("prompts", "images", "groups")
 
 
-def to_uint8_hwc(images: Tensor) -> np.ndarray:
-    """images [B, 3, H, W] float in [0, 1] -> uint8 array [B, H, W, 3] (``round(x * 255)``)."""
-    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-
-
 def encode_png_b64(images: Tensor) -> list[str]:
     """images [B, 3, H, W] float in [0, 1] -> B base64 strings of 8-bit RGB PNGs (lossless)."""
-    from PIL import Image
-
-    out = []
-    for img in to_uint8_hwc(images):
-        buf = io.BytesIO()
-        Image.fromarray(np.ascontiguousarray(img)).save(buf, format="PNG", compress_level=1)
-        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
-    return out
+    return [base64.b64encode(png_bytes(img)).decode("ascii") for img in to_uint8(images)]
 
 
 def pack_groups(keys: Sequence[Hashable], limit: int) -> list[list[int]]:

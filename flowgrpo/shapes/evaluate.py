@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..evaluation import EvalResult
+from ..images import to_uint8
 from ..samplers import euler_step, sigma_grid
 from .fidelity import fidelity_parts
 from .prompts import heldout_specs, is_heldout, parse_prompt, seen_specs
@@ -40,11 +41,6 @@ def generate_ode(policy, prompts: list[str], seeds: list[int], num_steps: int = 
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
         out.append(policy.decode(x).cpu())
     return torch.cat(out)
-
-
-def to_uint8(images: Tensor) -> np.ndarray:
-    """[N, 3, H, W] in [0, 1] -> uint8 [N, H, W, 3]."""
-    return (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def score_shapes(prompts: list[str], images: Tensor) -> EvalResult:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..images import to_uint8
 from .verify import _LABELS, _TEMPLATES
 from .world import CELL, GLYPHS, GRID, IMAGE_SIZE
 
@@ -89,11 +90,6 @@ def fidelity_parts(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         foreground = np.where(n_fg > 0, (credit * fg).sum(1) / n_fg, np.nan)
     fidelity = np.where(n_fg > 0, (background + np.nan_to_num(foreground)) / 2.0, background)
     return fidelity.astype(np.float64), background.astype(np.float64), foreground.astype(np.float64)
-
-
-def to_uint8(images: Tensor) -> np.ndarray:
-    """[N, 3, H, W] in [0, 1] -> uint8 [N, H, W, 3] (clamped and rounded, as the evaluator does)."""
-    return (images.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def image_fidelity(images: Tensor) -> np.ndarray:
