@@ -48,11 +48,12 @@ def _cmd_train(args) -> int:
 def _run_train(args) -> int:
     """Train (or resume) in this process and print the outcome (the main process's)."""
     from .config import load_config
-    from .trainer.run import load_run_config, train
+    from .trainer.checkpoint import read_run_config
+    from .trainer.run import train
 
     if args.resume:
         run_dir = Path(args.resume)
-        cfg = load_run_config(run_dir)
+        cfg = read_run_config(run_dir)
         if args.overrides:
             from .config import apply_dict, parse_override, validate
 
@@ -114,23 +115,21 @@ def _cmd_eval(args) -> int:
 
     from .evaluation import build_evaluator
     from .policies import build_policy
-    from .trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from .trainer.run import load_run_config
+    from .trainer.checkpoint import STATE_FILE, load_policy_weights, read_run_config
 
     target = Path(args.target)
-    if (target / "state.pt").exists():
-        ckpt, run_dir = target, target.parent.parent
+    if (target / STATE_FILE).exists():  # one checkpoint folder: RUN_DIR/checkpoints/ckpt_N
+        run_dir, checkpoint = target.resolve().parent.parent, target
     elif (target / "config.yaml").exists():
-        run_dir, ckpt = target, latest_checkpoint(target)
-        if ckpt is None:
-            raise UserError(f"run directory {target} has no checkpoint yet")
+        run_dir, checkpoint = target, None
     else:
         raise UserError(f"{target} is neither a run directory nor a checkpoint folder")
-    cfg = load_run_config(run_dir)
+    cfg = read_run_config(run_dir)
+    trained = load_policy_weights(run_dir, checkpoint=checkpoint)
+    ckpt = trained.path
     torch.manual_seed(cfg.train.seed)
     policy = build_policy(cfg.model)
-    state = load_checkpoint(ckpt)["trainer"]
-    policy.load_trainable_state_dict(state["ema"] if state.get("ema") else state["trainable"])
+    policy.load_trainable_state_dict(trained.weights)
     evaluator, note = build_evaluator(cfg.eval, policy, cfg.sampler.shift)
     if evaluator is None:
         raise UserError(note)

@@ -25,29 +25,16 @@ LORA_DIRNAME = "lora"
 
 
 def checkpoint_weights(run_dir: Path, checkpoint: int | None = None, raw: bool = False):
-    """(config, checkpoint folder, weights, "ema" | "raw") of a LoRA run's checkpoint."""
-    from .trainer.checkpoint import CKPT_PREFIX, list_checkpoints, load_checkpoint
-    from .trainer.run import load_run_config
+    """(config, :class:`~flowgrpo.trainer.checkpoint.PolicyWeights`) of a LoRA run's checkpoint
+    (``checkpoint``: an iteration; default the newest intact one)."""
+    from .trainer.checkpoint import load_policy_weights, read_run_config
 
     run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir)
+    cfg = read_run_config(run_dir)
     if cfg.model.train_mode != "lora":
         raise UserError(f"{run_dir} is not a LoRA run (model.train_mode={cfg.model.train_mode}); "
                         "only LoRA adapters can be exported")
-    ckpts = list_checkpoints(run_dir)
-    if not ckpts:
-        raise UserError(f"run directory {run_dir} has no checkpoint yet")
-    if checkpoint is None:
-        ckpt = ckpts[-1]
-    else:
-        ckpt = run_dir / "checkpoints" / f"{CKPT_PREFIX}{checkpoint:06d}"
-        if ckpt not in ckpts:
-            have = ", ".join(str(int(p.name[len(CKPT_PREFIX):])) for p in ckpts)
-            raise UserError(f"{run_dir} has no checkpoint {checkpoint} (available: {have})")
-    state = load_checkpoint(ckpt)["trainer"]
-    if not raw and state.get("ema"):
-        return cfg, ckpt, state["ema"], "ema"
-    return cfg, ckpt, state["trainable"], "raw"
+    return cfg, load_policy_weights(run_dir, prefer_ema=not raw, checkpoint=checkpoint)
 
 
 def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoint: int | None = None,
@@ -59,7 +46,8 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     from .policies import build_policy, resolve_model
     from .policies.sd3 import torch_dtype
 
-    cfg, ckpt, weights, which = checkpoint_weights(Path(run_dir), checkpoint, raw)
+    cfg, trained = checkpoint_weights(Path(run_dir), checkpoint, raw)
+    weights, which, ckpt = trained.weights, trained.kind, trained.path
     adapter, base = resolve_model(cfg.model)
     if fuse and not base:
         raise UserError(f"--fuse needs the base pipeline folder (model.path), which model {adapter!r} "

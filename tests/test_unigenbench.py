@@ -338,6 +338,20 @@ def test_generate_resumes_and_applies_the_run_lora(lora_run, tmp_path, capsys):
     assert "use another --out" in capsys.readouterr().err
 
 
+def test_generate_passes_over_a_damaged_latest_checkpoint(lora_run, tmp_path, capsys):
+    run = shutil.copytree(lora_run, tmp_path / "run")
+    bad = run / "checkpoints" / "ckpt_000002" / "state.pt"
+    bad.parent.mkdir()
+    data = (run / "checkpoints" / "ckpt_000001" / "state.pt").read_bytes()
+    bad.write_bytes(data[: len(data) // 2])  # a newer checkpoint cut short
+    out = tmp_path / "images"
+    assert main(["unigenbench", "generate", "--set", "en", "--limit", "1", "--images-per-prompt", "1", "--steps", "1",
+                 "--quiet", "--model", str(run), "--out", str(out)]) == 0
+    assert f"checkpoint {bad} is damaged" in capsys.readouterr().err
+    assert json.loads((out / "generate.json").read_text())["checkpoint"] == "ckpt_000001"
+    assert (out / "0_0.png").is_file()
+
+
 def test_unigenbench_evaluator(tiny_policy):
     from flowgrpo.config import EvalConfig
     from flowgrpo.evaluation import build_evaluator

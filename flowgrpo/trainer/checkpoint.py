@@ -1,13 +1,62 @@
-"""Atomic checkpoints of a training run: written to a temporary folder, then renamed into place."""
+"""A run folder on disk: atomic checkpoints, the run's config, and the trained policy's weights.
+
+Checkpoints are written to a temporary folder, then renamed into place. A checkpoint damaged later
+(a file cut short by a full disk or a partial copy) is passed over with a warning naming it: resume,
+``flowgrpo eval``, ``export`` and ``unigenbench generate`` use the newest intact one, and when none is
+intact they stop with one line (:class:`~flowgrpo.errors.UserError`).
+
+:func:`load_policy_weights` is the one way to get a run's trained weights (its EMA when the run kept
+one, as the run's own evaluation and its ``lora/`` export use), as a :class:`PolicyWeights` record.
+"""
 
 from __future__ import annotations
 
 import shutil
+import sys
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
+import yaml
+
+from ..errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
 
 CKPT_PREFIX = "ckpt_"
+STATE_FILE = "state.pt"
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One loaded checkpoint: its folder and the state :func:`save_checkpoint` wrote
+    (``{"trainer": trainer state, "train_seconds": float}``)."""
+
+    path: Path
+    state: dict
+
+    @property
+    def iteration(self) -> int:
+        """The trainer's iteration when the state records it, else the folder's (``ckpt_000012`` -> 12)."""
+        recorded = self.state["trainer"].get("iteration")
+        return int(recorded) if recorded is not None else checkpoint_iteration(self.path)
+
+
+@dataclass(frozen=True)
+class PolicyWeights:
+    """A run's trained weights, as :meth:`~flowgrpo.policies.Policy.load_trainable_state_dict` takes them.
+
+    ``kind`` says which: "ema" (the exponential moving average the run evaluates and exports) or
+    "raw" (the weights the optimizer stepped); ``iteration`` and ``path`` name the checkpoint."""
+
+    weights: dict[str, torch.Tensor]
+    kind: Literal["ema", "raw"]
+    iteration: int
+    path: Path
 
 
 def save_checkpoint(run_dir: Path, iteration: int, state: dict, keep: int = 2) -> Path:
@@ -24,7 +73,7 @@ def save_checkpoint(run_dir: Path, iteration: int, state: dict, keep: int = 2) -
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    torch.save(state, tmp / "state.pt")
+    torch.save(state, tmp / STATE_FILE)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -34,16 +83,155 @@ def save_checkpoint(run_dir: Path, iteration: int, state: dict, keep: int = 2) -
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Every checkpoint folder of ``run_dir`` holding a state file, oldest first (intact or not)."""
     root = Path(run_dir) / "checkpoints"
     if not root.exists():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(CKPT_PREFIX) and (p / "state.pt").exists())
+    return sorted(p for p in root.iterdir() if p.name.startswith(CKPT_PREFIX) and (p / STATE_FILE).exists())
+
+
+def checkpoint_iteration(path: Path) -> int:
+    """The iteration of checkpoint folder ``path`` (``ckpt_000012`` -> 12)."""
+    return int(Path(path).name[len(CKPT_PREFIX):])
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """Why checkpoint folder ``path`` cannot be loaded, or None when it looks intact.
+
+    A cheap structural check of the state file (torch's zip archive): its directory is present,
+    every record lies within the file, and the pickle record is whole (CRC). A file cut short fails
+    it; damage inside a tensor record is only found by :func:`load_checkpoint`."""
+    file = Path(path) / STATE_FILE
+    try:
+        size = file.stat().st_size
+        with zipfile.ZipFile(file) as zf:
+            infos = zf.infolist()
+            if any(i.header_offset + i.compress_size > size for i in infos):
+                return "a record runs past the end of the file: cut short"
+            pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if not pickles:
+                return "no data.pkl record: not a torch checkpoint"
+            zf.read(pickles[0])  # checks the CRC
+    except zipfile.BadZipFile as exc:
+        return f"not a whole zip archive, cut short? {exc}"
+    except (OSError, zipfile.LargeZipFile) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'}"
+    return None
+
+
+class _Damaged(Exception):
+    pass
+
+
+def _newest_intact(run_dir: Path, take):
+    """``take(path)`` of the newest checkpoint for which it does not raise :class:`_Damaged`; a
+    warning names each newer damaged one. None when the run has no checkpoint; a UserError naming
+    every checkpoint and its damage when none is intact."""
+    ckpts = list_checkpoints(run_dir)
+    damaged: list[tuple[Path, str]] = []
+    for path in reversed(ckpts):
+        try:
+            found = take(path)
+        except _Damaged as exc:
+            damaged.append((path, str(exc)))
+            continue
+        for bad, problem in damaged:
+            print(f"flowgrpo: warning: checkpoint {bad / STATE_FILE} is damaged ({problem}); "
+                  f"using the older {path.name}", file=sys.stderr)
+        return found
+    if ckpts:
+        listed = "; ".join(f"{bad.name}: {problem}" for bad, problem in damaged)
+        raise UserError(f"run directory {run_dir} has no intact checkpoint ({listed}); "
+                        "start a new run or restore a checkpoint from a copy")
+    return None
+
+
+def _intact_path(path: Path) -> Path:
+    problem = checkpoint_damage(path)
+    if problem is not None:
+        raise _Damaged(problem)
+    return path
+
+
+def _load_intact(path: Path) -> Checkpoint:
+    _intact_path(path)
+    try:
+        return Checkpoint(path, load_checkpoint(path))
+    except UserError as exc:
+        raise _Damaged(str(exc)) from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
+    """The newest checkpoint folder that passes :func:`checkpoint_damage` (a warning names each newer
+    damaged one); None when the run has no checkpoint; a UserError when it has some but none is intact."""
+    return _newest_intact(run_dir, _intact_path)
 
 
 def load_checkpoint(path: Path) -> dict:
-    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+    """The state saved in checkpoint folder ``path``; a UserError names the file when it cannot be read."""
+    file = Path(path) / STATE_FILE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, ... for damage
+        raise UserError(f"checkpoint {file} cannot be loaded ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else 'unreadable'})") from None
+
+
+def load_latest_intact(run_dir: Path) -> Checkpoint | None:
+    """The newest checkpoint of ``run_dir`` that loads, passing over (with a warning naming each)
+    damaged newer ones; None when the run has no checkpoint; a UserError when none loads."""
+    return _newest_intact(run_dir, _load_intact)
+
+
+def policy_weights(ckpt: Checkpoint, prefer_ema: bool = True) -> PolicyWeights:
+    """The trained weights of a loaded checkpoint: its EMA when ``prefer_ema`` and the run kept one."""
+    trainer = ckpt.state["trainer"]
+    if prefer_ema and trainer.get("ema"):
+        return PolicyWeights(trainer["ema"], "ema", ckpt.iteration, ckpt.path)
+    return PolicyWeights(trainer["trainable"], "raw", ckpt.iteration, ckpt.path)
+
+
+def load_policy_weights(run_dir: Path, prefer_ema: bool = True, checkpoint: int | Path | None = None) -> PolicyWeights:
+    """The trained policy weights of run folder ``run_dir``: of ``checkpoint`` (an iteration, or a
+    checkpoint folder), else of the newest intact checkpoint. The EMA weights when ``prefer_ema`` and
+    the run kept them (what the run evaluated and exported), else the raw ones. One-line UserErrors:
+    no checkpoint yet, no such checkpoint (listing those there are), a damaged one."""
+    run_dir = Path(run_dir)
+    if isinstance(checkpoint, (str, Path)):
+        return policy_weights(Checkpoint(Path(checkpoint), load_checkpoint(checkpoint)), prefer_ema)
+    ckpts = list_checkpoints(run_dir)
+    if not ckpts:
+        raise UserError(f"run directory {run_dir} has no checkpoint yet")
+    if checkpoint is None:
+        ckpt = load_latest_intact(run_dir)
+    else:
+        path = run_dir / "checkpoints" / f"{CKPT_PREFIX}{checkpoint:06d}"
+        if path not in ckpts:
+            have = ", ".join(str(checkpoint_iteration(p)) for p in ckpts)
+            raise UserError(f"{run_dir} has no checkpoint {checkpoint} (available: {have})")
+        ckpt = Checkpoint(path, load_checkpoint(path))
+    return policy_weights(ckpt, prefer_ema)
+
+
+def read_run_config(run_dir: Path) -> RunConfig:
+    """The resolved config a run folder was trained with (``RUN_DIR/config.yaml``), validated.
+
+    A missing, unreadable, non-text, malformed or invalid file is one UserError naming it."""
+    from ..config import RunConfig, apply_dict, validate
+
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no {CONFIG_FILE})")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{path} cannot be read as YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a mapping of config sections, not {type(data).__name__}")
+    cfg = RunConfig()
+    try:
+        apply_dict(cfg, data)
+        validate(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return cfg

@@ -66,16 +66,15 @@ def png_is_complete(path: Path) -> bool:
 
 def resolve_model(model: str, overrides: list[str]):
     """(config, description) for a model name / pipeline folder or a run directory (nothing is loaded;
-    a run's description names its latest checkpoint, whose weights :func:`build_generator` loads)."""
+    a run's description names its newest intact checkpoint, whose weights :func:`build_generator` loads)."""
     from ..config import apply_dict, load_config, parse_override, validate
 
     path = Path(model)
     if not (path / "config.yaml").is_file():
         return load_config(None, None, [f"model.name={model}", *overrides]), {"model": model}
-    from ..trainer.checkpoint import latest_checkpoint
-    from ..trainer.run import load_run_config
+    from ..trainer.checkpoint import latest_checkpoint, read_run_config
 
-    cfg = load_run_config(path)
+    cfg = read_run_config(path)
     for ov in overrides:
         apply_dict(cfg, parse_override(ov))
     validate(cfg)
@@ -92,10 +91,11 @@ def build_generator(cfg, desc: dict):
 
     policy = build_policy(cfg.model)
     if "run" in desc:
-        from ..trainer.checkpoint import load_checkpoint
+        from ..trainer.checkpoint import load_policy_weights
 
-        state = load_checkpoint(Path(desc["run"]) / "checkpoints" / desc["checkpoint"])["trainer"]
-        policy.load_trainable_state_dict(state["ema"] if state.get("ema") else state["trainable"])
+        run = Path(desc["run"])
+        trained = load_policy_weights(run, checkpoint=run / "checkpoints" / desc["checkpoint"])
+        policy.load_trainable_state_dict(trained.weights)
     return policy
 
 
