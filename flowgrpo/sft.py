@@ -15,6 +15,8 @@ import math
 import torch
 from torch import Tensor
 
+from .samplers.steps import gaussian_exponent
+
 
 def best_paths(rollout, leaf_values: Tensor, leaf_mask: Tensor) -> list[Tensor]:
     """Per depth, [N_d] bool: the nodes on the path from each tree's root to its best leaf.
@@ -62,7 +64,6 @@ def best_path_sft_loss(batch, mean: Tensor, best: list[Tensor], weight: float) -
     if not on.any():
         return None
     rows = on.nonzero(as_tuple=True)[0]
-    x_next = batch.prev_sample[rows].to(mean.device).float()
-    s = batch.std[rows].to(mean.device).float().view(-1, *([1] * (mean.ndim - 1)))
-    nll = (((x_next - mean[rows.to(mean.device)]) ** 2) / (2 * s**2)).flatten(1).mean(1)
+    x_next = batch.prev_sample[rows].to(mean.device)
+    nll = gaussian_exponent(x_next, mean[rows.to(mean.device)], batch.std[rows].to(mean.device))
     return weight * nll.sum() / len(batch)

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from .sde import DEFAULT_NOISE_LEVEL, bcast, sde_kind
 
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+#: log(sqrt(2 pi)), the constant of a standard normal's log-density
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 @dataclass
@@ -50,19 +51,33 @@ def _per_sample(value: float | Tensor, batch: int, device) -> Tensor:
     return t
 
 
-def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """Log N(x; mean, std^2) **averaged** over the non-batch dims, constants included.
+def _row_std(std, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """std (a number, or one per row of x [B, ...]) -> [B] in ``dtype`` on x's device."""
+    std = torch.as_tensor(std, dtype=dtype, device=x.device)
+    return std.expand(x.shape[0]) if std.ndim == 0 else std.reshape(x.shape[0])
 
-    Args: x, mean [B, ...]; std [B] (or broadcastable). Returns [B] float32.
-    The mean (not the sum) over dims sets the scale of the importance ratio and therefore the
-    meaning of the clip range (1e-4 .. 1e-3 in Flow-GRPO).
+
+def gaussian_exponent(x: Tensor, mean: Tensor, std, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The sample-dependent part of -log N(x; mean, std^2): mean over the non-batch dims of
+    (x - mean)^2 / (2 std^2). x, mean [B, ...]; std a number or [B]. Returns [B] in ``dtype``."""
+    b = x.shape[0]
+    x, mean = x.to(dtype).reshape(b, -1), mean.to(dtype).reshape(b, -1)
+    return ((x - mean) ** 2 / (2 * _row_std(std, x, dtype)[:, None] ** 2)).mean(1)
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, std, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Log N(x; mean, std^2) **averaged** over the non-batch dims, constants included:
+    ``-gaussian_exponent - log(std) - log(sqrt(2 pi))``. The one Gaussian log-density of the project:
+    rollouts, the plug-in's scheduler and the reference GRPO loss score with it, the best-path SFT
+    term (:mod:`flowgrpo.sft`) takes its :func:`gaussian_exponent`.
+
+    Args: x, mean [B, ...]; std a number or [B] (per-sample std). ``dtype``: what it is computed
+    and returned in (float32; the reference loss passes float64 for its float64 ground truth).
+    Returns [B]. The mean (not the sum) over dims sets the scale of the importance ratio and
+    therefore the meaning of the clip range (1e-4 .. 1e-3 in Flow-GRPO).
     """
-    x, mean = x.float(), mean.float()
-    std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
-    if std.ndim == 1:
-        std = bcast(std, x)
-    lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
-    return lp.flatten(1).mean(1)
+    std = _row_std(std, x, dtype)
+    return -gaussian_exponent(x, mean, std, dtype) - torch.log(std) - LOG_SQRT_2PI
 
 
 def euler_step(sample: Tensor, velocity: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from ..samplers.steps import gaussian_log_prob
 from .output import GRPOLossOutput
-
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def grpo_loss_ref(
@@ -50,7 +47,7 @@ def grpo_loss_ref(
     x = prev_sample.to(acc).reshape(n, -1)
     mu = mean.to(acc).reshape(n, -1)
     s = std.to(acc).reshape(n)
-    logp = (-((x - mu) ** 2) / (2 * s[:, None] ** 2)).mean(1) - torch.log(s) - _LOG_SQRT_2PI
+    logp = gaussian_log_prob(x, mu, s, dtype=acc)
     log_ratio = logp - logp_old.to(acc)
     if guard:
         mse = ((mu - mean_old.to(acc).reshape(n, -1)) ** 2).mean(1)
