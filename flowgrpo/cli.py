@@ -62,8 +62,9 @@ def _run_train(args) -> int:
             validate(cfg)
         summary = train(cfg, run_dir, resume=True)
     else:
-        cfg = load_config(args.preset, args.config, args.overrides)
-        summary = train(cfg)
+        if args.config:
+            _check_text_file(Path(args.config), "config file")
+        summary = _train_fresh(load_config(args.preset, args.config, args.overrides))
     if "rank" in summary:  # a non-main rank of a multi-process run: the main process reports
         return 0
     done = f"done: {summary['iterations']} iterations, {summary['train_seconds'] / 60:.1f} min of training"
@@ -73,6 +74,52 @@ def _run_train(args) -> int:
         b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
         print(f"{done}; held-out accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
     return 0
+
+
+def _check_text_file(path: Path, what: str) -> None:
+    """A UserError unless ``path`` (when it is a file) reads as UTF-8 text."""
+    if not path.is_file():
+        return  # the reader names a missing file
+    try:
+        path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                        f"{exc.start}); is it a binary file?") from None
+
+
+def _train_fresh(cfg) -> dict:
+    """Train a new run. The main process makes the run folder first, and removes it again (with the
+    ``log.out_dir`` it made) when the run fails before anything of value is in it: no checkpoint,
+    no exported LoRA, no summary. A folder that was there before is never removed."""
+    import shutil
+
+    from .trainer.run import make_run_dir, train
+
+    if os.environ.get("RANK", "0") != "0":  # another rank: the main process names the folder
+        return train(cfg)
+    out = Path(cfg.log.out_dir)
+    out_existed = out.is_dir()
+    before = set(out.iterdir()) if out_existed else set()
+    run_dir = make_run_dir(cfg)
+    try:
+        return train(cfg, run_dir)
+    except Exception:
+        if run_dir not in before and not _holds_results(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            if not out_existed:
+                with contextlib.suppress(OSError):  # only when empty
+                    out.rmdir()
+        raise
+
+
+def _holds_results(run_dir: Path) -> bool:
+    """Whether a run folder holds anything a run leaves of value: a checkpoint, a LoRA, a summary."""
+    from .export import LORA_DIRNAME
+    from .trainer.checkpoint import list_checkpoints
+
+    checkpoints = run_dir / "checkpoints"
+    return bool(list_checkpoints(run_dir) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+                or (run_dir / LORA_DIRNAME).exists() or (run_dir / "summary.json").exists())
 
 
 def _drop_option(argv: list[str], *names: str) -> list[str]:

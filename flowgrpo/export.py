@@ -43,12 +43,12 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     pipeline with the adapter fused in. Returns ``to``."""
     import torch
 
-    from .policies import build_policy, resolve_model
+    from .policies import build_policy, resolve_adapter
     from .policies.sd3 import torch_dtype
 
     cfg, trained = checkpoint_weights(Path(run_dir), checkpoint, raw)
     weights, which, ckpt = trained.weights, trained.kind, trained.path
-    adapter, base = resolve_model(cfg.model)
+    adapter, base = resolve_adapter(cfg.model)
     if fuse and not base:
         raise UserError(f"--fuse needs the base pipeline folder (model.path), which model {adapter!r} "
                         f"of {run_dir} does not have")

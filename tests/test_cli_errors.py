@@ -3,7 +3,10 @@
 * one reader of a run's trained weights (:func:`load_policy_weights`, a :class:`PolicyWeights` record);
 * a damaged latest checkpoint: ``train --resume`` and ``eval`` fall back to the previous intact one with
   a warning naming the bad file, and stop with one line when none is intact;
-* a malformed ``config.yaml`` on ``--resume`` is one line and exit 2.
+* bad input found late is one line and exit 2: a binary ``--config``, ``data.prompts=`` a directory, a
+  binary prompt file, a malformed ``config.yaml`` on ``--resume``;
+* a run that fails before it holds anything of value leaves no run folder; a folder with a
+  checkpoint, or one that was there before, is kept.
 """
 
 from __future__ import annotations
@@ -19,10 +22,30 @@ from conftest import run_cli, tiny_overrides
 from flowgrpo.cli import main
 from flowgrpo.config import load_config
 from flowgrpo.errors import UserError
+from flowgrpo.rewards import REWARDS, RewardOutput
 from flowgrpo.trainer.checkpoint import (PolicyWeights, latest_checkpoint, load_checkpoint, load_latest_intact,
                                          load_policy_weights, read_run_config)
 from flowgrpo.trainer.run import train
 
+FAILS_AT = "test_fails_at_call"
+
+
+if FAILS_AT not in REWARDS:
+
+    @REWARDS.register(FAILS_AT)
+    class FailsAtCall:
+        """Brightness, until call ``at`` (0-based): then a UserError, as an unreachable reward service gives."""
+
+        name = FAILS_AT
+
+        def __init__(self, at: int = 0):
+            self.at, self.calls = at, 0
+
+        def __call__(self, images, prompts, groups=None):
+            self.calls += 1
+            if self.calls > self.at:
+                raise UserError(f"reward {FAILS_AT} is unavailable (call {self.calls})")
+            return RewardOutput(images.float().flatten(1).mean(1))
 
 
 def one_line_error(rc: int, err: str, *needles: str) -> str:
@@ -152,6 +175,32 @@ def test_resume_with_no_intact_checkpoint_is_one_line(run_copy):
     one_line_error(proc.returncode, proc.stderr, "no intact checkpoint", "ckpt_000002", "ckpt_000003")
 
 
+# --------------------------------------------------------------------------- item 23: one line, exit 2
+
+
+@pytest.fixture
+def binary(tmp_path):
+    path = tmp_path / "blob.bin"
+    path.write_bytes(bytes(range(256)) * 8)
+    return path
+
+
+def test_binary_config_file_is_one_line(binary, capsys):
+    one_line_error(main(["train", "--config", str(binary)]), capsys.readouterr().err, str(binary), "not UTF-8 text")
+
+
+def test_bad_prompt_files_are_one_line_and_leave_no_run_folder(shapes_model_dir, binary, tmp_path, capsys):
+    out = tmp_path / "runs"
+    common = ["train", *tiny_overrides(shapes_model_dir), f"log.out_dir={out}"]
+    one_line_error(main([*common, f"data.prompts={tmp_path}"]), capsys.readouterr().err, str(tmp_path), "directory")
+    one_line_error(main([*common, f"data.prompts={binary}"]), capsys.readouterr().err, str(binary), "not UTF-8 text")
+    words = tmp_path / "words.txt"
+    words.write_text("a red circle\na cat on a mat\n")
+    one_line_error(main([*common, f"data.prompts={words}", "log.run_name=vocab"]), capsys.readouterr().err,
+                   "'cat'", "shapes-world vocabulary")
+    assert not out.exists()  # the run folder (and the log.out_dir it made) are gone again
+
+
 def test_malformed_run_config_on_resume_is_one_line(run_copy, capsys):
     config = run_copy / "config.yaml"
     for text, needle in ((b"model: [\n", "cannot be read as YAML"), (bytes(range(128, 256)), "cannot be read as YAML"),
@@ -159,3 +208,22 @@ def test_malformed_run_config_on_resume_is_one_line(run_copy, capsys):
         config.write_bytes(text)
         one_line_error(main(["train", "--resume", str(run_copy)]), capsys.readouterr().err, str(config), needle)
     one_line_error(main(["eval", str(run_copy)]), capsys.readouterr().err, str(config))
+
+
+def test_a_failed_run_leaves_no_stub_folder_but_keeps_checkpoints(shapes_model_dir, tmp_path, capsys):
+    out = tmp_path / "runs"
+    out.mkdir()
+    common = ["train", *tiny_overrides(shapes_model_dir, **{"train.iterations": 3, "log.checkpoint_every": 1}),
+              f"log.out_dir={out}", f"reward.weights={{{FAILS_AT}: 1.0}}"]
+    # fails in its first iteration: nothing of value, no folder (out itself was there before: kept)
+    one_line_error(main([*common, "log.run_name=first"]), capsys.readouterr().err, "unavailable")
+    assert out.is_dir() and not (out / "first").exists()
+    # fails after its first checkpoint: the folder stays, and --resume can continue it
+    one_line_error(main([*common, "log.run_name=second", f"reward.options.{FAILS_AT}.at=1"]),
+                   capsys.readouterr().err, "unavailable")
+    assert [p.name for p in (out / "second" / "checkpoints").iterdir()] == ["ckpt_000001"]
+    # a folder that was there before is never removed
+    (out / "mine").mkdir()
+    (out / "mine" / "notes.txt").write_text("keep me")
+    one_line_error(main([*common, "log.run_name=mine"]), capsys.readouterr().err, "unavailable")
+    assert (out / "mine" / "notes.txt").read_text() == "keep me"

@@ -272,6 +272,45 @@ def test_score_errors_are_one_line(tmp_path, capsys):
     assert f"cannot reach the judge at {closed}" in err[3]
 
 
+def test_limits_and_mismatched_sets_are_refused_in_one_line(tmp_path, capsys):
+    """--limit below 1 (generate made all 2400 images for 0; score took -3), and images generated for one
+    set scored as another (each would be judged against another prompt's checkpoints)."""
+    flat_images(tmp_path / "images", [0], 1)
+    (tmp_path / "images" / "generate.json").write_text(json.dumps({"set": "en", "steps": 2}))
+    url = "http://127.0.0.1:9"
+    assert main(["unigenbench", "generate", "--model", "sd3-tiny", "--set", "en", "--out", str(tmp_path / "gen"),
+                 "--limit", "0", "--quiet"]) == 2
+    assert main(["unigenbench", "score", str(tmp_path / "images"), "--set", "en", "--judge-url", url,
+                 "--limit", "-3"]) == 2
+    assert main(["unigenbench", "score", str(tmp_path / "images"), "--set", "zh", "--judge-url", url]) == 2
+    assert main(["unigenbench", "score", str(tmp_path / "images"), "--set", "en_long", "--judge-url", url]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("flowgrpo: error: ") for line in err), err
+    assert "--limit must be at least 1" in err[0] and "got 0" in err[0] and not (tmp_path / "gen").exists()
+    assert "--limit must be at least 1" in err[1] and "got -3" in err[1]
+    assert "generated for set 'en'" in err[2] and "not for set 'zh'" in err[2] and "--set en" in err[2]
+    assert "not for set 'en_long'" in err[3]
+    assert not (tmp_path / "images" / "results_zh").exists()
+
+
+def test_generate_refuses_a_shapes_run_in_one_line(shapes_model_dir, tmp_path, capsys):
+    from conftest import tiny_overrides
+
+    from flowgrpo.config import load_config
+    from flowgrpo.trainer.run import train
+
+    train(load_config("shapes", None, tiny_overrides(shapes_model_dir, **{"train.iterations": 1, "log.trackers": "[]",
+                                                                          "eval.evaluator": "none"})
+                      + [f"log.out_dir={tmp_path}", "log.run_name=shapes"]))
+    capsys.readouterr()
+    for model in (str(tmp_path / "shapes"), "shapes"):
+        assert main(["unigenbench", "generate", "--model", model, "--set", "en", "--out", str(tmp_path / "imgs"),
+                     "--limit", "1", "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"flowgrpo: error: {model} is a shapes-world model"), err
+    assert not (tmp_path / "imgs").exists()
+
+
 def test_compare_reports_per_dimension_deltas(tmp_path, capsys):
     a = {"set": "en", "judge_model": "j", "images": 4, "failed": 0, "overall": 0.5,
          "primary": {"Style": 0.5, "Attribute": 0.5}, "sub": {"Style": 0.5, "Attribute - Color": 0.5}}

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..errors import UserError
 from .world import VOCAB
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -39,11 +40,15 @@ class ShapesModelConfig:
     prediction: str = "x0"  # what the transformer outputs: "x0" (clean image) or "v" (velocity)
 
 
+class VocabularyError(UserError, ValueError):
+    """A prompt with words the shapes-world model does not know (one line on the command line)."""
+
+
 class WordTokenizer:
     """Word-level tokenizer over the closed shapes-world vocabulary.
 
-    ``__call__(prompts)`` -> (ids [B, L] long, mask [B, L] bool). Unknown words raise ValueError
-    naming the word, since the model cannot represent them.
+    ``__call__(prompts)`` -> (ids [B, L] long, mask [B, L] bool). Unknown words raise
+    :class:`VocabularyError` naming the words, since the model cannot represent them.
     """
 
     def __init__(self, max_tokens: int):
@@ -56,7 +61,7 @@ class WordTokenizer:
             words = prompt.lower().replace(",", " ").split()
             bad = [w for w in words if w not in self.index]
             if bad:
-                raise ValueError(
+                raise VocabularyError(
                     f"prompt {prompt!r} uses words outside the shapes-world vocabulary: {bad}; "
                     f"valid words: {', '.join(VOCAB[3:])}"
                 )

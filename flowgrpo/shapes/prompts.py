@@ -118,14 +118,25 @@ def seen_specs(num_prompts: int = 64) -> list[SceneSpec]:
 def load_prompt_file(path: str | Path) -> list[dict]:
     """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``{"prompt": ..., "tag": ...}``).
 
-    Returns a list of ``{"prompt": str, "tag": str}``. Raises :class:`UserError` naming the file and
-    line for a missing file, an empty file, or a malformed line.
+    Returns a list of ``{"prompt": str, "tag": str}``. Raises :class:`UserError` naming the file (and
+    line) for a missing file, a directory, a file that is not UTF-8 text, an empty file, or a malformed line.
     """
     path = Path(path)
     if not path.exists():
         raise UserError(f"prompt file not found: {path}")
+    if not path.is_file():
+        raise UserError(f"prompt file {path} is a directory, not a .txt or .jsonl file of prompts")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+        bad = data.find(b"\x00")
+    except UnicodeDecodeError as exc:
+        bad = exc.start
+    if bad >= 0:
+        raise UserError(f"prompt file {path} is not UTF-8 text (byte {data[bad]:#04x} at offset {bad}); "
+                        "is it a binary file?")
     rows: list[dict] = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         if path.suffix == ".jsonl":

@@ -66,22 +66,29 @@ def png_is_complete(path: Path) -> bool:
 
 def resolve_model(model: str, overrides: list[str]):
     """(config, description) for a model name / pipeline folder or a run directory (nothing is loaded;
-    a run's description names its newest intact checkpoint, whose weights :func:`build_generator` loads)."""
+    a run's description names its newest intact checkpoint, whose weights :func:`build_generator` loads).
+    The shapes-world model is refused: its closed vocabulary cannot read UniGenBench's prompts."""
     from ..config import apply_dict, load_config, parse_override, validate
+    from ..policies import resolve_adapter
 
     path = Path(model)
     if not (path / "config.yaml").is_file():
-        return load_config(None, None, [f"model.name={model}", *overrides]), {"model": model}
-    from ..trainer.checkpoint import latest_checkpoint, read_run_config
+        cfg, desc = load_config(None, None, [f"model.name={model}", *overrides]), {"model": model}
+    else:
+        from ..trainer.checkpoint import latest_checkpoint, read_run_config
 
-    cfg = read_run_config(path)
-    for ov in overrides:
-        apply_dict(cfg, parse_override(ov))
-    validate(cfg)
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise UserError(f"run directory {path} has no checkpoint yet")
-    return cfg, {"run": str(path.resolve()), "checkpoint": ckpt.name}
+        cfg = read_run_config(path)
+        for ov in overrides:
+            apply_dict(cfg, parse_override(ov))
+        validate(cfg)
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise UserError(f"run directory {path} has no checkpoint yet")
+        desc = {"run": str(path.resolve()), "checkpoint": ckpt.name}
+    if resolve_adapter(cfg.model)[0] == "shapes":
+        raise UserError(f"{model} is a shapes-world model: it only knows the words of its toy world and cannot "
+                        "draw UniGenBench prompts; give a text-to-image model (an SD3 or FLUX pipeline, or a run of one)")
+    return cfg, desc
 
 
 def build_generator(cfg, desc: dict):
@@ -107,10 +114,24 @@ def _settings(prompt_set: PromptSet, desc: dict, cfg, opts: GenerateOptions, ste
             "guidance": guidance, "seed": opts.seed, "solver": "euler"}
 
 
+def read_settings(folder: Path) -> dict | None:
+    """The ``generate.json`` of an image folder (None when it has none; a UserError when unreadable)."""
+    path = Path(folder) / SETTINGS_NAME
+    if not path.is_file():
+        return None
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path} cannot be read ({str(exc).splitlines()[0]}); remove it or use another folder") from None
+    if not isinstance(settings, dict):
+        raise UserError(f"{path} does not hold generation settings (a JSON object); remove it or use another folder")
+    return settings
+
+
 def _check_settings(out: Path, settings: dict) -> None:
     path = out / SETTINGS_NAME
-    if path.is_file():
-        old = json.loads(path.read_text(encoding="utf-8"))
+    old = read_settings(out)
+    if old is not None:
         diff = [k for k in settings if old.get(k) != settings[k]]
         if diff:
             raise UserError(f"{out} holds images made with other settings ({', '.join(diff)} differ, see "
@@ -173,17 +194,17 @@ def generate_folder(model: str, prompt_set: PromptSet, out: str | Path, opts: Ge
         raise UserError(f"--images-per-prompt must be in 1..100, got {opts.images_per_prompt}")
     if opts.batch_size < 1 or (opts.steps is not None and opts.steps < 1):
         raise UserError("--batch-size and --steps must be at least 1")
+    prompts = prompt_set.limited(opts.limit)
+    cfg, desc = resolve_model(model, opts.overrides)  # before anything is written: a model it refuses leaves no folder
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for problem in prompt_set.problems:
         print(f"warning: {problem}")
-    prompts = prompt_set.limited(opts.limit)
     wanted = [(p, j) for p in prompts for j in range(opts.images_per_prompt)]
     paths = [out / f"{p.index}_{j}.png" for p, j in wanted]
     todo = [w for w, path in zip(wanted, paths) if not png_is_complete(path)]
     broken = sum(1 for path in paths if path.exists() and not png_is_complete(path))
     counts = {"images": len(wanted), "kept": len(wanted) - len(todo), "regenerated": broken, "generated": len(todo)}
-    cfg, desc = resolve_model(model, opts.overrides)
     steps = opts.steps or cfg.eval.num_steps
     guidance = cfg.model.guidance_scale if opts.guidance is None else opts.guidance
     _check_settings(out, _settings(prompt_set, desc, cfg, opts, steps, guidance))

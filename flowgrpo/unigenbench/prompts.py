@@ -61,8 +61,12 @@ class PromptSet:
     problems: list[RowProblem] = field(default_factory=list)
 
     def limited(self, limit: int | None) -> list[BenchPrompt]:
-        """The first ``limit`` prompts (all when None or 0)."""
-        return self.prompts[:limit] if limit else list(self.prompts)
+        """The first ``limit`` prompts (all when None); a UserError for a ``limit`` below 1."""
+        if limit is None:
+            return list(self.prompts)
+        if limit < 1:
+            raise UserError(f"--limit must be at least 1 (the number of prompts to take), got {limit}")
+        return self.prompts[:limit]
 
 
 def set_language(name: str) -> str:

@@ -21,6 +21,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from ..errors import UserError
+from .generate import SETTINGS_NAME, read_settings
 from .judgements import JudgementLog, file_sha256
 from .prompts import BenchPrompt, PromptSet
 from .protocol import judge_messages, judge_text, jpeg_data_url, parse_answer
@@ -158,6 +159,11 @@ def score_folder(images_dir: str | Path, prompt_set: PromptSet, results_dir: str
     options.base_url()  # a malformed URL fails before anything else
     if not images_dir.is_dir():
         raise UserError(f"image folder {images_dir} does not exist")
+    made = read_settings(images_dir)
+    if made is not None and made.get("set") != prompt_set.name:
+        raise UserError(f"{images_dir} holds images generated for set {made.get('set')!r} (see {SETTINGS_NAME}), "
+                        f"not for set {prompt_set.name!r}: each would be judged against another prompt; "
+                        f"score them with --set {made.get('set')}")
     prompts = prompt_set.limited(limit)
     tasks, missing = folder_tasks(images_dir, prompts, images_per_prompt)
     if not tasks:
