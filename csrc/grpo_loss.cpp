@@ -1,4 +1,4 @@
-// Fused GRPO loss (DESIGN §5), CPU kernel and operator registration.
+// Fused GRPO loss (the math of flowgrpo/ops/reference.py), CPU kernel and operator registration.
 //
 // Operators (namespace flowgrpo):
 //   grpo_loss_fwd(prev_sample, mean, mean_old, std, logp_old, advantages, weights, mean_ref?,

@@ -1,8 +1,9 @@
-// Fused GRPO loss (DESIGN §5): per-row scalar math shared by the CPU and CUDA kernels.
+// Fused GRPO loss (clipped ratio surrogate, GRPO-Guard, KL term): per-row scalar math shared by the
+// CPU and CUDA kernels.
 //
 // Every row j is one SDE transition with D latent elements. The element kernels reduce three
 // sums per row:
-//   ssq = sum_i ((x'_i - mu_i) / s)^2          (Gaussian log-prob, DESIGN §3)
+//   ssq = sum_i ((x'_i - mu_i) / s)^2          (Gaussian log-prob, averaged over the D elements)
 //   smo = sum_i (mu_i - mu_old_i)^2            (GRPO-Guard normalisation, only when guard)
 //   skl = sum_i (mu_i - mu_ref_i)^2            (KL term, only when the KL term is on)
 // and grpo_row() turns them into the per-row outputs and the backward coefficients, so that

@@ -1,4 +1,5 @@
-// Fused GRPO loss (DESIGN §5), CUDA kernels (split-D two-pass reduction, fp32 accumulation).
+// Fused GRPO loss (the math of flowgrpo/ops/reference.py), CUDA kernels (split-D two-pass
+// reduction, fp32 accumulation).
 //
 // forward:  kernel 1, grid (chunks, rows): each block reduces the three row sums over one chunk of
 //           kChunk elements of one row and writes its partial sums;

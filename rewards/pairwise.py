@@ -1,4 +1,4 @@
-"""Pairwise preference rewards (Pref-GRPO, DESIGN §4): judge pairs within a group, reward = win rate.
+"""Pairwise preference rewards (Pref-GRPO): judge pairs within a group, reward = win rate.
 
 A **pairwise judge** (:class:`PairwiseJudge`; subclass :class:`PairwiseJudgeBase`) answers which
 of two images better follows a prompt::

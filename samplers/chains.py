@@ -1,4 +1,4 @@
-"""Chain strategies: Flow-GRPO, DanceGRPO and MixGRPO (+ Flash, Flash*) (DESIGN §6).
+"""Chain strategies: Flow-GRPO, DanceGRPO and MixGRPO (+ Flash, Flash*).
 
 Every strategy here samples a chain (branch 1) per (prompt, initial noise); they differ in which
 steps are stochastic (and trained), which ODE solver runs the deterministic steps and on what grid.

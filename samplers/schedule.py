@@ -1,4 +1,4 @@
-"""Noise-level grids for flow-matching samplers (DESIGN §2)."""
+"""Noise-level grids for flow-matching samplers: T + 1 sigmas from 1 (noise) down to 0 (data)."""
 
 from __future__ import annotations
 

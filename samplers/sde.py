@@ -14,10 +14,11 @@ Every kind draws x' ~ N(mu, s^2 I); they differ in mu and s:
   its sigma_t is s itself. A CPS step into sigma' = 0 has s = 0: it is deterministic, so plans run
   it as an ODE step (:meth:`SDEKind.deterministic_at`).
 
-The log-probability of a transition is Gaussian, averaged over the non-batch dims (DESIGN §3); the
-loss recomputes it with the std :meth:`SDEKind.log_prob_std` returns. ``log_prob="mse"`` (CPS only)
-is Flow-GRPO-Fast's constant-free -mean((x' - mu)^2), obtained as the Gaussian with std 1/sqrt(2):
-the two differ by a constant, which cancels in every ratio.
+The log-probability of a transition is the Gaussian log-density of x' under N(mu, s^2 I), averaged
+(not summed) over the non-batch dims, constants included; the loss recomputes it with the std
+:meth:`SDEKind.log_prob_std` returns. ``log_prob="mse"`` (CPS only) is Flow-GRPO-Fast's
+constant-free -mean((x' - mu)^2), obtained as the Gaussian with std 1/sqrt(2): the two differ by a
+constant, which cancels in every ratio.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Deterministic ODE solvers beyond Euler: DPM-Solver++ 2nd order for rectified flow (DESIGN §3).
+"""Deterministic ODE solvers beyond Euler: DPM-Solver++ 2nd order for rectified flow.
 
-Rectified-flow convention (DESIGN §2): x_sigma = (1 - sigma) * x0 + sigma * eps, v = eps - x0.
+Rectified-flow convention (diffusers' flow matching): x_sigma = (1 - sigma) * x0 + sigma * eps, v = eps - x0.
 In DPM-Solver++ terms alpha = 1 - sigma, and the data prediction and half-log-SNR are
 
     x0_hat = x - sigma * v,          lambda = log((1 - sigma) / sigma).

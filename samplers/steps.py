@@ -1,4 +1,5 @@
-"""One denoising step x_sigma -> x_sigma' in the rectified-flow convention (DESIGN §2-§3).
+"""One denoising step x_sigma -> x_sigma' in the rectified-flow convention, and the Gaussian
+log-density its stochastic steps are scored with.
 
 Convention (diffusers' FlowMatchEulerDiscreteScheduler): x_sigma = (1 - sigma) * x0 + sigma * eps,
 sigma runs from 1 (noise) to 0 (data), the model predicts v = eps - x0. Delta = sigma' - sigma < 0.
@@ -110,7 +111,8 @@ def sde_step(
     sigma_max: float | Tensor | None = None,
     log_prob: str = "gaussian",
 ) -> SDEStepOutput:
-    """One stochastic reverse step with its Gaussian log-probability (DESIGN §3).
+    """One stochastic reverse step x' ~ N(mu, s^2 I) with its Gaussian log-probability
+    (:func:`gaussian_log_prob`; mu and s from the SDE kind, :mod:`flowgrpo.samplers.sde`).
 
     Args:
         sample: x_sigma [B, ...] (any float dtype; math runs in float32).

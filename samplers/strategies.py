@@ -1,7 +1,8 @@
 """The table of sampling strategies (``sampler.strategy``): name -> class, imported on first use.
 
 Each strategy is a :class:`~flowgrpo.samplers.strategy_base.Strategy` that turns the iteration number
-into a :class:`~flowgrpo.samplers.plan.SamplingPlan` (DESIGN §6); its options are the dataclass
+into a :class:`~flowgrpo.samplers.plan.SamplingPlan` (which steps are SDE or ODE, trained,
+branched, on which grid); its options are the dataclass
 ``<Strategy>.Options``.
 
 * chains (:mod:`.chains`): ``flow_grpo``, ``dance_grpo``, ``mix_grpo``, ``mix_grpo_flash``,

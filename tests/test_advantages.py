@@ -1,4 +1,4 @@
-"""Advantages (DESIGN §4): group z-score, clipping, zero-std groups, NaN rewards, reward combination."""
+"""Advantages: group z-score, clipping, zero-std groups, NaN rewards, reward combination."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The chain-method presets run end to end: 2 iterations on the shapes world (random tiny model) and
 on the tiny random SD3.
 
-Every expectation below is derived from the method definitions (DESIGN §3, §6) and the overrides,
+Every expectation below is derived from the method definitions (the SDE kinds' transition std, each
+method's choice of SDE / trained / ODE steps) and the overrides,
 not read back from the code: the plan of each iteration (which steps are SDE and trained, with
 which SDE kind and noise level, which ODE solver elsewhere, how many steps after compression), the
 transition std of every SDE edge of the rollout, the number of model calls and of transitions in
@@ -89,7 +90,7 @@ def expected_grid(policy, cfg):
 
 
 def transition_std(kind, a, sig, i):
-    """s = sigma_t * sqrt(-Delta) of step i (DESIGN §3), float64. flow_grpo: sigma_t = a sqrt(s / (1 - s))
+    """The transition std s = sigma_t * sqrt(-Delta) of step i, float64. flow_grpo: sigma_t = a sqrt(s / (1 - s))
     with the next grid point in the denominator at s = 1; dance: sigma_t = eta."""
     s, sn = float(sig[i]), float(sig[i + 1])
     if kind == "dance":
@@ -154,7 +155,7 @@ def test_preset_two_iterations(preset, world, shapes_model_dir, prompt_file):
             torch.testing.assert_close(plan.sigmas.float(), grid.float(), rtol=0, atol=1e-6)
         assert float(plan.sigmas[-1]) == 0.0 and bool((plan.sigmas[1:] < plan.sigmas[:-1]).all())
 
-        # --- the rollout: a chain per tree, SDE edges exactly at the S steps with the DESIGN §3 std
+        # --- the rollout: a chain per tree, SDE edges exactly at the S steps with the std above
         assert len(rollout.levels) == len(letters) + 1
         assert all(len(level_) == TREES for level_ in rollout.levels)
         for d, c in enumerate(letters):

@@ -1,4 +1,4 @@
-"""Invariants of the pure-PyTorch reference GRPO loss (DESIGN §5). The fused op is tested in test_ops.py."""
+"""Invariants of the pure-PyTorch reference GRPO loss. The fused op is tested in test_ops.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def inputs(n=6, shape=(3, 4, 4), dtype=torch.float32, seed=0):
 
 
 def np_loss(prev, mean, std, logp_old, adv, w, clip, mean_ref=None, kl_sigma=None, beta=0.0):
-    """Independent float64 formula of DESIGN §5 with numpy."""
+    """The clipped surrogate, Guard-free, with the KL term: an independent float64 formula in numpy."""
     n = prev.shape[0]
     x, mu = prev.reshape(n, -1), mean.reshape(n, -1)
     logp = (-((x - mu) ** 2) / (2 * std[:, None] ** 2) - np.log(std)[:, None] - 0.5 * np.log(2 * np.pi)).mean(1)
@@ -159,7 +159,7 @@ def test_kl_term():
 
 
 def test_guard_normalized_log_ratio_identity():
-    """log r^ = s (logp - logp_old) + mse / (2 s) equals -mean((mu_old - mu) * eps) (DESIGN §5)."""
+    """GRPO-Guard's log r^ = s (logp - logp_old) + mse / (2 s) equals -mean((mu_old - mu) * eps)."""
     d = inputs(dtype=torch.float64)
     logp_old = logp64(d["prev"], d["mean_old"], d["std"])
     g = torch.Generator().manual_seed(4)

@@ -1,10 +1,10 @@
-"""GRPO-Guard (ratio normalisation, per-step reweighting) and TempFlow noise-aware weights (DESIGN §5).
+"""GRPO-Guard (ratio normalisation, per-step reweighting) and TempFlow noise-aware weights.
 
-The per-step weights are checked against float64 references written here from the DESIGN formulas
+The per-step weights are checked against float64 references written here from the papers' formulas
 on hand-written grids and plans, and against properties that follow from those formulas:
 
 * Guard: delta_t proportional to 1 / |Delta_t|, mean 1 over the trained steps (0 elsewhere);
-* TempFlow: w_t proportional to sigma_t * sqrt(-Delta_t) (the transition std, DESIGN §3), mean 1 over
+* TempFlow: w_t proportional to sigma_t * sqrt(-Delta_t) (the transition std), mean 1 over
   all steps of the schedule; ODE steps of the plan are weighed like its SDE steps.
 """
 
@@ -118,7 +118,7 @@ def ref_guard(grid, steps):
 
 
 def ref_sigma_t(kind, a, grid, i):
-    """DESIGN §3: flow_grpo a * sqrt(s / (1 - s)) (at s = 1 the next grid point in the denominator);
+    """sigma_t of the SDE kinds: flow_grpo a * sqrt(s / (1 - s)) (at s = 1 the next grid point in the denominator);
     dance the constant eta."""
     if kind == "dance":
         return a
@@ -206,7 +206,7 @@ def test_tempflow_weights_match_the_formula():
     # a dance SDE step among ODE steps: sigma_t = eta everywhere -> w proportional to sqrt(-Delta)
     dancy = plan_of(GRID, [sde("dance", 0.3) if i == 3 else ode() for i in range(8)])
     close(tempflow_step_weights(dancy), ref_tempflow(GRID, [("dance", 0.3)] * 8))
-    # CPS: the transition std is sigma' sin(a pi / 2) (DESIGN §3), so w_t = sigma_{t+1} / mean(sigma_{1..T});
+    # CPS: the transition std is sigma' sin(a pi / 2), so w_t = sigma_{t+1} / mean(sigma_{1..T});
     # its last step (into sigma' = 0) is deterministic and weighs 0
     cps = plan_of(GRID, [sde("cps", 0.5) for _ in range(8)])
     nxt = GRID[1:]

@@ -1,4 +1,4 @@
-"""Fused GRPO loss op (csrc/) against the PyTorch reference (DESIGN §5).
+"""Fused GRPO loss op (csrc/) against the PyTorch reference (flowgrpo/ops/reference.py).
 
 The float64 ground truth is ``grpo_loss_ref`` run on the same inputs upcast to float64.
 The extension is built once per session (JIT, cached); without a compiler these tests skip.

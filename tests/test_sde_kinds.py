@@ -21,7 +21,7 @@ KINDS = list(SDE_KINDS)
 
 
 def _sigma_t_ref(kind: str, s: float, sn: float, a: float, smax: float) -> float:
-    """float64 sigma_t from the formulas (DESIGN §3), written independently of samplers/sde.py."""
+    """float64 sigma_t from the SDE kinds' formulas, written independently of samplers/sde.py."""
     if kind == "flow_grpo":
         return a * math.sqrt(s / (1 - (smax if s >= 1 else s)))
     if kind == "dance":

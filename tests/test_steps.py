@@ -1,4 +1,5 @@
-"""Step math (DESIGN §2-§3) against an independent float64 implementation written with numpy."""
+"""Step math (Euler steps, the SDE kinds' mean and std, the Gaussian log-density) against an
+independent float64 implementation written with numpy."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def ref_log_density(x: np.ndarray, mu: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 
 def ref_step(x, v, sigma, sigma_next, a, kind, sigma_max=None):
-    """(mean, std [B]) of one reverse step, float64, following DESIGN §3 literally."""
+    """(mean, std [B]) of one reverse step, float64, following the SDE kinds' formulas literally."""
     x, v = np.asarray(x, np.float64), np.asarray(v, np.float64)
     b = x.shape[0]
     sig = np.broadcast_to(np.asarray(sigma, np.float64), (b,))
@@ -149,7 +150,7 @@ def test_cps_log_prob_conventions():
     close(out.mean.numpy(), mu)
     close(out.std.numpy(), np.full(x.shape[0], sn * math.sin(a * math.pi / 2)))
     prev = out.prev_sample.double().numpy()
-    # default: the Gaussian density of DESIGN §3, like every other kind
+    # default: the transition's Gaussian density (mean over elements), like every other kind
     close(out.log_prob.numpy(), ref_log_density(prev, mu, out.std.double().numpy()), 5e-5)
     # "mse" (Flow-GRPO-Fast): -mean((x' - mu)^2) up to the constant log(sqrt 2) - log(sqrt(2 pi)) = -log(pi) / 2,
     # which cancels in every ratio

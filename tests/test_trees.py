@@ -53,7 +53,7 @@ def test_registered():
 
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_branch_default_tree_has_16_leaves_and_zero_mean_advantages_at_every_depth(beta):
-    st = strategy("branch_grpo", 20)  # DESIGN defaults: splits (0, 3, 6, 9), K = 2
+    st = strategy("branch_grpo", 20)  # BranchGRPO's defaults at T = 20: splits (0, 3, 6, 9), K = 2
     plan = st.plan(0)
     assert st.splits == [0, 3, 6, 9] and plan.leaves_per_tree == 16
     ro = roll(plan, group_size=2)

@@ -81,7 +81,7 @@ def group_zscore(values: Tensor, groups: Tensor, mask: Tensor, std_mode: str = "
 
 def combine_rewards(rewards: dict[str, Tensor], weights: dict[str, float], groups: Tensor, mask: Tensor,
                     mode: str, eps: float = 1e-4, unbiased: bool = False) -> Tensor:
-    """Several rewards -> one scalar per sample (DESIGN §4).
+    """Several rewards -> one scalar per sample, before the group z-score.
 
     ``sum_then_normalize``: weighted sum of raw rewards (Flow-GRPO); ``normalize_then_sum``: z-score
     each reward within its group first, then the weighted sum (MixGRPO, Pref-GRPO).

@@ -1,4 +1,4 @@
-"""Advantage estimators for tree rollouts (DESIGN §4): BranchGRPO, TempFlow-GRPO, G2RPO.
+"""Advantage estimators for tree rollouts: BranchGRPO, TempFlow-GRPO, G2RPO.
 
 Listed in :data:`flowgrpo.advantages.ESTIMATORS` (``advantage.estimator``):
 
@@ -40,10 +40,11 @@ def fused_node_rewards(rollout, rewards: Tensor, valid: Tensor, depth: int, beta
     """BranchGRPO reward fusion at one depth: r(n) = sum_{leaves l under n} w_l r_l with
     w = softmax_l(beta * log p_behaviour(l | n)).
 
-    log p(l | n) is the sum of the SDE edges' log-probs (per-dimension mean convention, DESIGN §3;
-    ODE edges contribute 0) on the path from n down to l. beta = 0 is the plain mean over the
-    descendant leaves, beta = 1 weights them by path probability. Leaves with invalid rewards are
-    left out. Returns (fused [N_depth] float32, has [N_depth] bool: nodes with at least one valid leaf).
+    log p(l | n) is the sum of the SDE edges' log-probs (each a Gaussian log-density averaged over
+    the latent's elements; ODE edges contribute 0) on the path from n down to l. beta = 0 is the
+    plain mean over the descendant leaves, beta = 1 weights them by path probability. Leaves with
+    invalid rewards are left out. Returns (fused [N_depth] float32, has [N_depth] bool: nodes with at
+    least one valid leaf).
     """
     anc = rollout.descendant_leaves(depth)
     n = len(rollout.levels[depth])
@@ -70,7 +71,7 @@ def fused_node_rewards(rollout, rewards: Tensor, valid: Tensor, depth: int, beta
 
 
 def branch_grpo_estimator(rollout, rewards: dict[str, Tensor], cfg_adv, cfg_reward) -> AdvantageResult:
-    """BranchGRPO per-depth advantages (DESIGN §4).
+    """BranchGRPO per-depth advantages.
 
     For every depth d, the fused reward r(n) of each node (:func:`fused_node_rewards`, beta =
     ``advantage.fusion_beta``) is normalised over the nodes of the same tree at that depth:

@@ -1,4 +1,5 @@
-"""GRPO loss operators (DESIGN §5): the pure-PyTorch reference and the fused csrc/ kernel.
+"""GRPO loss operators (clipped importance-ratio surrogate per SDE transition, optional GRPO-Guard
+normalisation and KL term): the pure-PyTorch reference and the fused csrc/ kernel.
 
 * :func:`grpo_loss_ref` - plain PyTorch, the source of truth.
 * :func:`grpo_loss` - same signature and results; runs the fused C++/CUDA op where it is built

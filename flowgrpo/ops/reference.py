@@ -1,4 +1,5 @@
-"""Pure-PyTorch GRPO loss (DESIGN §5): the source of truth for the fused op in csrc/."""
+"""Pure-PyTorch GRPO loss (the clipped ratio surrogate over SDE transitions, with the optional
+GRPO-Guard normalisation and KL term): the source of truth for the fused op in csrc/."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def grpo_loss_ref(
         prev_sample: x' [N, ...] drawn at rollout time.
         mean: mu_theta [N, ...] recomputed with grad (the only input that needs a gradient).
         mean_old: mu_old [N, ...] stored at rollout (used by the GRPO-Guard normalisation).
-        std: transition std s [N]. logp_old: [N] rollout log-probs (DESIGN §3 convention).
+        std: transition std s [N]. logp_old: [N] rollout log-probs (Gaussian log-density averaged
+            over the D elements, :func:`flowgrpo.samplers.steps.gaussian_log_prob`).
         advantages: A [N]. weights: per-row weight w [N] (TempFlow / Guard reweighting; ones otherwise).
         clip_range: epsilon of the ratio clip. guard: use GRPO-Guard's normalised log-ratio
             log r^ = s * (logp - logp_old) + mse / (2 s), mse = mean_D((mu - mu_old)^2).
