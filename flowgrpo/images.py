@@ -1,4 +1,4 @@
-"""Float images to 8-bit pixels and PNG bytes, written once for every writer, reward and wire format.
+"""Float images to 8-bit pixels, PNG bytes and grids, written once for every writer, reward and wire format.
 
 Images are float tensors in [0, 1], channels first ([B, 3, H, W], or one [3, H, W]); their 8-bit
 pixels are ``round(255 * clamp(x, 0, 1))``, computed in float32 whatever the input dtype, channels
@@ -33,3 +33,19 @@ def png_bytes(image: Tensor | np.ndarray, compress_level: int = 1) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(pixels)).save(buf, format="PNG", compress_level=compress_level)
     return buf.getvalue()
+
+
+def image_grid(images: Tensor, ncol: int, pad: int = 2, scale: int = 1) -> np.ndarray:
+    """images [N, 3, H, W] in [0, 1] -> uint8 grid [rows*(H+pad), ncol*(W+pad), 3] (white padding);
+    ``scale`` > 1 enlarges each image by pixel repetition first."""
+    n, _, h, w = images.shape
+    if scale > 1:
+        images = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
+        h, w = h * scale, w * scale
+    rows = (n + ncol - 1) // ncol
+    grid = np.full((rows * (h + pad) + pad, ncol * (w + pad) + pad, 3), 255, dtype=np.uint8)
+    arr = to_uint8(images)
+    for i in range(n):
+        r, c = divmod(i, ncol)
+        grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = arr[i]
+    return grid

@@ -8,22 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .images import to_uint8
-
-
-def image_grid(images: Tensor, ncol: int, pad: int = 2, scale: int = 1) -> np.ndarray:
-    """images [N, 3, H, W] in [0, 1] -> uint8 grid [rows*(H+pad), ncol*(W+pad), 3] (white padding)."""
-    n, _, h, w = images.shape
-    if scale > 1:
-        images = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
-        h, w = h * scale, w * scale
-    rows = (n + ncol - 1) // ncol
-    grid = np.full((rows * (h + pad) + pad, ncol * (w + pad) + pad, 3), 255, dtype=np.uint8)
-    arr = to_uint8(images)
-    for i in range(n):
-        r, c = divmod(i, ncol)
-        grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = arr[i]
-    return grid
+from .images import image_grid
 
 
 def save_grid(path: Path, images: Tensor, ncol: int, scale: int = 1) -> None:

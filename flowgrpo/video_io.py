@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
-from .images import to_uint8
-from .plots import image_grid
+from .images import image_grid, to_uint8
 
 
 def _frames_uint8(video: Tensor) -> np.ndarray:
