@@ -37,12 +37,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..config import RunConfig, apply_dict, to_dict, validate
+from ..config import RunConfig, to_dict
 from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
 from .accelerator import start_trackers
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint
 from .metrics import MetricsLogger, read_metrics
 from .progress import bar_fields, progress_bar
 from .trainer import GRPOTrainer
@@ -63,16 +63,6 @@ def make_run_dir(cfg: RunConfig) -> Path:
         raise UserError(f"run directory {run_dir} already holds checkpoints; use --resume {run_dir} or another log.run_name")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
-
-
-def load_run_config(run_dir: Path) -> RunConfig:
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = RunConfig()
-    apply_dict(cfg, yaml.safe_load(path.read_text()))
-    validate(cfg)
-    return cfg
 
 
 def _eval(trainer: GRPOTrainer, evaluator, use_ema: bool, split: str = "heldout", keep_images: bool = False) -> EvalResult:
@@ -123,13 +113,13 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     run_dir = _prepare_run_dir(cfg, run_dir, resume, dp)
     train_seconds = 0.0
     start_iter = 0
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt)
-        trainer.load_state_dict(state["trainer"])
-        train_seconds = state["train_seconds"]
+    # the newest checkpoint that loads (a damaged newer one is passed over with a warning)
+    loaded = load_latest_intact(run_dir) if resume else None
+    if loaded is not None:
+        trainer.load_state_dict(loaded.state["trainer"])
+        train_seconds = loaded.state["train_seconds"]
         start_iter = trainer.iteration
-        say(f"resumed from {ckpt} at iteration {start_iter}")
+        say(f"resumed from {loaded.path} at iteration {start_iter}")
     logger = None
     if main:
         start_trackers(trainer.accelerator, cfg, run_dir, start_iter - 1 if resume else None)
