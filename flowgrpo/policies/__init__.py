@@ -93,9 +93,4 @@ def build_policy(model_cfg) -> Policy:
     return POLICIES.build(adapter, model_cfg)
 
 
-#: the old name of :func:`resolve_adapter`, kept for callers not yet renamed (flowgrpo.export,
-#: flowgrpo.unigenbench.generate, whose own ``resolve_model`` is another function: a run's config from --model)
-resolve_model = resolve_adapter
-
-__all__ = ["Conditioning", "PIPELINE_ADAPTERS", "POLICIES", "Policy", "build_policy", "resolve_adapter",
-           "resolve_model"]
+__all__ = ["Conditioning", "PIPELINE_ADAPTERS", "POLICIES", "Policy", "build_policy", "resolve_adapter"]
