@@ -351,7 +351,21 @@ def _pixels(folder: Path) -> dict[str, np.ndarray]:
     return {p.name: np.asarray(Image.open(p)) for p in sorted(folder.glob("*.png"))}
 
 
-def test_generate_resumes_and_applies_the_run_lora(lora_run, tmp_path, capsys):
+def _record_batches(monkeypatch) -> list[list[tuple[int, int]]]:
+    """The (index, j) batches generate runs from now on (its render_batches spied on)."""
+    from flowgrpo.unigenbench import generate
+
+    seen, render = [], generate.render_batches
+
+    def spy(policy, groups, *args):
+        seen.extend([[(p.index, j) for p, j in batch] for batch in groups])
+        yield from render(policy, groups, *args)
+
+    monkeypatch.setattr(generate, "render_batches", spy)
+    return seen
+
+
+def test_generate_resumes_and_applies_the_run_lora(lora_run, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run_images"
     args = ["unigenbench", "generate", "--set", "en", "--limit", "2", "--images-per-prompt", "2", "--steps", "2", "--quiet"]
     assert main(args + ["--model", str(lora_run), "--out", str(out)]) == 0
@@ -364,11 +378,20 @@ def test_generate_resumes_and_applies_the_run_lora(lora_run, tmp_path, capsys):
     (out / "1_0.png").unlink()
     kept = {n: (out / n).stat().st_mtime_ns for n in ("0_0.png", "1_1.png")}
     capsys.readouterr()
+    batches = _record_batches(monkeypatch)
     assert main(args + ["--model", str(lora_run), "--out", str(out)]) == 0
     assert "1 incomplete images will be made again" in capsys.readouterr().out
-    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # valid images are not made again
+    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # valid images are not written again
+    # the missing images are made in the first run's batch (of --batch-size 4), run whole: a batch of
+    # other images can change a pixel by one level (float sums in another order), so this is what
+    # makes them equal bit for bit below
+    assert batches == [[(0, 0), (0, 1), (1, 0), (1, 1)]]
     again = _pixels(out)
-    assert all(np.array_equal(first[n], again[n]) for n in first)  # the same images (per-image seeds)
+    assert all(np.array_equal(first[n], again[n]) for n in first)  # the same images
+    (out / "1_1.png").unlink()
+    batches.clear()
+    assert main(args + ["--model", str(lora_run), "--out", str(out), "--batch-size", "2"]) == 0
+    assert batches == [[(1, 0), (1, 1)]]  # only the batches that hold a missing image run
     base = tmp_path / "base_images"
     assert main(args + ["--model", "sd3-tiny", "--out", str(base), "model.max_sequence_length=16",
                         "model.resolution=64"]) == 0

@@ -68,7 +68,8 @@ class UniGenBenchEvaluator:
         import torch
         from PIL import Image
 
-        from .generate import render, to_uint8
+        from ..images import to_uint8
+        from .generate import render
         from .score import ImageTask, judge_images
         from .summary import build_summary
 

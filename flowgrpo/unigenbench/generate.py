@@ -6,12 +6,15 @@ latest checkpoint's weights are loaded into it (the EMA weights when the run kep
 ``flowgrpo eval`` and the run's ``lora/`` export use), so a trained LoRA is evaluated as trained.
 
 Images come from the deterministic ODE (Euler on the policy's own sigma grid, classifier-free
-guidance as configured), each from its own initial noise seeded by (``--seed``, index, j), so an
-image does not depend on the batch it was made in, and a resumed run makes the same images. Each
-PNG is written to a temporary name and renamed, so a file is either complete or absent; on start,
-every ``{index}_{j}.png`` that is complete (PNG signature and final IEND chunk) is kept and any
-other (e.g. cut short by a copy) is made again. ``generate.json`` records the settings; resuming
-into the folder with other settings is refused, so one folder never mixes two models.
+guidance as configured), each from its own initial noise seeded by (``--seed``, index, j), in
+batches of ``--batch-size`` counted from the set's first image. Each PNG is written to a temporary
+name and renamed, so a file is either complete or absent; on start, every ``{index}_{j}.png`` that
+is complete (PNG signature and final IEND chunk) is kept and any other (e.g. cut short by a copy)
+is made again: its whole batch is run again and only the missing images are written, so a resumed
+run with the same ``--batch-size`` makes the images of an uninterrupted one bit for bit. (An image
+made in a batch of another size or content can differ by one 8-bit level: the model's matrix
+products sum in an order that depends on the batch shape.) ``generate.json`` records the settings;
+resuming into the folder with other settings is refused, so one folder never mixes two models.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..images import png_bytes
 from .judgements import file_sha256
 from .prompts import BenchPrompt, PromptSet
 
@@ -48,6 +52,10 @@ class GenerateOptions:
 def image_seed(seed: int, index: int, j: int) -> int:
     """The noise seed of image ``j`` of prompt ``index`` (independent of batching and of ``--images-per-prompt``)."""
     return (seed * 100_000 + index) * 100 + j
+
+
+def _png_path(out: Path, prompt: BenchPrompt, j: int) -> Path:
+    return out / f"{prompt.index}_{j}.png"
 
 
 def png_is_complete(path: Path) -> bool:
@@ -139,16 +147,25 @@ def _check_settings(out: Path, settings: dict) -> None:
     path.write_text(json.dumps(settings, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
-def _save_png(array, path: Path) -> None:
-    from PIL import Image
-
+def _save_png(image, path: Path) -> None:
+    """Write one image ([3, H, W] float in [0, 1]) as a PNG under a temporary name, then rename it."""
     tmp = path.with_name(f".{path.name}.tmp")
-    Image.fromarray(array).save(tmp, format="PNG")
+    tmp.write_bytes(png_bytes(image, compress_level=6))
     os.replace(tmp, path)
 
 
+def batches(items: list, batch_size: int) -> list[list]:
+    """``items`` cut into batches of ``batch_size`` from the first (the last may be shorter)."""
+    return [items[start:start + batch_size] for start in range(0, len(items), batch_size)]
+
+
 def render(policy, items: list[tuple[BenchPrompt, int]], seed: int, steps: int, shift: float, batch_size: int):
-    """Yield (batch of (prompt, j), images [B, 3, H, W] float in [0, 1] on the CPU), ``batch_size`` at a time.
+    """Yield (batch of (prompt, j), images [B, 3, H, W] float in [0, 1] on the CPU), ``batch_size`` at a time."""
+    yield from render_batches(policy, batches(items, batch_size), seed, steps, shift)
+
+
+def render_batches(policy, groups: list[list[tuple[BenchPrompt, int]]], seed: int, steps: int, shift: float):
+    """Yield (batch, images [B, 3, H, W] float in [0, 1] on the CPU) for each batch of (prompt, j) in ``groups``.
 
     Euler ODE over ``policy.sigma_grid(steps, shift)`` with the policy's guidance; step math in
     float32, the model in its own dtype; image (prompt, j) starts from the noise of :func:`image_seed`."""
@@ -159,8 +176,7 @@ def render(policy, items: list[tuple[BenchPrompt, int]], seed: int, steps: int, 
     device = policy.device
     model_dtype = next(policy.parameters()).dtype
     sigmas = policy.sigma_grid(steps, shift)
-    for start in range(0, len(items), batch_size):
-        batch = items[start:start + batch_size]
+    for batch in groups:
         noise = torch.stack([torch.randn(policy.latent_shape, generator=torch.Generator().manual_seed(
             image_seed(seed, p.index, j))) for p, j in batch]).to(device)
         with torch.no_grad():
@@ -173,13 +189,6 @@ def render(policy, items: list[tuple[BenchPrompt, int]], seed: int, steps: int, 
         if images.ndim != 4:
             raise UserError(f"{type(policy).__name__} makes videos ({tuple(images.shape)}); UniGenBench judges images")
         yield batch, images.clamp(0, 1)
-
-
-def to_uint8(images):
-    """[B, 3, H, W] float in [0, 1] -> uint8 numpy [B, H, W, 3]."""
-    import torch
-
-    return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def generate_folder(model: str, prompt_set: PromptSet, out: str | Path, opts: GenerateOptions,
@@ -201,16 +210,17 @@ def generate_folder(model: str, prompt_set: PromptSet, out: str | Path, opts: Ge
     for problem in prompt_set.problems:
         print(f"warning: {problem}")
     wanted = [(p, j) for p in prompts for j in range(opts.images_per_prompt)]
-    paths = [out / f"{p.index}_{j}.png" for p, j in wanted]
-    todo = [w for w, path in zip(wanted, paths) if not png_is_complete(path)]
-    broken = sum(1 for path in paths if path.exists() and not png_is_complete(path))
-    counts = {"images": len(wanted), "kept": len(wanted) - len(todo), "regenerated": broken, "generated": len(todo)}
+    paths = [_png_path(out, p, j) for p, j in wanted]
+    missing = {path for path in paths if not png_is_complete(path)}
+    broken = sum(1 for path in missing if path.exists())
+    counts = {"images": len(wanted), "kept": len(wanted) - len(missing), "regenerated": broken,
+              "generated": len(missing)}
     steps = opts.steps or cfg.eval.num_steps
     guidance = cfg.model.guidance_scale if opts.guidance is None else opts.guidance
     _check_settings(out, _settings(prompt_set, desc, cfg, opts, steps, guidance))
     if broken:
         print(f"{broken} incomplete images will be made again")
-    if not todo:
+    if not missing:
         print(f"all {len(wanted)} images of set {prompt_set.name} are already in {out}")
         return counts
     policy = build_generator(cfg, desc)
@@ -224,8 +234,11 @@ def generate_folder(model: str, prompt_set: PromptSet, out: str | Path, opts: Ge
                    TextColumn("ETA"), TimeRemainingColumn(), disable=not progress)
     with bar:
         task = bar.add_task("generate", total=len(wanted), completed=counts["kept"])
-        for batch, images in render(policy, todo, opts.seed, steps, cfg.sampler.shift, opts.batch_size):
-            for (p, j), arr in zip(batch, to_uint8(images)):
-                _save_png(arr, out / f"{p.index}_{j}.png")
-            bar.update(task, advance=len(batch))
+        # whole batches of the uninterrupted run (its images bit for bit), of which only the missing are written
+        redo = [b for b in batches(wanted, opts.batch_size) if any(_png_path(out, *w) in missing for w in b)]
+        for batch, images in render_batches(policy, redo, opts.seed, steps, cfg.sampler.shift):
+            made = [(path, image) for w, image in zip(batch, images) if (path := _png_path(out, *w)) in missing]
+            for path, image in made:
+                _save_png(image, path)
+            bar.update(task, advance=len(made))
     return counts
