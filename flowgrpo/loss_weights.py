@@ -1,4 +1,5 @@
-"""Per-transition loss weights w_j (DESIGN §5): GRPO-Guard reweighting and TempFlow weighting.
+"""Per-transition loss weights w_j, which multiply each transition's clipped surrogate in the GRPO
+loss: GRPO-Guard reweighting and TempFlow weighting.
 
 Both are functions of the plan step a transition belongs to, so they are computed per step and
 gathered to rows; with both options on the weights multiply.
@@ -35,7 +36,9 @@ def _reference_spec(plan) -> tuple[float, str]:
 
 
 def step_transition_std(plan) -> Tensor:
-    """The transition std [T] of every plan step (float64), from its SDE kind (DESIGN §3).
+    """The transition std [T] of every plan step (float64), from its SDE kind (Flow-GRPO:
+    s = sigma_t * sqrt(-Delta) with sigma_t = a * sqrt(sigma / (1 - sigma)); DanceGRPO: eta * sqrt(-Delta);
+    CPS: sigma' * sin(a * pi / 2)).
 
     SDE steps use their own noise level and kind; ODE steps the plan's first SDE step's."""
     sig = plan.sigmas.double()

@@ -1,4 +1,4 @@
-"""Branch-point strategies: TempFlow-GRPO and G2RPO (DESIGN §1, §4, §6).
+"""Branch-point strategies: TempFlow-GRPO and G2RPO.
 
 Both run an ODE main chain (lane 0) and, at each branch step k, give the main node K one-step SDE
 children (lane 1) that are completed by ODE to sigma = 0: the SDE edge is the only stochastic choice
@@ -69,9 +69,9 @@ class TempFlowGRPOStrategy(_BranchPointStrategy):
     continue by Euler ODE to the end. Each branch point's K children form a GRPO group (``tempflow``
     estimator) and their ODE completions' rewards are credited to the SDE edges.
 
-    ``branch_steps`` (None = every step 0..T-1, DESIGN's cost-formula case) bounds the cost: the
-    forward cost per tree is (k_last + 1) + K * sum_k (T - 1 - k), i.e. T + K * sum_k (T - 1 - k) when
-    every step branches. Seed groups in the paper: 4 initial noises x 6 branches
+    ``branch_steps`` (None = every step 0..T-1, the case of the paper's cost formula) bounds the
+    cost: the forward cost per tree is (k_last + 1) + K * sum_k (T - 1 - k), i.e.
+    T + K * sum_k (T - 1 - k) when every step branches. Seed groups in the paper: 4 initial noises x 6 branches
     (``data.trees_per_prompt`` = 4). The noise-aware loss weight is ``loss.tempflow_weight``.
     """
 

@@ -1,4 +1,6 @@
-"""Sampling plans: what happens at each of the T steps of a rollout (DESIGN §1, §6)."""
+"""Sampling plans: what happens at each of the T steps of a rollout (ODE or SDE, branching factor,
+noise level and SDE kind, ODE solver, whether the step trains); a strategy makes the plan of each
+iteration."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from torch import Tensor
 from .sde import DEFAULT_NOISE_LEVEL, LOG_PROB_CONVENTIONS, sde_kind
 
 ODE_SOLVERS = ("euler", "dpm2")  # dpm2: DPM-Solver++(2M) midpoint, samplers/solvers.py
-#: How the K > 1 SDE children of one node draw their noise (DESIGN §6, BranchGRPO):
+#: How the K > 1 SDE children of one node draw their noise (BranchGRPO's branching noise):
 #: "iid" independent standard normals; "shared" the marginal-preserving branching noise
 #: xi_b = (xi_0 + c * eta_b) / sqrt(1 + c^2) (xi_0 shared by the siblings, eta_b their own, so every
 #: child keeps the N(0, 1) marginal and siblings correlate by 1 / (1 + c^2)); "scaled" the BranchGRPO

@@ -1,12 +1,12 @@
-"""Tree strategies with shared prefixes: BranchGRPO (+Mix) and Dynamic-TreeRPO (DESIGN §1, §4, §6).
+"""Tree strategies with shared prefixes: BranchGRPO (+Mix) and Dynamic-TreeRPO.
 
 Every strategy here samples a forest whose trees share prefixes: a node's velocity is computed
 once for all its children, and all nodes of one depth share one model call (see
-:class:`~flowgrpo.samplers.rollout.ForestSampler`). They pair with the ``branch_grpo`` advantage
+:class:`~flowgrpo.samplers.forest_sampler.ForestSampler`). They pair with the ``branch_grpo`` advantage
 estimator (:mod:`flowgrpo.advantages.trees`, ``advantage.estimator``). TempFlow-GRPO and G2RPO,
 whose trees branch off an ODE main chain, are in :mod:`.branch_points`.
 
-Option defaults are the papers' where they do not depend on T (DESIGN §6); the shapes presets
+Option defaults are the papers' where they do not depend on T; the shapes presets
 (``flowgrpo/presets/*.yaml``) set smaller values for its 10-step rollouts. Forward cost per tree
 (model evaluations, before CFG doubling) is ``plan.nfe(1)``; BranchGRPO with T = 20 and K = 2 at
 steps (0, 3, 6, 9) has 16 leaves for 203 evaluations (16 chains: 320).
@@ -52,7 +52,7 @@ class BranchOptions(StrategyOptions):
 class BranchGRPOStrategy(Strategy):
     """BranchGRPO: every step SDE; at the split steps every node gets K children.
 
-    Options (DESIGN §6 defaults):
+    Options (defaults: the BranchGRPO paper's settings for FLUX at T = 20, with its pruning variants off):
 
     * ``splits`` [0, 3, 6, 9] and ``branch`` K = 2 (T = 20: 16 leaves per tree);
     * ``branch_noise`` "shared": the marginal-preserving branching noise
@@ -64,7 +64,7 @@ class BranchGRPOStrategy(Strategy):
       best ``width_keep`` = 0.5 of each last-split parent's children, by advantage, with everything
       below them) | "top_bottom" (keep the best width_keep / 2 and the worst width_keep / 2 of a tree's
       last-split children: best 25 % + worst 25 %). The split edges themselves always train.
-    * depth pruning (backward only): ``depth_prune`` w (0 = off; DESIGN: 4) steps excluded from the
+    * depth pruning (backward only): ``depth_prune`` w (0 = off; the paper: 4) steps excluded from the
       gradient, a window that starts at the last w steps and moves one step earlier every
       ``depth_prune_every`` (30) iterations until it reaches the step after the last split (split
       steps and the steps before them are never pruned).
@@ -219,8 +219,8 @@ class TreeRPOOptions(WindowOptions):
 class DynamicTreeRPOStrategy(Strategy):
     """Dynamic-TreeRPO: a ``branch``-ary (binary) tree over a sliding window; ODE outside it.
 
-    **No public code exists**: this is implemented from the paper's description (arXiv 2509.23352)
-    as summarised in DESIGN §6; the exact formulas below are our reading of it.
+    **No public code exists**: this is implemented from the paper's description (arXiv 2509.23352);
+    the exact formulas below are our reading of it.
 
     * Sampling: Euler ODE before the window (one shared chain per tree), SDE with ``branch`` (2)
       children at each of the ``window`` (4: a binary tree of depth 4, 16 leaves) window steps, Euler
