@@ -5,6 +5,15 @@ gradient that is not tiny, and for a gradient near zero it flips with float roun
 differs between runs that batch rows differently. These tests therefore use adam_eps = 1e-2, under
 which the update is a smooth function of the gradient, so "the same update" can be checked to
 1e-6; the data path (sharding, gathered rewards, group statistics, gradient sum) is what is tested.
+
+For the same reason the worker runs roll out one node per model call (``sampler.max_micro_batch=1``,
+:data:`ONE_NODE_PER_CALL`), so a sample does not depend on how the trees are split over ranks. A
+model call on the 9 or 12 nodes of one process and one on a rank's 4 to 6 sum their float32 products
+in another order: samples then differ by ~1e-6 and the test reward by one ulp (6e-8), which the
+group z-score divides by that reward's group stds of ~0.004, so advantages came out ~1e-5 apart and
+iteration 0's loss 4e-7 (GRPO) to 2e-6 (AWM, DGPO) apart, beyond the tolerances below (on the CPU
+test machine; not a regression: the first of these tests failed the same way at the commit that
+added it).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from conftest import cli_env, flowgrpo_command, needs_deepspeed, tiny_overrides
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 SMOOTH_ADAM = {"train.adam_eps": "1e-2", "train.lr": "1e-2"}
+ONE_NODE_PER_CALL = {"sampler.max_micro_batch": 1}
 
 
 FSDP_CONFIG = Path(__file__).parent.parent / "configs" / "accelerate" / "fsdp.yaml"
@@ -44,7 +54,7 @@ def one_and_two(shapes_model_dir, tmp_path_factory):
     """The test worker run for 2 iterations on 1 process and on 2 (9 trees: shards of 4 and 5, so
     prompt 1's group of 3 spans both ranks)."""
     out = tmp_path_factory.mktemp("dp")
-    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **{
+    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **ONE_NODE_PER_CALL, **{
         "data.prompts_per_iteration": 3, "data.trees_per_prompt": 3, "train.minibatches": 2,
         "reward.weights": "{test_brightness: 1.0}", "log.trackers": "[]"})
     one = subprocess.run([sys.executable, str(WORKER), str(out / "one"), "2", *ov], env=cli_env(),
@@ -137,7 +147,7 @@ def test_forward_objectives_on_two_processes_make_the_one_process_update(shapes_
     spans both) make the 1-process update; under FSDP the extra no-grad passes stay in lock-step."""
     extra = {"data.prompts_per_iteration": 3, "data.trees_per_prompt": 4, "train.micro_batch": 5,
              "sampler.strategy": "ode", "reward.weights": "{test_brightness: 1.0}", "log.trackers": "[]"}
-    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **extra, **OBJECTIVES[objective])
+    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **ONE_NODE_PER_CALL, **extra, **OBJECTIVES[objective])
     one = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "one"), "2", *ov], env=cli_env(),
                          capture_output=True, text=True, timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -281,7 +291,7 @@ def sharded_overrides(shapes_model_dir):
     """12 trees: shards of 6, so prompt 1's group of 4 spans both ranks; minibatches of 3 trees (which
     2 ranks cannot split evenly) and micro-batches of 2 rows, so ranks make different numbers of
     backward passes in every minibatch (FSDP pads them all; ZeRO-2 pads a rank that has none)."""
-    return tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **{
+    return tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **ONE_NODE_PER_CALL, **{
         "data.prompts_per_iteration": 3, "data.trees_per_prompt": 4, "train.minibatches": 4, "train.micro_batch": 2,
         "reward.weights": "{test_brightness: 1.0}", "log.trackers": "[]", "dist.timeout_s": 60})
 
