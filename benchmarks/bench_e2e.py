@@ -35,7 +35,7 @@ from pathlib import Path
 
 from . import output_dir, write_json
 
-PRESETS = ("flow-grpo", "mix-grpo", "shapes", "diffusion-nft", "awm", "dgpo")
+PRESETS = ("flow-grpo", "mix-grpo", "shapes", "shapes-nft", "diffusion-nft", "awm", "dgpo")
 TARGET_PRESET = "flow-grpo"
 MIX_CLAIM = 0.6  # MixGRPO's claim: it reaches Flow-GRPO's result in <= 0.6x the time
 

@@ -47,7 +47,7 @@ def _cmd_train(args) -> int:
 
 def _run_train(args) -> int:
     """Train (or resume) in this process and print the outcome (the main process's)."""
-    from .config import load_config
+    from .config import DEFAULT_PRESET, load_config
     from .trainer.checkpoint import read_run_config
     from .trainer.run import train
 
@@ -64,7 +64,7 @@ def _run_train(args) -> int:
     else:
         if args.config:
             _check_text_file(Path(args.config), "config file")
-        summary = _train_fresh(load_config(args.preset, args.config, args.overrides))
+        summary = _train_fresh(load_config(args.preset or DEFAULT_PRESET, args.config, args.overrides))
     if "rank" in summary:  # a non-main rank of a multi-process run: the main process reports
         return 0
     done = f"done: {summary['iterations']} iterations, {summary['train_seconds'] / 60:.1f} min of training"
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flowgrpo", description="GRPO for flow-matching generators")
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a policy (default: the embedded shapes world)")
-    t.add_argument("--preset", default="shapes", help="preset name (see `flowgrpo presets`)")
+    t.add_argument("--preset", default=None, help="preset name (see `flowgrpo presets`; default: config.DEFAULT_PRESET, shapes-nft)")
     t.add_argument("--config", default=None, help="YAML config file applied on top of the preset")
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run")
     t.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",

@@ -167,9 +167,10 @@ RUN_EXTRA = {
 
 @pytest.fixture(scope="session")
 def cli_run_dir(tmp_path_factory, shapes_model_dir) -> Path:
-    """RUN_DIR of an uninterrupted ``flowgrpo train`` of RUN_ITERATIONS iterations."""
+    """RUN_DIR of an uninterrupted ``flowgrpo train --preset shapes`` (GRPO, whose ratio diagnostics
+    the run-directory tests read) of RUN_ITERATIONS iterations."""
     out = tmp_path_factory.mktemp("cli_runs")
-    args = ["train", *tiny_overrides(shapes_model_dir, **RUN_EXTRA), f"log.out_dir={out}", "log.run_name=full"]
+    args = ["train", "--preset", "shapes", *tiny_overrides(shapes_model_dir, **RUN_EXTRA), f"log.out_dir={out}", "log.run_name=full"]
     proc = run_cli(args)
     assert proc.returncode == 0, f"flowgrpo train failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return out / "full"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import yaml
 from conftest import RUN_ITERATIONS, run_cli, tiny_overrides
 
 from flowgrpo import config_help
@@ -331,3 +332,21 @@ def test_bench_ops_csv_speedups_and_timing_loop(tmp_path):
     args, kwargs = _inputs(4, 16)
     secs = _time_interleaved({"eager": grpo_loss_ref}, args, kwargs, repeats=1, warmup=1)
     assert set(secs) == {"eager"} and secs["eager"] > 0
+
+
+def test_train_without_a_preset_runs_the_default_recipe(shapes_model_dir, tmp_path):
+    """`flowgrpo train` with no --preset trains config.DEFAULT_PRESET (the README's first command)."""
+    from flowgrpo.config import DEFAULT_PRESET
+
+    out = tmp_path / "runs"
+    extra = {"log.grid_every": 0, "reward.weights": "{shapes: 1.0, jpeg_compressibility: 0.01}"}  # signal in every group
+    proc = run_cli(["train", *tiny_overrides(shapes_model_dir, **extra), f"log.out_dir={out}",
+                    "log.run_name=default"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads((out / "default" / "summary.json").read_text())
+    assert s["preset"] == DEFAULT_PRESET and s["iterations"] == 2
+    assert s["eval_after"]["fidelity"] is not None
+    cfg = yaml.safe_load((out / "default" / "config.yaml").read_text())
+    assert cfg["loss"]["objective"] == "nft" and cfg["loss"]["nft"]["policy_min_t"] == 0.4
+    rows = [json.loads(ln) for ln in (out / "default" / "metrics.jsonl").read_text().splitlines()]
+    assert any("anchor_rows" in r for r in rows) and not any("approx_kl" in r for r in rows)

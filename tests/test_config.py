@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from flowgrpo.config import (
+    DEFAULT_PRESET,
     RunConfig,
     apply_dict,
     load_config,
@@ -38,10 +39,12 @@ def test_every_preset_loads_and_validates(name):
     assert to_dict(again) == to_dict(cfg)
 
 
-def test_shapes_preset_is_the_cli_default():
+def test_the_default_preset_is_the_shapes_world_nft_recipe():
     cfg = load_config()
-    assert cfg.preset == "shapes" and cfg.model.name == "shapes" and cfg.data.prompts == "shapes"
-    assert cfg.reward.weights == {"shapes": 1.0}
+    assert cfg.preset == DEFAULT_PRESET == "shapes-nft"
+    assert cfg.model.name == "shapes" and cfg.data.prompts == "shapes" and cfg.reward.weights == {"shapes": 1.0}
+    assert cfg.loss.objective == "nft" and cfg.sampler.strategy == "ode" and cfg.train.max_minutes == 15
+    assert cfg.loss.nft.policy_min_t > 0 and cfg.loss.nft.anchor_beta > 0 and cfg.loss.nft.kl_beta > 0
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -12,7 +12,7 @@ import torch
 from flowgrpo.config import load_config
 from flowgrpo.trainer.trainer import Trainer
 
-PRESETS = ["diffusion-nft", "awm", "dgpo"]
+PRESETS = ["diffusion-nft", "awm", "dgpo", "shapes-nft"]
 SMALL = ["data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3", "train.iterations=2",
          "train.threads=1", "train.lr=1e-3", "log.progress=false", "eval.evaluator=none",
          "loss.nft.timesteps=2", "loss.awm.timesteps=2", "loss.dgpo.timesteps=2",

@@ -141,7 +141,9 @@ def test_tiny_run_shows_the_budget_bar_and_writes_captioned_grids(shapes_model_d
     # reports its drift and KL); the random model rarely satisfies a prompt
     extra = {"log.progress": "true", "train.max_minutes": 30, "log.grid_every": 1,
              "reward.weights": "{shapes: 1.0, jpeg_compressibility: 0.01}"}
-    args = ["train", *tiny_overrides(shapes_model_dir, **extra), f"log.out_dir={out}", "log.run_name=bar"]
+    # GRPO (the shapes preset): its bar carries the ratio diagnostics as well as the KL term
+    args = ["train", "--preset", "shapes", *tiny_overrides(shapes_model_dir, **extra), f"log.out_dir={out}",
+            "log.run_name=bar"]
     proc = run_cli(args)
     assert proc.returncode == 0, f"flowgrpo train failed:\n{proc.stdout}\n{proc.stderr}"
     bar = [ln for ln in proc.stdout.splitlines() if "/ 30:00" in ln]

@@ -40,7 +40,8 @@ def assert_same(a, b, where: str) -> None:
 def test_sigkill_then_resume_matches_uninterrupted_run(cli_run_dir, shapes_model_dir, tmp_path):
     out = tmp_path / "runs"
     run_dir = out / "killed"
-    args = ["train", *tiny_overrides(shapes_model_dir, **RUN_EXTRA), f"log.out_dir={out}", "log.run_name=killed"]
+    args = ["train", "--preset", "shapes", *tiny_overrides(shapes_model_dir, **RUN_EXTRA), f"log.out_dir={out}",
+            "log.run_name=killed"]  # the same preset as conftest's cli_run_dir, which it is compared with
     target = run_dir / "checkpoints" / f"ckpt_{KILL_AT:06d}"
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(flowgrpo_command() + args, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)

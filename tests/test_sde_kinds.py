@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowgrpo.config import load_config, preset_names, read_preset
+from flowgrpo.config import load_config, preset_names
 from flowgrpo.samplers.forest import TransitionBatch
 from flowgrpo.samplers.plan import SamplingPlan, StepSpec
 from flowgrpo.samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
@@ -127,13 +127,12 @@ def test_every_preset_and_sde_kind_gives_a_finite_loss(preset, kind, shapes_mode
     grid, so that branch points reach the last step: the loss and every metric are finite."""
     from flowgrpo.trainer.trainer import GRPOTrainer
 
-    data = read_preset(preset)
     overrides = [f"model.path={shapes_model_dir}", f"sampler.sde_kind={kind}", "sampler.num_steps=4",
                  "data.prompts_per_iteration=1", "train.micro_batch=512", "log.progress=false",
                  "reward.weights={jpeg_compressibility: 1.0}"]
     if kind == "dance":
         overrides.append("sampler.noise_level=0.3")
-    strategy = (data.get("sampler") or {}).get("strategy")
+    strategy = load_config(preset).sampler.strategy  # with the preset's bases
     opts = {"branch_grpo": ["strategy.splits=[0, 3]", "strategy.depth_prune=0"],
             "branch_grpo_mix": ["strategy.splits=[0, 3]", "strategy.window=1"],
             "tree_rpo": ["strategy.window=2"], "tempflow_grpo": ["strategy.branch_steps=[0, 3]", "strategy.branch=2"],
@@ -141,8 +140,6 @@ def test_every_preset_and_sde_kind_gives_a_finite_loss(preset, kind, shapes_mode
             "mix_grpo": ["strategy.window=2"], "mix_grpo_flash": ["strategy.window=2"],
             "mix_grpo_flash_star": ["strategy.window=2"]}
     overrides += opts.get(strategy or "", [])
-    if strategy is None and "shapes" in preset:  # the default: a frozen window at 0
-        overrides.append("strategy.window=2")
     cfg = load_config(preset, None, overrides)
     trainer = GRPOTrainer(cfg)
     m = trainer.iteration_step().metrics
