@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +19,7 @@ from .errors import ConfigError, UserError
 from .fields import check_choices, check_ranges, field_ranges, help_field as _f, merge_into
 from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
 from .policies.base import TrainMode
+from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_dir, preset_names, read_preset  # noqa: F401 (re-exported)
 from .samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
 
 
@@ -276,36 +276,6 @@ def _looks_float(raw: str) -> bool:
 # --------------------------------------------------------------------------- presets
 
 
-#: the preset `flowgrpo train` runs without --preset (and load_config's default): the best recipe
-#: measured on the shapes world, judged on held-out accuracy and image fidelity (docs/shapes_world.md)
-DEFAULT_PRESET = "shapes-nft"
-
-
-def preset_dir():
-    return resources.files("flowgrpo.presets")
-
-
-def preset_names() -> list[str]:
-    return sorted(p.name[:-5] for p in preset_dir().iterdir() if p.name.endswith(".yaml"))
-
-
-def read_preset(name: str) -> dict:
-    path = preset_dir() / f"{name}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(preset_names())}")
-    return _load_yaml_text(path.read_text(), f"preset {name}")
-
-
-def _load_yaml_text(text: str, what: str) -> dict:
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what} must hold a mapping at the top level")
-    return data
-
-
 def _apply_with_bases(cfg: RunConfig, data: dict, seen: tuple[str, ...] = ()) -> None:
     base = data.pop("base", None)
     if base:
@@ -325,7 +295,7 @@ def load_config(preset: str | None = DEFAULT_PRESET, config_file: str | None = N
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        _apply_with_bases(cfg, _load_yaml_text(path.read_text(), f"config file {path}"))
+        _apply_with_bases(cfg, load_yaml_mapping(path.read_text(), f"config file {path}"))
     if overrides:  # the overrides form one layer, whatever their order
         merged: dict = {}
         for ov in overrides:

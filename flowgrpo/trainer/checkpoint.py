@@ -120,7 +120,7 @@ def checkpoint_damage(path: Path) -> str | None:
 
 
 class _Damaged(Exception):
-    pass
+    """A checkpoint that cannot be used; its message says why (passed over for an older one)."""
 
 
 def _newest_intact(run_dir: Path, take):
