@@ -60,6 +60,10 @@ class DataConfig:
     prompts: str = _f("shapes", "prompt source: 'shapes' (procedural world) or a .txt/.jsonl prompt file")
     prompts_per_iteration: int = _f(8, "distinct prompts per iteration", ge=1)
     trees_per_prompt: int = _f(8, "initial noises (rollout trees) per prompt. A chain is a tree with one leaf, so for chain strategies this is the GRPO group size; tree strategies have trees_per_prompt x leaves-per-tree samples per prompt (formerly data.group_size)", ge=1)
+    curriculum: Literal["none", "signal"] = _f("none", "none: prompts drawn uniformly | signal: prompt keys whose groups recently had reward spread (the groups that train) are drawn more often, weight max(moving-average signal rate, curriculum_floor) (flowgrpo.curriculum)")
+    curriculum_floor: float = _f(0.1, "signal curriculum: smallest weight of a key, so solved or hopeless keys stay in the mix (1 = uniform)", gt=0.0, le=1.0)
+    curriculum_rate: float = _f(0.2, "signal curriculum: moving-average step per observed group", gt=0.0, le=1.0)
+    curriculum_key: Literal["auto", "tag", "prompt"] = _f("auto", "signal curriculum keys: tag (the shapes world's tags; a .jsonl file's tag column) | prompt (each prompt of a file) | auto (tags where the source has more than one)")
 
 
 @dataclass

@@ -2,28 +2,70 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from .curriculum import SignalCurriculum
 from .seeds import PROMPTS
 from .shapes.prompts import load_prompt_file, sample_train_spec
+from .shapes.world import TAGS
+
+
+@dataclass
+class PromptBatch:
+    """One iteration's prompts and their curriculum keys (both of length N, group g = prompt g)."""
+
+    prompts: list[str]
+    keys: list[str]
 
 
 class PromptSource:
-    """Deterministic prompt batches: ``batch(iteration, n)`` depends only on (seed, iteration).
+    """Deterministic prompt batches: ``draw(iteration, n)`` depends only on (seed, iteration) and, with a
+    curriculum, on the curriculum's state (itself a function of the run so far, saved in checkpoints).
 
     ``spec`` is "shapes" (fresh procedural shapes-world prompts every iteration, from the training
     pools only: held-out prompts are never trained on) or the path of a .txt / .jsonl prompt file
     (prompts drawn without replacement within an iteration).
+
+    ``curriculum`` (optional, :class:`~flowgrpo.curriculum.SignalCurriculum`) reweights what is drawn.
+    Its keys are the tags (the shapes world's six; a .jsonl file's ``tag`` column) when ``key_by`` is
+    "tag", the prompts themselves when "prompt"; "auto" uses tags where the source has more than one.
     """
 
-    def __init__(self, spec: str, seed: int = 0):
+    def __init__(self, spec: str, seed: int = 0, curriculum: SignalCurriculum | None = None, key_by: str = "auto"):
+        if key_by not in ("auto", "tag", "prompt"):
+            raise ValueError(f"unknown curriculum key {key_by!r}; valid: auto, tag, prompt")
         self.spec = spec
         self.seed = seed
+        self.curriculum = curriculum
         self.rows = None if spec == "shapes" else load_prompt_file(spec)
+        if self.rows is None and key_by == "prompt" and curriculum is not None:
+            raise ValueError("the shapes world draws fresh prompts every iteration: its curriculum keys are its "
+                             "tags (data.curriculum_key=tag or auto), not the prompts")
+        if key_by == "auto":
+            key_by = "tag" if self.rows is None or len({r["tag"] for r in self.rows}) > 1 else "prompt"
+        self.key_by = key_by
+
+    def _key(self, prompt: str, tag: str) -> str:
+        return tag if self.key_by == "tag" else prompt
+
+    def draw(self, iteration: int, n: int) -> PromptBatch:
+        """The ``n`` prompts of ``iteration`` with their curriculum keys."""
+        rng = np.random.default_rng([self.seed, iteration, PROMPTS])
+        cur = self.curriculum
+        if self.rows is None:
+            if cur is None or self.key_by == "prompt":
+                specs = [sample_train_spec(rng) for _ in range(n)]
+            else:
+                p = cur.weights(list(TAGS))
+                specs = [sample_train_spec(rng, TAGS[rng.choice(len(TAGS), p=p)]) for _ in range(n)]
+            return PromptBatch([s.prompt for s in specs], [self._key(s.prompt, s.tag) for s in specs])
+        keys = [self._key(r["prompt"], r["tag"]) for r in self.rows]
+        p = None if cur is None else cur.weights(keys)
+        idx = rng.choice(len(self.rows), size=n, replace=len(self.rows) < n, p=p)
+        return PromptBatch([self.rows[i]["prompt"] for i in idx], [keys[i] for i in idx])
 
     def batch(self, iteration: int, n: int) -> list[str]:
-        rng = np.random.default_rng([self.seed, iteration, PROMPTS])
-        if self.rows is None:
-            return [sample_train_spec(rng).prompt for _ in range(n)]
-        idx = rng.choice(len(self.rows), size=n, replace=len(self.rows) < n)
-        return [self.rows[i]["prompt"] for i in idx]
+        """The ``n`` prompts of ``iteration`` (:meth:`draw` without the keys)."""
+        return self.draw(iteration, n).prompts

@@ -62,6 +62,7 @@ class Collected:
         rewards: reward name -> [L_whole] float (NaN where a reward failed), whole forest's leaf order.
         components: named reward components [L_whole] for logging.
         seconds: wall-clock of rollout + decoding.
+        prompt_keys: the curriculum key of each prompt row (:class:`~flowgrpo.data.PromptBatch`).
     """
 
     iteration: int
@@ -73,6 +74,7 @@ class Collected:
     rewards: dict[str, Tensor]
     components: dict[str, Tensor]
     seconds: float = 0.0
+    prompt_keys: list[str] = field(default_factory=list)
 
 
 @dataclass

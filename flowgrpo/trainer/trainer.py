@@ -30,6 +30,7 @@ import torch
 
 from ..advantages import AdvantageResult, estimate_advantages
 from ..config import RunConfig
+from ..curriculum import SignalCurriculum, groups_with_signal
 from ..data import PromptSource
 from ..objectives import Collected, Credit, UpdateContext, build_objective
 from ..policies import build_policy
@@ -100,7 +101,10 @@ class Trainer:
                                                        weight_decay=tc.weight_decay), self.policy, tc.max_grad_norm)
         self.strategy = build_strategy(cfg.sampler, cfg.strategy, grid=self._model_grid())
         self.sampler = ForestSampler(self.policy, cfg.sampler.max_micro_batch)
-        self.prompts = PromptSource(cfg.data.prompts, tc.seed)
+        dc = cfg.data
+        self.curriculum = (SignalCurriculum(dc.curriculum_floor, dc.curriculum_rate)
+                           if dc.curriculum == "signal" else None)
+        self.prompts = PromptSource(dc.prompts, tc.seed, self.curriculum, dc.curriculum_key)
         self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
         self.objective.setup(self.policy)
         self.iteration = 0
@@ -128,6 +132,7 @@ class Trainer:
             "optimizer": self.engine.optimizer_state_dict(),
             "ema": self.engine.full(self.ema),
             "objective": self.objective.state_dict(),
+            "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -140,6 +145,8 @@ class Trainer:
             live = dict(self.policy.named_trainable_parameters())
             self.ema = {n: like_param(t, live[n]) for n, t in state["ema"].items()}
         self.objective.load_state_dict(state.get("objective") or {})
+        if self.curriculum is not None:
+            self.curriculum.load_state_dict(state.get("curriculum") or {})
 
     def ema_weights(self):
         """Context manager: the policy runs with the EMA weights inside (no-op without EMA)."""
@@ -193,7 +200,8 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         plan = self.strategy.plan(iteration)
-        prompts = self.prompts.batch(iteration, cfg.data.prompts_per_iteration)
+        drawn = self.prompts.draw(iteration, cfg.data.prompts_per_iteration)
+        prompts = drawn.prompts
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, iteration, ROLLOUT))
         self.policy.eval()
         cond = self.policy.encode_prompts(prompts)  # once per iteration: the rollout and the update share it
@@ -213,7 +221,8 @@ class Trainer:
                                 f"data.prompts={cfg.data.prompts!r}); choose rewards for them with reward.weights=... "
                                 f"(valid: {', '.join(REWARDS.names())})")
         return Collected(iteration=iteration, plan=plan, cond=cond, rollout=rollout, images=images, view=view,
-                         rewards=rewards, components=view.gather_leaf_values(local_comps), seconds=seconds)
+                         rewards=rewards, components=view.gather_leaf_values(local_comps), seconds=seconds,
+                         prompt_keys=drawn.keys)
 
     def credit(self, col: Collected) -> Credit:
         """Advantages over the whole iteration's forest, the edges that may train (a leaf with
@@ -229,6 +238,20 @@ class Trainer:
             edge_masks = [m if p is None else (p if m is None else m & p) for m, p in zip(edge_masks, pruned)]
         return Credit(advantages=adv, edge_masks=edge_masks, pruned_edges=pruned_edges,
                       steps=self.select_steps(col.plan, col.iteration))
+
+    def observe_signal(self, col: Collected, adv: AdvantageResult) -> dict[str, float]:
+        """Tell the curriculum which of the iteration's groups had signal; its weights as metrics
+        (``curriculum.<key>``, for at most 16 keys) or their effective number of keys."""
+        if self.curriculum is None:
+            return {}
+        whole = col.view.whole
+        signal = groups_with_signal(whole.leaf_groups, adv.leaf_mask, len(col.prompt_keys))
+        self.curriculum.observe(col.prompt_keys, signal)
+        keys = sorted(self.curriculum.signal)
+        w = self.curriculum.weights(keys)
+        if len(keys) <= 16:
+            return {f"curriculum.{k}": float(p) for k, p in zip(keys, w)}
+        return {"curriculum.effective_keys": float(1.0 / (w**2).sum())}
 
     def update_context(self, col: Collected, cr: Credit) -> UpdateContext:
         """The context the objective's update of one iteration reads."""
@@ -253,6 +276,7 @@ class Trainer:
         col = self.collect(it)
         cr = self.credit(col)
         adv = cr.advantages
+        curriculum_metrics = self.observe_signal(col, adv)
         t1 = time.perf_counter()
         train_stats = self.update(col, cr)
         t_train = time.perf_counter() - t1
@@ -272,6 +296,7 @@ class Trainer:
         metrics["nan_rewards_dropped"] = adv.nan_dropped
         metrics["zero_std_ratio"] = adv.zero_std_ratio
         metrics.update({f"advantage.{k}": v for k, v in adv.diagnostics.items()})
+        metrics.update(curriculum_metrics)
         if cr.pruned_edges is not None:
             metrics["pruned_edges"] = cr.pruned_edges
         metrics.update(train_stats)
