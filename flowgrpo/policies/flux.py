@@ -26,8 +26,9 @@ Sigma grid: the pipeline's own (``np.linspace(1, 1/T, T)`` passed to the schedul
 ``set_timesteps`` with the dynamic-shift ``mu = calculate_shift(image_seq_len, ...)``), computed on
 a copy of the scheduler; ``sampler.shift`` is ignored, as for SD3.
 
-LoRA, reference model, full fine-tuning and decoding follow :class:`~flowgrpo.policies.sd3.SD3Policy`
-(its model-independent methods are reused as they are).
+LoRA, reference model, full fine-tuning, LoRA export and decoding (the unpacked latents go to the VAE
+as ``FluxPipeline``'s tail does: ``z / scaling + shift``) are
+:class:`~flowgrpo.policies.diffusers_policy.DiffusersPolicy`'s.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..errors import UserError
-from .diffusers_common import check_train_mode, load_frozen, load_policy, make_trainable, scheduler_grid
-from .sd3 import SD3Policy
-from .switches import SwitchedPolicy, runtime_options, torch_dtype
+from .diffusers_common import load_policy, scheduler_grid
+from .diffusers_policy import DiffusersPolicy
+from .switches import runtime_options, torch_dtype
 
 #: every linear layer of FLUX's double-stream blocks (both streams: attention and feed-forward) and
 #: single-stream blocks (attention, fused MLP input and output); the final ``proj_out`` is left out
@@ -67,7 +68,7 @@ def _pipeline_cls():
     return FluxPipeline
 
 
-class FluxPolicy(SwitchedPolicy):
+class FluxPolicy(DiffusersPolicy):
     """Wraps the components of a ``FluxPipeline``.
 
     Args:
@@ -88,7 +89,6 @@ class FluxPolicy(SwitchedPolicy):
             (the same for every adapter).
     """
 
-    adapter_name = "default"
     model_name = "FLUX"
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler=None, *,
@@ -96,17 +96,15 @@ class FluxPolicy(SwitchedPolicy):
                  lora_alpha: float = 64.0, lora_targets=None, max_sequence_length: int = 512,
                  dtype: torch.dtype | str = torch.float32, decode_batch: int = 8, **switches):
         super().__init__(1.0)  # guidance is an input of the distilled transformer, not CFG
-        self.train_mode = check_train_mode(train_mode)
+        self.set_train_mode(train_mode)
         if max_sequence_length < 1 or max_sequence_length > 512:
             raise ValueError(f"max_sequence_length must be in 1..512 for FLUX, got {max_sequence_length}")
-        self.dtype = torch_dtype(dtype)
-        load_frozen(self, self.dtype, transformer=transformer, vae=vae, text_encoder=text_encoder,
-                    text_encoder_2=text_encoder_2)
+        self.setup_modules(train_mode, dtype, transformer=transformer, vae=vae, text_encoder=text_encoder,
+                           text_encoder_2=text_encoder_2)
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         self.distilled_guidance = float(guidance_scale)
         self.max_sequence_length = int(max_sequence_length)
         self.decode_batch = int(decode_batch)
-        self._frozen: nn.Module | None = None
         self.scheduler = scheduler if scheduler is not None else default_flux_scheduler()
         # the stock pipeline over the text side only: encode_prompt is called on it as is
         self._text_pipeline = _pipeline_cls()(scheduler=None, vae=None, text_encoder=self.text_encoder,
@@ -126,9 +124,8 @@ class FluxPolicy(SwitchedPolicy):
         self.resolution = int(resolution)
         self.latent_shape = (channels, side, side)
 
-        make_trainable(self.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                       lora_targets=FLUX_LORA_TARGETS if lora_targets is None else lora_targets,
-                       adapter_name=self.adapter_name)
+        self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha,
+                            lora_targets=FLUX_LORA_TARGETS if lora_targets is None else lora_targets)
         self.apply_switches(**switches)
 
     @classmethod
@@ -136,24 +133,6 @@ class FluxPolicy(SwitchedPolicy):
         """From a ``pipeline.components``-style dict (unused entries such as image_encoder are ignored)."""
         names = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler"]
         return cls(**{n: components.get(n) for n in names}, **kwargs)
-
-    def train(self, mode: bool = True) -> "FluxPolicy":
-        """Only the transformer follows ``mode``: frozen encoders and VAE stay in eval."""
-        super().train(mode)
-        for module in (self.vae, self.text_encoder, self.text_encoder_2):
-            module.eval()
-        return self
-
-    # ------------------------------------------------------------------ model-independent parts (SD3's)
-    # they only touch ``transformer``, ``vae``, ``train_mode``, ``decode_batch`` and ``_frozen``.
-    # decode: the unpacked latents go to the VAE as FluxPipeline's tail does (z / scaling + shift).
-    # save_lora: diffusers' LoRA file (``transformer.``-prefixed peft keys, config in the metadata)
-    # is the same for every pipeline, so SD3's writer makes a file FluxPipeline.load_lora_weights loads
-    decode = SD3Policy.decode
-    trainable_parameters = SD3Policy.trainable_parameters
-    adapter_disabled = SD3Policy.adapter_disabled
-    snapshot_reference = SD3Policy.snapshot_reference
-    save_lora = SD3Policy.save_lora
 
     # ------------------------------------------------------------------ prompts
     def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:

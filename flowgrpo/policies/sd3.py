@@ -22,17 +22,15 @@ the *already shifted* training sigma_max and sigma_min and then shifts them agai
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .diffusers_common import check_train_mode, load_frozen, load_policy, make_trainable, scheduler_grid
-from .lora import lora_disabled
-from .switches import SwitchedPolicy, runtime_options, torch_dtype
+from .diffusers_common import load_policy, scheduler_grid
+from .diffusers_policy import DiffusersPolicy
+from .switches import runtime_options, torch_dtype
 
 # Attention (both streams, and the second attention of SD3.5-M dual-attention blocks, which share
 # the names to_q/to_k/to_v/to_out.0) and feed-forward projections of SD3's MMDiT blocks.
@@ -47,7 +45,7 @@ def default_sd3_scheduler():
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 
 
-class SD3Policy(SwitchedPolicy):
+class SD3Policy(DiffusersPolicy):
     """Wraps the components of a ``StableDiffusion3Pipeline``.
 
     Args:
@@ -69,7 +67,6 @@ class SD3Policy(SwitchedPolicy):
             and is never stepped or modified. None: SD3's stock one (:func:`default_sd3_scheduler`).
     """
 
-    adapter_name = "default"
     model_name = "SD3"
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
@@ -78,16 +75,13 @@ class SD3Policy(SwitchedPolicy):
                  max_sequence_length: int = 256, dtype: torch.dtype | str = torch.float32, decode_batch: int = 8,
                  scheduler=None, **switches):
         super().__init__(guidance_scale)
-        self.train_mode = check_train_mode(train_mode)
+        self.setup_modules(train_mode, dtype, transformer=transformer, vae=vae, text_encoder=text_encoder,
+                           text_encoder_2=text_encoder_2, text_encoder_3=text_encoder_3)
         if text_encoder_3 is not None and tokenizer_3 is None:
             raise ValueError("text_encoder_3 (T5) needs tokenizer_3")
-        self.dtype = torch_dtype(dtype)
-        load_frozen(self, self.dtype, transformer=transformer, vae=vae, text_encoder=text_encoder,
-                    text_encoder_2=text_encoder_2, text_encoder_3=text_encoder_3)
         self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
         self.max_sequence_length = int(max_sequence_length)
         self.decode_batch = int(decode_batch)
-        self._frozen: nn.Module | None = None
         self.scheduler = scheduler if scheduler is not None else default_sd3_scheduler()
 
         # latent geometry
@@ -105,8 +99,7 @@ class SD3Policy(SwitchedPolicy):
         self.resolution = int(resolution)
         self.latent_shape = (self.vae.config.latent_channels, side, side)
 
-        make_trainable(self.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                       lora_targets=lora_targets or SD3_LORA_TARGETS, adapter_name=self.adapter_name)
+        self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets or SD3_LORA_TARGETS)
         self.apply_switches(**switches)
 
     @classmethod
@@ -115,14 +108,6 @@ class SD3Policy(SwitchedPolicy):
         names = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                  "text_encoder_3", "tokenizer_3", "scheduler"]
         return cls(**{n: components.get(n) for n in names}, **kwargs)
-
-    def train(self, mode: bool = True) -> "SD3Policy":
-        """Only the transformer follows ``mode``: frozen encoders and VAE stay in eval (T5's dropout is 0.1)."""
-        super().train(mode)
-        for module in (self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
-            if module is not None:
-                module.eval()
-        return self
 
     # ------------------------------------------------------------------ prompts
     def _clip_max_length(self) -> int:
@@ -190,71 +175,6 @@ class SD3Policy(SwitchedPolicy):
             pooled_projections=enc["pooled_prompt_embeds"].to(self.dtype),
             return_dict=False,
         )[0]
-
-    def decode(self, latents: Tensor) -> Tensor:
-        cfg = self.vae.config
-        shift = cfg.shift_factor if cfg.shift_factor is not None else 0.0
-        images = []
-        for chunk in latents.split(self.decode_batch):
-            z = chunk.to(self.vae.dtype) / cfg.scaling_factor + shift
-            images.append(self.vae.decode(z, return_dict=False)[0])
-        return ((torch.cat(images).float() + 1.0) / 2.0).clamp(0.0, 1.0)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
-    @contextlib.contextmanager
-    def adapter_disabled(self):
-        if self.train_mode == "lora":
-            with lora_disabled(self.transformer):
-                yield
-            return
-        if self.train_mode == "frozen":  # the policy is the base model
-            yield
-            return
-        # full fine-tuning: the reference is a frozen copy of the initial transformer
-        if self._frozen is None:
-            raise RuntimeError("call snapshot_reference() before using the reference model in full fine-tuning")
-        live = self.transformer
-        self.transformer = self._frozen
-        try:
-            yield
-        finally:
-            self.transformer = live
-
-    def snapshot_reference(self) -> None:
-        """Keep a frozen copy of the current transformer as the KL reference (full fine-tuning only)."""
-        if self.train_mode == "full" and self._frozen is None:
-            frozen = copy.deepcopy(self.transformer).requires_grad_(False)
-            object.__setattr__(self, "_frozen", frozen)  # not a submodule: not trained, not checkpointed
-
-    # ------------------------------------------------------------------ export
-    def save_lora(self, directory: str | Path, weights: dict[str, Tensor] | None = None) -> Path:
-        """Save the adapter so that ``StableDiffusion3Pipeline.load_lora_weights(directory)`` loads it.
-
-        Writes ``pytorch_lora_weights.safetensors`` (diffusers' key layout, with the LoRA config —
-        rank, alpha, targets — in the file's metadata so the loaded scale matches). ``weights`` (keyed
-        as :meth:`trainable_state_dict`, e.g. the trainer's EMA) are saved instead of the live adapter.
-        The file is built from whole tensors, never from the module's state: the weights of a sharded
-        (FSDP) transformer are slices, which the trainer gathers before calling this.
-        """
-        if self.train_mode != "lora":
-            raise ValueError(f"save_lora needs train_mode='lora' (this policy is {self.train_mode!r})")
-        from diffusers import StableDiffusion3Pipeline
-        from peft.utils import get_peft_model_state_dict
-
-        if weights is None:
-            weights = self.trainable_state_dict()
-        prefix = "transformer."  # trainable_state_dict names are the policy's; peft's are the transformer's
-        own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.transformer, state_dict=own, adapter_name=self.adapter_name)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-        metadata = self.transformer.peft_config[self.adapter_name].to_dict()
-        StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state,
-                                                   transformer_lora_adapter_metadata=metadata)
-        return directory
 
 
 def build_sd3_policy(cfg) -> SD3Policy:

@@ -1,6 +1,7 @@
 """The model switches of :class:`~flowgrpo.config.ModelConfig`, implemented once for every diffusers adapter.
 
-:class:`SwitchedPolicy` is the base class of the SD3, FLUX and Wan adapters; each calls
+:class:`SwitchedPolicy` is a base class of every diffusers adapter (through
+:class:`~flowgrpo.policies.diffusers_policy.DiffusersPolicy`); each calls
 :meth:`SwitchedPolicy.apply_switches` at the end of its constructor (after
 :func:`~flowgrpo.policies.diffusers_common.load_frozen` has set the dtypes and
 :func:`~flowgrpo.policies.diffusers_common.make_trainable` the adapter), and implements
@@ -39,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, UserError
-from .base import Policy
+from .trained import TrainedPolicy
 
 #: the ``ModelConfig`` fields every diffusers adapter takes as keyword arguments (:func:`runtime_options`)
 SWITCHES = ("gradient_checkpointing", "vae_slicing", "vae_tiling", "offload_text_encoders", "attention_backend",
@@ -67,7 +68,7 @@ def runtime_options(cfg) -> dict:
     return {n: getattr(cfg, n) for n in SWITCHES if hasattr(cfg, n)}
 
 
-class SwitchedPolicy(Policy):
+class SwitchedPolicy(TrainedPolicy):
     """A policy over a diffusers transformer pipeline that honours the model switches.
 
     Subclasses hold ``transformer``, ``vae`` and their text encoders as submodules named

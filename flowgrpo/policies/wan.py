@@ -25,12 +25,12 @@ import copy
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..errors import UserError
-from .diffusers_common import check_train_mode, load_frozen, load_policy, make_trainable, scheduler_grid, set_model_options
-from .sd3 import SD3Policy
-from .switches import SwitchedPolicy, runtime_options, torch_dtype
+from .diffusers_common import load_policy, scheduler_grid, set_model_options
+from .diffusers_policy import DiffusersPolicy
+from .switches import runtime_options, torch_dtype
 
 # self- (attn1) and cross-attention (attn2) projections and the feed-forward of every Wan block
 WAN_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
@@ -48,7 +48,7 @@ def wan_euler_scheduler(scheduler=None):
                                            shift=float(shift if shift is not None else 3.0))
 
 
-class WanPolicy(SwitchedPolicy):
+class WanPolicy(DiffusersPolicy):
     """Wraps the components of a Wan 2.1 ``WanPipeline`` (text to video).
 
     Args:
@@ -62,7 +62,6 @@ class WanPolicy(SwitchedPolicy):
             (the same for every adapter; Wan's ``AutoencoderKLWan`` slices and tiles like the image VAEs).
     """
 
-    adapter_name = "default"
     model_name = "Wan"
     evaluator = None
 
@@ -73,9 +72,8 @@ class WanPolicy(SwitchedPolicy):
         super().__init__(guidance_scale)
         from diffusers import WanPipeline
 
-        self.train_mode, self.tokenizer = check_train_mode(train_mode), tokenizer
-        self.dtype = torch_dtype(dtype)
-        load_frozen(self, self.dtype, transformer=transformer, vae=vae, text_encoder=text_encoder)
+        self.tokenizer = tokenizer
+        self.setup_modules(train_mode, dtype, transformer=transformer, vae=vae, text_encoder=text_encoder)
         self.scheduler = wan_euler_scheduler(scheduler)
         # the stock pipeline over the same modules: its encode_prompt / video_processor are reused
         object.__setattr__(self, "pipe", WanPipeline(tokenizer=tokenizer, text_encoder=self.text_encoder,
@@ -83,7 +81,6 @@ class WanPolicy(SwitchedPolicy):
                                                      transformer=self.transformer))
         self.max_sequence_length = int(max_sequence_length)
         self.decode_batch = int(decode_batch)
-        self._frozen: nn.Module | None = None
 
         temporal, spatial = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
         if num_frames < 1 or (num_frames - 1) % temporal:
@@ -98,8 +95,7 @@ class WanPolicy(SwitchedPolicy):
         side = resolution // spatial
         self.latent_shape = (self.vae.config.z_dim, (num_frames - 1) // temporal + 1, side, side)
 
-        make_trainable(self.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                       lora_targets=lora_targets or WAN_LORA_TARGETS, adapter_name=self.adapter_name)
+        self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets or WAN_LORA_TARGETS)
         self.apply_switches(**switches)
 
     @classmethod
@@ -109,13 +105,6 @@ class WanPolicy(SwitchedPolicy):
             raise ValueError("two-stage Wan 2.2 pipelines (transformer_2) are not supported; use a Wan 2.1 T2V one")
         names = ["transformer", "vae", "text_encoder", "tokenizer", "scheduler"]
         return cls(**{n: components.get(n) for n in names}, **kwargs)
-
-    def train(self, mode: bool = True) -> "WanPolicy":
-        """Only the transformer follows ``mode``: the frozen text encoder and VAE stay in eval."""
-        super().train(mode)
-        self.vae.eval()
-        self.text_encoder.eval()
-        return self
 
     # ------------------------------------------------------------------ prompts
     def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
@@ -152,16 +141,6 @@ class WanPolicy(SwitchedPolicy):
             video = self.vae.decode(z, return_dict=False)[0]
             videos.append(self.pipe.video_processor.postprocess_video(video, output_type="pt"))
         return torch.cat(videos).float().clamp(0.0, 1.0)
-
-    # the adapter / reference logic is SD3's (it only touches ``transformer``, ``train_mode`` and ``_frozen``)
-    trainable_parameters = SD3Policy.trainable_parameters
-    adapter_disabled = SD3Policy.adapter_disabled
-    snapshot_reference = SD3Policy.snapshot_reference
-
-    # diffusers' LoRA file (``pytorch_lora_weights.safetensors``, ``transformer.``-prefixed peft keys
-    # with the LoRA config in its metadata) is the same for every pipeline's ``save_lora_weights``:
-    # SD3's writer makes a file ``WanPipeline.load_lora_weights(directory)`` loads (tested)
-    save_lora = SD3Policy.save_lora
 
 
 def build_wan_policy(cfg) -> WanPolicy:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import copy
-
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..errors import UserError
-from ..policies.base import Policy, check_train_mode
-from ..policies.lora import add_lora, lora_disabled
+from ..policies.diffusers_common import make_trainable
+from ..policies.trained import TrainedPolicy
 from .model import ShapesFlowModel
 
 # Attention and feed-forward projections of SD3's MMDiT blocks (image and text streams).
@@ -17,7 +14,7 @@ SD3_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_pro
                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
 
 
-class ShapesPolicy(Policy):
+class ShapesPolicy(TrainedPolicy):
     """Wraps :class:`ShapesFlowModel`.
 
     Args:
@@ -30,24 +27,18 @@ class ShapesPolicy(Policy):
 
     latent_shape = (3, 32, 32)
     evaluator = "shapes"
+    denoiser_path = "model.transformer"
 
     def __init__(self, model: ShapesFlowModel | None = None, guidance_scale: float = 1.0, train_mode: str = "lora",
                  lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None):
         super().__init__(guidance_scale)
-        self.train_mode = check_train_mode(train_mode)
+        self.set_train_mode(train_mode)
         self.model = model if model is not None else ShapesFlowModel.load()
         self.model.requires_grad_(False)
-        self._frozen: nn.Module | None = None
         size = self.model.cfg.image_size
         self.latent_shape = (3, size, size)
-        if train_mode == "lora":
-            add_lora(self.model.transformer, lora_rank, lora_alpha, lora_targets or SD3_LORA_TARGETS)
-        elif train_mode == "full":
-            self.model.transformer.requires_grad_(True)
-
-    @property
-    def denoiser(self) -> nn.Module:
-        return self.model.transformer
+        make_trainable(self.model.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                       lora_targets=lora_targets or SD3_LORA_TARGETS)
 
     def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
         hidden, pooled = self.model.encode(prompts)
@@ -58,31 +49,6 @@ class ShapesPolicy(Policy):
 
     def decode(self, latents: Tensor) -> Tensor:
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.transformer.parameters() if p.requires_grad]
-
-    @contextlib.contextmanager
-    def adapter_disabled(self):
-        if self.train_mode == "lora":
-            with lora_disabled(self.model.transformer):
-                yield
-            return
-        # full fine-tuning: the reference is a frozen copy of the initial transformer
-        if self._frozen is None:
-            raise RuntimeError("call snapshot_reference() before using the reference model in full fine-tuning")
-        live = self.model.transformer
-        self.model.transformer = self._frozen
-        try:
-            yield
-        finally:
-            self.model.transformer = live
-
-    def snapshot_reference(self) -> None:
-        """Keep a frozen copy of the current transformer as the KL reference (full fine-tuning only)."""
-        if self.train_mode == "full" and self._frozen is None:
-            frozen = copy.deepcopy(self.model.transformer).requires_grad_(False)
-            object.__setattr__(self, "_frozen", frozen)  # not a submodule: not trained, not checkpointed
 
 
 def build_shapes_policy(cfg) -> ShapesPolicy:
