@@ -6,6 +6,7 @@
     flowgrpo presets
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
     flowgrpo bench ops|samplers|e2e|profile|reward-server|plugin|scaling [--out DIR] [--json PATH]
+    flowgrpo bench reference --flow-grpo PATH [--out DIR] [--json PATH]
     flowgrpo serve-reward --reward NAME [--option k=v ...] [--host H] [--port P] [--token-env VAR]
     flowgrpo unigenbench check|generate|score|compare ...   (flowgrpo.unigenbench.cli)
     flowgrpo build-ext [--cuda] | doctor
@@ -254,6 +255,15 @@ def _cmd_bench(args) -> int:
         from .benchmarks.bench_scaling import run_bench_scaling
 
         run_bench_scaling(args.json, out_dir=args.out)
+    elif args.what == "reference":
+        if not args.flow_grpo:
+            print("flowgrpo: bench reference needs --flow-grpo PATH (a checkout of github.com/yifan123/flow_grpo)",
+                  file=sys.stderr)
+            return 2
+        from .benchmarks.bench_reference import run_bench_reference
+
+        kw = {"repeats": args.repeats} if args.repeats else {}
+        run_bench_reference(args.flow_grpo, args.json, out_dir=args.out, **kw)
     return 0
 
 
@@ -320,11 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a section (model, sampler, loss, ...) or one key (loss.beta); default: all")
     ce.set_defaults(fn=_cmd_config)
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
-    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin", "scaling"])
+    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin", "scaling", "reference"])
     b.add_argument("--out", default=None, metavar="DIR",
                    help="folder for the CSV and PNG (created; default: the current directory)")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
-    b.add_argument("--repeats", type=int, default=0, help="timed repetitions (ops; 0 = the benchmark's default)")
+    b.add_argument("--repeats", type=int, default=0,
+                   help="timed repetitions (ops, reference; 0 = the benchmark's default)")
+    b.add_argument("--flow-grpo", default=None, metavar="PATH",
+                   help="reference: a checkout of github.com/yifan123/flow_grpo whose SD3 functions are timed")
     b.add_argument("--minutes", type=float, default=0.0,
                    help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
     b.set_defaults(fn=_cmd_bench)
