@@ -266,10 +266,11 @@ def test_model_name_may_be_a_pipeline_directory(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
-    with pytest.raises(ConfigError, match="'StableDiffusionXLPipeline' is not supported; supported pipelines: "
-                                          "FluxPipeline, StableDiffusion3Pipeline, WanPipeline"):
+    with pytest.raises(ConfigError, match="'StableDiffusionXLPipeline' is not supported: model_index.json names no "
+                                          "transformer component \\(dedicated adapters: FluxPipeline, "
+                                          "StableDiffusion3Pipeline, WanPipeline;"):
         load_config("shapes", None, [f"model.name={other}"])
-    with pytest.raises(ConfigError, match="neither an adapter \\(flux, sd3, sd3-tiny, shapes, wan\\)"):
+    with pytest.raises(ConfigError, match="neither an adapter \\(flux, pipeline, sd3, sd3-tiny, shapes, wan\\)"):
         load_config("shapes", None, [f"model.name={tmp_path / 'missing'}"])
 
 

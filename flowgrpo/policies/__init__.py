@@ -3,7 +3,9 @@
 Factories take a :class:`~flowgrpo.config.ModelConfig` and return a :class:`Policy`; heavy model
 code is imported only when its name is asked for. ``model.name`` is an adapter name, or a local
 diffusers pipeline directory (or a hub id already in the local cache), whose ``model_index.json``
-names the pipeline class and so the adapter (:data:`PIPELINE_ADAPTERS`).
+names the pipeline class and so the adapter (:data:`PIPELINE_ADAPTERS`); any other pipeline class
+goes to the generic adapter (``pipeline``, :mod:`flowgrpo.policies.generic`), which trains it when
+its scheduler is flow-matching or says in one line what it lacks.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ for _name, _target in (("shapes", "flowgrpo.shapes.policy:build_shapes_policy"),
                        ("sd3", "flowgrpo.policies.sd3:build_sd3_policy"),
                        ("sd3-tiny", "flowgrpo.policies.sd3_tiny:build_tiny_sd3_policy"),
                        ("flux", "flowgrpo.policies.flux:build_flux_policy"),
-                       ("wan", "flowgrpo.policies.wan:build_wan_policy")):
+                       ("wan", "flowgrpo.policies.wan:build_wan_policy"),
+                       ("pipeline", "flowgrpo.policies.generic:build_pipeline_policy")):
     POLICIES.register_lazy(_name, _target)
 
 #: diffusers pipeline class (``_class_name`` of ``model_index.json``) -> adapter name
@@ -48,9 +51,9 @@ def _pipeline_dir(name: str) -> Path | None:
     return None
 
 
-def _pipeline_class(index: Path):
-    """``_class_name`` of a model_index.json (None when absent); a one-line UserError naming the file
-    when it cannot be read or is not a JSON object (a broken folder, not a bug of flowgrpo)."""
+def _model_index(index: Path) -> dict:
+    """The content of a model_index.json; a one-line UserError naming the file when it cannot be read
+    or is not a JSON object (a broken folder, not a bug of flowgrpo)."""
     try:
         content = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # ValueError: invalid JSON or invalid UTF-8
@@ -58,7 +61,19 @@ def _pipeline_class(index: Path):
     if not isinstance(content, dict):
         kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(content), "number")
         raise UserError(f"{index}: expected a JSON object with the pipeline's _class_name, got a JSON {kind}")
-    return content.get("_class_name")
+    return content
+
+
+def _generic_blocker(content: dict) -> str | None:
+    """Why the generic adapter cannot train the pipeline of a model_index.json (None: it may): it needs a
+    ``transformer`` and a flow-matching scheduler."""
+    if "transformer" not in content:
+        return "model_index.json names no transformer component"
+    scheduler = content.get("scheduler")
+    name = scheduler[-1] if isinstance(scheduler, list) and scheduler else scheduler
+    if not (isinstance(name, str) and "FlowMatch" in name):
+        return f"its scheduler {name!r} is not a flow-matching one"
+    return None
 
 
 def resolve_adapter(model_cfg) -> tuple[str, str | None]:
@@ -66,8 +81,8 @@ def resolve_adapter(model_cfg) -> tuple[str, str | None]:
     policy, and from which folder.
 
     An adapter name selects that adapter (with ``model.path``); a pipeline directory or cached hub id
-    selects the adapter for its pipeline class. Anything else raises a UserError naming the valid
-    adapters and the supported pipeline classes.
+    selects the adapter for its pipeline class (the generic ``pipeline`` adapter for a class without
+    a dedicated one). Anything else raises a UserError naming the valid adapters.
     """
     name = model_cfg.name
     if name in POLICIES:
@@ -76,11 +91,17 @@ def resolve_adapter(model_cfg) -> tuple[str, str | None]:
     if directory is None:
         raise UserError(f"model.name {name!r} is neither an adapter ({', '.join(POLICIES.names())}) nor a "
                         "diffusers pipeline directory (or a hub id in the local cache) with a model_index.json")
-    cls = _pipeline_class(directory / "model_index.json")
-    if not isinstance(cls, str) or cls not in PIPELINE_ADAPTERS:
-        raise UserError(f"{directory}: pipeline class {cls!r} is not supported; supported pipelines: "
-                        f"{', '.join(sorted(PIPELINE_ADAPTERS))}")
-    return PIPELINE_ADAPTERS[cls], str(directory)
+    content = _model_index(directory / "model_index.json")
+    cls = content.get("_class_name")
+    if not isinstance(cls, str):
+        why = "model_index.json names no _class_name string"
+    else:
+        why = None if cls in PIPELINE_ADAPTERS else _generic_blocker(content)
+    if why is not None:
+        raise UserError(f"{directory}: pipeline class {cls!r} is not supported: {why} (dedicated adapters: "
+                        f"{', '.join(sorted(PIPELINE_ADAPTERS))}; other flow-matching transformer pipelines go "
+                        "through the generic adapter)")
+    return PIPELINE_ADAPTERS.get(cls, "pipeline"), str(directory)
 
 
 def build_policy(model_cfg) -> Policy:

@@ -1,0 +1,145 @@
+"""Replaying a recorded transformer call on new latents and sigmas, with gradients.
+
+A :class:`CallLayout` is learnt from one recorded call (:mod:`flowgrpo.policies.step_record`) of a
+pipeline that denoised ``B`` prompts, the call's batch being ``k * B`` (k = 2 when the pipeline
+concatenates its conditional and unconditional passes, else 1). Each top-level argument is one of:
+
+* ``latent``: the latent input, ``k`` copies of the scheduler's sample [B, ...] concatenated on the
+  batch axis (a tensor in the transformer's dtype, or a list of per-sample tensors, e.g. Z-Image's);
+* ``timestep``: ``a * sigma + b`` per row (``a``, ``b`` fitted from two steps by the policy);
+* ``batched``: a tensor [k*B, ...] (prompt embeddings, masks, FLUX's guidance, ...), stored in the
+  :class:`~flowgrpo.policies.base.Conditioning` as [B, k, ...];
+* ``ragged``: a list of k*B tensors of different lengths (Z-Image's prompt features), stored padded
+  as [B, k, T_max, ...] with their lengths [B, k];
+* ``repeated``: a list of k*B equal non-tensor items (Qwen-Image's ``img_shapes``), rebuilt per batch;
+* ``static``: anything else (RoPE ids, flags, ``None``), replayed as recorded; it must not depend on
+  the prompts (checked at every encoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .step_record import TransformerCall
+
+
+@dataclass
+class ArgSlot:
+    """How one top-level argument (``key``: a keyword name or a positional index) is rebuilt."""
+
+    key: str | int
+    kind: str  # latent | timestep | batched | ragged | repeated | static
+    value: Any = None  # static value, repeated item, or the latent's per-sample shape
+    dtype: torch.dtype | None = None
+
+
+def _items(call: TransformerCall) -> list[tuple[str | int, Any]]:
+    return [*enumerate(call.args), *call.kwargs.items()]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@dataclass
+class CallLayout:
+    """The slots of one transformer call and its batch multiple ``k`` (see the module docstring)."""
+
+    index: int
+    k: int
+    slots: list[ArgSlot] = field(default_factory=list)
+
+    @classmethod
+    def learn(cls, index: int, call: TransformerCall, sample: Tensor, latent_key, timestep_key) -> "CallLayout":
+        """The layout of ``call`` (the ``index``-th of its step) from the step's ``sample`` [B, ...];
+        ValueError naming what does not fit."""
+        b = sample.shape[0]
+        items = dict(_items(call))
+        latent = items[latent_key]
+        n = latent.shape[0] if isinstance(latent, Tensor) else len(latent)
+        if n % b:
+            raise ValueError(f"its latent input has batch {n}, not a multiple of the {b} samples")
+        k = n // b
+        stacked = latent if isinstance(latent, Tensor) else torch.stack(list(latent))
+        if not torch.equal(stacked.reshape(n, -1).float(), sample.repeat(k, *[1] * (sample.dim() - 1))
+                           .reshape(n, -1).to(stacked.dtype).float()):
+            raise ValueError("its latent input is not the scheduler's sample repeated on the batch axis")
+        layout = cls(index, k)
+        for key, value in _items(call):
+            if key == latent_key:
+                item_shape = tuple(stacked.shape[1:])
+                layout.slots.append(ArgSlot(key, "latent", (isinstance(latent, Tensor), item_shape), stacked.dtype))
+            elif key == timestep_key:
+                layout.slots.append(ArgSlot(key, "timestep", None, value.dtype))
+            elif isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
+                layout.slots.append(ArgSlot(key, "batched"))
+            elif isinstance(value, (list, tuple)) and len(value) == n and n > 0 and all(isinstance(v, Tensor) for v in value):
+                layout.slots.append(ArgSlot(key, "ragged"))
+            elif isinstance(value, (list, tuple)) and len(value) == n and n > 0 and all(_same(v, value[0]) for v in value):
+                layout.slots.append(ArgSlot(key, "repeated", (type(value), value[0])))
+            else:
+                layout.slots.append(ArgSlot(key, "static", value))
+        return layout
+
+    # ------------------------------------------------------------------ encoding
+    def conditioning(self, call: TransformerCall, b: int) -> dict[str, Tensor]:
+        """The prompt-dependent arguments of ``call`` (a pipeline run over ``b`` prompts) as batch-first
+        tensors [b, k, ...]; ValueError when a static argument differs from the recorded one."""
+        out: dict[str, Tensor] = {}
+        items = dict(_items(call))
+        for slot in self.slots:
+            value, name = items.get(slot.key), f"c{self.index}.{slot.key}"
+            if slot.kind == "batched":
+                out[name] = value.reshape(self.k, b, *value.shape[1:]).transpose(0, 1).contiguous()
+            elif slot.kind == "ragged":
+                lengths = torch.tensor([v.shape[0] for v in value])
+                padded = torch.nn.utils.rnn.pad_sequence(list(value), batch_first=True)
+                out[name] = padded.reshape(self.k, b, *padded.shape[1:]).transpose(0, 1).contiguous()
+                out[name + ".len"] = lengths.reshape(self.k, b).transpose(0, 1).contiguous()
+            elif slot.kind == "static" and not _same(value, slot.value):
+                raise ValueError(f"transformer argument {slot.key!r} changes with the prompts; the generic "
+                                 "adapter replays it as recorded")
+        return out
+
+    # ------------------------------------------------------------------ replay
+    def call(self, transformer, x: Tensor, timestep: Tensor, enc: dict[str, Tensor]):
+        """Call ``transformer`` on latents x [b, ...] and per-row timestep values [b] (float32) with
+        the conditioning rows ``enc``; returns its output as [k, b, *x.shape[1:]] (float32)."""
+        b = x.shape[0]
+        args, kwargs = [], {}
+        for slot in self.slots:
+            name = f"c{self.index}.{slot.key}"
+            if slot.kind == "latent":
+                as_tensor, item_shape = slot.value
+                rows = x.to(slot.dtype).reshape(b, *item_shape).repeat(self.k, *[1] * len(item_shape))
+                value = rows if as_tensor else list(rows.unbind(0))
+            elif slot.kind == "timestep":
+                value = timestep.to(slot.dtype).repeat(self.k)
+            elif slot.kind == "batched":
+                rows = enc[name]
+                value = rows.transpose(0, 1).reshape(self.k * b, *rows.shape[2:])
+            elif slot.kind == "ragged":
+                rows, lengths = enc[name].transpose(0, 1), enc[name + ".len"].transpose(0, 1)
+                value = [rows[i, j, : int(lengths[i, j])] for i in range(self.k) for j in range(b)]
+            elif slot.kind == "repeated":
+                kind, item = slot.value
+                value = kind([item] * (self.k * b))
+            else:
+                value = slot.value
+            if isinstance(slot.key, int):
+                args.append(value)
+            else:
+                kwargs[slot.key] = value
+        out = transformer(*args, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out.sample
+        if not isinstance(out, Tensor):
+            out = torch.stack([o.float() for o in out])
+        return out.float().reshape(self.k, b, *x.shape[1:])

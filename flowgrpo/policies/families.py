@@ -1,0 +1,62 @@
+"""Declarative entries for the pipeline families the generic adapter trains.
+
+A pipeline class with no entry here still goes through the generic adapter with the defaults of
+:class:`PipelineFamily`; an entry only says what cannot be inferred from one recorded step (which
+``__call__`` keyword carries ``model.guidance_scale``, fixed call options, LoRA targets, defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..registry import Registry
+
+#: attention projections of diffusers' ``Attention`` modules (every transformer here has them)
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+@dataclass(frozen=True)
+class PipelineFamily:
+    """What the generic adapter needs to know about one diffusers pipeline class.
+
+    Attributes:
+        pipeline: the pipeline class name (``_class_name`` of ``model_index.json``).
+        guidance_kwarg: the ``__call__`` keyword that receives ``model.guidance_scale``.
+        call_kwargs: fixed ``__call__`` options of every recorded run (e.g. a negative prompt).
+        timestep_arg: the transformer's timestep argument (a keyword, or a positional index).
+        lora_targets: peft target module names of the LoRA adapter.
+        resolution, max_sequence_length: the family's defaults where ``model.*`` leaves them unset.
+    """
+
+    pipeline: str
+    guidance_kwarg: str = "guidance_scale"
+    call_kwargs: dict = field(default_factory=dict)
+    timestep_arg: str | int = "timestep"
+    lora_targets: tuple[str, ...] = ATTENTION_TARGETS
+    resolution: int = 1024
+    max_sequence_length: int = 256
+
+
+FAMILIES: Registry[PipelineFamily] = Registry("pipeline family")
+_ENTRIES = (
+    PipelineFamily("StableDiffusion3Pipeline", lora_targets=(
+        *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+    PipelineFamily("FluxPipeline", lora_targets=(
+        *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+    # true CFG runs only with a negative prompt (the pipeline's own docs use " ")
+    PipelineFamily("QwenImagePipeline", guidance_kwarg="true_cfg_scale", call_kwargs={"negative_prompt": " "},
+                   lora_targets=(*ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+    # ZImageTransformer2DModel(x, t, cap_feats): positional arguments
+    PipelineFamily("ZImagePipeline", timestep_arg=1, max_sequence_length=512),
+    PipelineFamily("Flux2Pipeline", max_sequence_length=512, lora_targets=(
+        *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+)
+for _entry in _ENTRIES:
+    FAMILIES.register(_entry.pipeline)(lambda entry=_entry: entry)
+
+
+def family_of(pipeline_class: str) -> PipelineFamily:
+    """The entry of ``pipeline_class``, or one with every default when there is none."""
+    if pipeline_class in FAMILIES:
+        return FAMILIES.build(pipeline_class)
+    return PipelineFamily(pipeline=pipeline_class)

@@ -1,0 +1,215 @@
+"""The generic adapter: any local diffusers pipeline folder with a flow-matching scheduler, no per-family class.
+
+At construction, :class:`PipelinePolicy` runs the stock pipeline for two steps on three probe
+prompts (:func:`~flowgrpo.policies.step_record.record_pipeline`) and learns from what it saw:
+
+* the latent layout: the scheduler's sample [B, ...] (packed tokens for FLUX / Qwen-Image, the VAE
+  grid for SD3 / Z-Image); :attr:`latent_shape` is its shape without B;
+* per transformer call of a step, how each argument is rebuilt (:class:`~flowgrpo.policies.call_replay.CallLayout`);
+* the timestep the transformer gets: ``a * sigma + b`` fitted from the two steps (SD3 / Wan ``1000
+  sigma``, FLUX / Qwen-Image ``sigma``, Z-Image ``1 - sigma``), snapped to integers;
+* how the step combines the call outputs into the velocity
+  (:func:`~flowgrpo.policies.velocity_combine.infer_combine`).
+
+Prompt encoding runs the stock pipeline with the transformer stubbed (zeros) up to its first
+scheduler step and keeps the prompt-dependent arguments; the training forward replays the recorded
+calls on the policy's latents and sigmas with gradients. The sigma grid is the one the pipeline sets
+on its scheduler. Decoding runs the stock pipeline's own tail: one step at zero velocity from the
+given latents, ``output_type="pt"``. What a family needs beyond this is a
+:class:`~flowgrpo.policies.families.PipelineFamily` entry.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UserError
+from .base import Conditioning
+from .call_replay import CallLayout
+from .diffusers_policy import DiffusersPolicy
+from .families import PipelineFamily, family_of
+from .step_record import record_pipeline
+from .switches import runtime_options, torch_dtype
+from .velocity_combine import infer_combine
+
+PROBE_PROMPTS = ("a red cube on a table", "two blue spheres", "a photo of a cat")
+
+
+def _snap(value: float, what: str) -> float:
+    snapped = float(round(value))
+    if abs(value - snapped) > 1e-3 * max(1.0, abs(snapped)):
+        raise ValueError(f"the transformer's timestep is not an integer affine map of sigma ({what} = {value:.6g})")
+    return snapped
+
+
+class PipelinePolicy(DiffusersPolicy):
+    """A policy over any flow-matching diffusers pipeline (see the module docstring).
+
+    Args:
+        pipeline: the stock pipeline (its modules become the policy's; it is kept, never trained).
+        family: its :class:`~flowgrpo.policies.families.PipelineFamily` entry.
+        resolution: image side in pixels; guidance_scale: the value of ``family.guidance_kwarg``.
+        train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch, switches: as
+            :class:`~flowgrpo.policies.sd3.SD3Policy` (``lora_targets`` default: the family's).
+        max_sequence_length: text tokens, passed to the pipeline when its ``__call__`` takes it.
+    """
+
+    def __init__(self, pipeline, family: PipelineFamily, *, resolution: int | None = None,
+                 guidance_scale: float = 1.0, train_mode: str = "lora", lora_rank: int = 32, lora_alpha: float = 64.0,
+                 lora_targets=None, max_sequence_length: int | None = None, dtype: torch.dtype | str = torch.float32,
+                 decode_batch: int = 8, **switches):
+        super().__init__(1.0)  # guidance lives in the recorded step, not in Policy.velocity's CFG
+        self.model_name = type(pipeline).__name__
+        self.family, self.cfg_scale = family, float(guidance_scale)
+        modules = {n: m for n, m in pipeline.components.items()
+                   if isinstance(m, nn.Module) and (n in ("transformer", "vae") or n.startswith("text_encoder"))}
+        self.setup_modules(train_mode, dtype, **modules)
+        object.__setattr__(self, "pipe", pipeline)
+        self.resolution = int(resolution or family.resolution)
+        self.max_sequence_length = int(max_sequence_length or family.max_sequence_length)
+        self.decode_batch = int(decode_batch)
+        self._grids: dict[int, Tensor] = {}
+        self._learn()
+        self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha,
+                            lora_targets=list(lora_targets or family.lora_targets))
+        self.apply_switches(**switches)
+
+    # ------------------------------------------------------------------ recording
+    def _call_kwargs(self, prompts, steps: int, guidance: float | None = None, **extra) -> dict:
+        params = inspect.signature(type(self.pipe).__call__).parameters
+        kwargs = {"prompt": list(prompts), "height": self.resolution, "width": self.resolution,
+                  "num_inference_steps": steps, "output_type": "latent",
+                  "generator": torch.Generator(device="cpu").manual_seed(0)}
+        if "max_sequence_length" in params:
+            kwargs["max_sequence_length"] = self.max_sequence_length
+        kwargs[self.family.guidance_kwarg] = self.cfg_scale if guidance is None else guidance
+        kwargs.update(self.family.call_kwargs)
+        kwargs.update(extra)
+        return kwargs
+
+    def _learn(self) -> None:
+        """Record two steps on the probe prompts and learn the layout, timestep map and guidance scheme."""
+        rec = record_pipeline(self.pipe, self._call_kwargs(PROBE_PROMPTS, 4), max_steps=2, run_transformer=True)
+        if len(rec.steps) < 2 or not rec.steps[0].calls:
+            raise ValueError("no transformer call was recorded in its first two denoising steps")
+        first, second = rec.steps
+        self.latent_shape = tuple(first.sample.shape[1:])
+        self.layouts = []
+        for i, call in enumerate(first.calls):
+            latent_key = next((k for k in ("hidden_states", "x") if k in call.kwargs), 0)
+            ts_key = self.family.timestep_arg
+            if isinstance(ts_key, str) and ts_key not in call.kwargs:
+                raise ValueError(f"its transformer call has no {ts_key!r} argument (set PipelineFamily.timestep_arg)")
+            self.layouts.append(CallLayout.learn(i, call, first.sample, latent_key, ts_key))
+        ts = [self._timestep_value(step) for step in (first, second)]
+        a = (ts[0] - ts[1]) / (first.sigma - second.sigma)
+        self.timestep_scale = _snap(a, "scale")
+        self.timestep_offset = _snap(ts[0] - a * first.sigma, "offset")
+        parts = torch.cat([o.output_parts for o in self._outputs(first)])
+        combine = infer_combine(parts, self.cfg_scale, first.velocity)
+        if combine is None:
+            raise ValueError(f"its {len(parts)} transformer outputs per step combine into the velocity by no known "
+                             "scheme (single, CFG, CFG with norm rescale)")
+        self.combine = combine
+
+    def _timestep_value(self, step) -> float:
+        call = step.calls[0]
+        key = self.family.timestep_arg
+        value = call.kwargs[key] if isinstance(key, str) else call.args[key]
+        return float(torch.as_tensor(value).reshape(-1)[0])
+
+    def _outputs(self, step):
+        b = step.sample.shape[0]
+        for layout, call in zip(self.layouts, step.calls):
+            out = call.output if isinstance(call.output, Tensor) else torch.stack([o.float() for o in call.output])
+            call.output_parts = out.float().reshape(layout.k, b, *self.latent_shape)
+            yield call
+
+    # ------------------------------------------------------------------ prompts and schedule
+    def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
+        rec = record_pipeline(self.pipe, self._call_kwargs(prompts, 2), max_steps=1, run_transformer=False)
+        calls = rec.steps[0].calls
+        if len(calls) != len(self.layouts):
+            raise ValueError(f"{self.model_name} made {len(calls)} transformer calls for these prompts, "
+                             f"{len(self.layouts)} when probed")
+        out: dict[str, Tensor] = {}
+        for layout, call in zip(self.layouts, calls):
+            out.update(layout.conditioning(call, len(prompts)))
+        return out
+
+    def sigma_grid(self, num_steps: int, shift: float | None = None) -> Tensor:
+        """The float32 [num_steps + 1] grid the pipeline sets on its scheduler for ``num_steps`` steps
+        (1 -> 0, CPU); ``shift`` is ignored: the pipeline and its scheduler config own it."""
+        if num_steps not in self._grids:
+            rec = record_pipeline(self.pipe, self._call_kwargs([""], num_steps), max_steps=0, run_transformer=False)
+            sigmas = rec.sigmas
+            if sigmas is None or len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0 \
+                    or not bool((sigmas[1:] < sigmas[:-1]).all()):
+                raise ValueError(f"{type(self.pipe.scheduler).__name__} gives no flow-matching Euler grid of "
+                                 f"{num_steps} steps ({None if sigmas is None else sigmas.tolist()[:4]}...)")
+            self._grids[num_steps] = sigmas
+        return self._grids[num_steps].clone()
+
+    # ------------------------------------------------------------------ model
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float | None = None) -> Tensor:
+        """Velocity [B, ...] (float32) for x [B, ...] at sigma [B]: the recorded calls replayed and combined
+        as the pipeline does; ``guidance_scale`` (if given) replaces the recorded guidance value g."""
+        g = self.cfg_scale if guidance_scale is None else float(guidance_scale)
+        sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).reshape(-1).expand(x.shape[0])
+        timestep = sigma * self.timestep_scale + self.timestep_offset
+        parts = torch.cat([layout.call(self.transformer, x, timestep, cond.tensors) for layout in self.layouts])
+        return self.combine(parts, g)
+
+    def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
+        return self.velocity(x, sigma, Conditioning(enc))
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents [B, ...] -> images [B, 3, H, W] in [0, 1]: the stock pipeline's tail (one zero-velocity
+        Euler step from ``latents``, guidance off, ``output_type="pt"``)."""
+        images = []
+        for chunk in latents.split(self.decode_batch):
+            kwargs = self._call_kwargs([""] * len(chunk), 1, guidance=1.0, latents=chunk.float(), output_type="pt")
+            kwargs.pop("negative_prompt", None)
+            rec = record_pipeline(self.pipe, kwargs, max_steps=2, run_transformer=False)
+            images.append(torch.as_tensor(rec.output[0]).float())
+        return torch.cat(images).clamp(0.0, 1.0)
+
+
+def check_trainable(pipe) -> None:
+    """ValueError naming what ``pipe`` lacks for the generic adapter (a transformer, a flow-matching
+    scheduler, ``__call__`` keywords)."""
+    if not isinstance(getattr(pipe, "transformer", None), nn.Module):
+        raise ValueError("it has no `transformer` component (UNet pipelines are not flow-matching transformers)")
+    scheduler = getattr(pipe, "scheduler", None)
+    if scheduler is None or "FlowMatch" not in type(scheduler).__name__:
+        raise ValueError(f"its scheduler {type(scheduler).__name__} is not a flow-matching one")
+    params = inspect.signature(type(pipe).__call__).parameters
+    missing = [p for p in ("prompt", "latents", "output_type", "num_inference_steps", "height", "width")
+               if p not in params]
+    if missing:
+        raise ValueError(f"its __call__ lacks the keyword(s) {', '.join(missing)}")
+
+
+def build_pipeline_policy(cfg) -> PipelinePolicy:
+    """Factory for ``model.name=<pipeline folder>`` of a class without a dedicated adapter."""
+    from diffusers import DiffusionPipeline
+
+    path = Path(cfg.path or "").expanduser()
+    dtype = torch_dtype(cfg.dtype)
+    try:
+        pipe = DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, ImportError, AttributeError) as exc:
+        raise UserError(f"cannot load the diffusers pipeline in {str(path)!r}: {exc}") from None
+    name = type(pipe).__name__
+    try:
+        check_trainable(pipe)
+        return PipelinePolicy(pipe, family_of(name), resolution=cfg.resolution, guidance_scale=cfg.guidance_scale,
+                              train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                              max_sequence_length=cfg.max_sequence_length, dtype=dtype, **runtime_options(cfg))
+    except ValueError as exc:
+        raise UserError(f"{name} in {str(path)!r} cannot be trained: {exc}") from None
