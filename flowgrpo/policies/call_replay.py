@@ -8,7 +8,9 @@ concatenates its conditional and unconditional passes, else 1). Each top-level a
   batch axis (a tensor in the transformer's dtype, or a list of per-sample tensors, e.g. Z-Image's);
 * ``timestep``: ``a * sigma + b`` per row (``a``, ``b`` fitted from two steps by the policy);
 * ``batched``: a tensor [k*B, ...] (prompt embeddings, masks, FLUX's guidance, ...), stored in the
-  :class:`~flowgrpo.policies.base.Conditioning` as [B, k, ...];
+  :class:`~flowgrpo.policies.base.Conditioning` as [B, k, ...]; a pipeline that passes None for it
+  in some batches (Qwen-Image drops its text mask when no prompt of the batch is padded) is stored as
+  a ``.absent`` marker [B] and replayed as None;
 * ``ragged``: a list of k*B tensors of different lengths (Z-Image's prompt features), stored padded
   as [B, k, T_max, ...] with their lengths [B, k];
 * ``repeated``: a list of k*B equal non-tensor items (Qwen-Image's ``img_shapes``), rebuilt per batch;
@@ -97,7 +99,9 @@ class CallLayout:
         items = dict(_items(call))
         for slot in self.slots:
             value, name = items.get(slot.key), f"c{self.index}.{slot.key}"
-            if slot.kind == "batched":
+            if slot.kind == "batched" and value is None:
+                out[name + ".absent"] = torch.ones(b, dtype=torch.bool)
+            elif slot.kind == "batched":
                 out[name] = value.reshape(self.k, b, *value.shape[1:]).transpose(0, 1).contiguous()
             elif slot.kind == "ragged":
                 lengths = torch.tensor([v.shape[0] for v in value])
@@ -123,6 +127,8 @@ class CallLayout:
                 value = rows if as_tensor else list(rows.unbind(0))
             elif slot.kind == "timestep":
                 value = timestep.to(slot.dtype).repeat(self.k)
+            elif slot.kind == "batched" and name + ".absent" in enc:
+                value = None
             elif slot.kind == "batched":
                 rows = enc[name]
                 value = rows.transpose(0, 1).reshape(self.k * b, *rows.shape[2:])

@@ -3,7 +3,12 @@
 * SD3.5-Large: ``StableDiffusion3Pipeline`` with SD3.5-Large's transformer layout (no dual-attention
   blocks, RMS q/k norm, more heads than the SD3.5-M flavour of :mod:`~flowgrpo.policies.sd3_tiny`);
 * Z-Image: ``ZImagePipeline`` (``ZImageTransformer2DModel``, a ``Qwen3Model`` text encoder with a
-  byte-level BPE tokenizer and a chat template built in memory, the 16-channel ``AutoencoderKL``).
+  byte-level BPE tokenizer and a chat template built in memory, the 16-channel ``AutoencoderKL``);
+* Qwen-Image: ``QwenImagePipeline`` (``QwenImageTransformer2DModel``, a
+  ``Qwen2_5_VLForConditionalGeneration`` text encoder with a one-block vision tower over the same
+  byte-level tokenizer, the video-style ``AutoencoderKLQwenImage`` with 4 latent channels). The
+  pipeline's system-prompt template is long in bytes (about 144 tokens survive its fixed drop of 34),
+  so ``max_sequence_length`` must exceed ~150 for prompts to reach the transformer.
 
 Each is deterministic in ``seed`` and leaves the caller's global RNG state untouched.
 """
@@ -14,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..registry import Registry
 from .sd3_tiny import _bytes_to_unicode, tiny_sd3_components
 
 #: a minimal ChatML template (what ZImagePipeline's ``apply_chat_template`` needs)
@@ -73,15 +79,55 @@ def tiny_zimage_components(seed: int = 0) -> dict:
             "tokenizer": tokenizer}
 
 
-def save_tiny_pipeline(family: str, directory: str | Path, seed: int = 0) -> Path:
-    """Write the tiny pipeline of ``family`` ("sd35-large" or "z-image") with ``save_pretrained``."""
-    from diffusers import StableDiffusion3Pipeline, ZImagePipeline
+def tiny_qwen_image_components(seed: int = 0) -> dict:
+    """Random tiny ``QwenImagePipeline`` components (scheduler: the stock dynamic-shift flow-matching Euler)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    builders = {"sd35-large": (StableDiffusion3Pipeline, tiny_sd35_large_components),
-                "z-image": (ZImagePipeline, tiny_zimage_components)}
-    if family not in builders:
-        raise ValueError(f"unknown tiny family {family!r}; valid: {', '.join(builders)}")
-    cls, components = builders[family]
+    tokenizer = tiny_qwen_tokenizer(max_length=2048)
+    n = len(tokenizer)  # the three vision markers sit just past the text vocabulary
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                vocab_size=n + 3, bos_token_id=None, eos_token_id=tokenizer.eos_token_id, max_position_embeddings=2048, rope_theta=1e6,
+                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"})
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                             out_hidden_size=16),
+        vision_start_token_id=n, vision_end_token_id=n + 1, image_token_id=n + 2, video_token_id=n + 2,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 4)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+        vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                     temperal_downsample=[False, True], latents_mean=[0.0] * 4,
+                                     latents_std=[1.0] * 4).eval()
+    return {"scheduler": FlowMatchEulerDiscreteScheduler(), "transformer": transformer, "vae": vae,
+            "text_encoder": text_encoder, "tokenizer": tokenizer}
+
+
+#: tiny family name -> a builder ``seed -> pipeline`` (the stock pipeline class around random components)
+TINY_PIPELINES: Registry = Registry("tiny pipeline family")
+
+
+def register_tiny(name: str, pipeline_class: str, components) -> None:
+    """Register ``name``: ``diffusers.<pipeline_class>(**components(seed))`` (a duplicate name is refused)."""
+    def build(seed: int = 0):
+        import diffusers
+
+        return getattr(diffusers, pipeline_class)(**components(seed))
+
+    TINY_PIPELINES.register(name)(build)
+
+
+register_tiny("sd35-large", "StableDiffusion3Pipeline", tiny_sd35_large_components)
+register_tiny("z-image", "ZImagePipeline", tiny_zimage_components)
+register_tiny("qwen-image", "QwenImagePipeline", tiny_qwen_image_components)
+
+
+def save_tiny_pipeline(family: str, directory: str | Path, seed: int = 0) -> Path:
+    """Write the tiny pipeline of ``family`` (a name in :data:`TINY_PIPELINES`) with ``save_pretrained``."""
     directory = Path(directory)
-    cls(**components(seed)).save_pretrained(str(directory))
+    TINY_PIPELINES.build(family, seed).save_pretrained(str(directory))
     return directory
