@@ -46,6 +46,8 @@ class Case:
     resolution: int = 64
     seq: int = 32
     stock_kwargs: dict = field(default_factory=dict)
+    #: whether the pipeline's latents= argument is in another layout than the scheduler's sample
+    repacked: bool = False
 
 
 CASES = {
@@ -55,6 +57,10 @@ CASES = {
     # true CFG with norm rescale; the system-prompt template takes ~144 of the text tokens
     "qwen-image": Case("pipeline", 3.0, ("cfg_renorm", 0.0, 1.0), resolution=32, seq=200,
                        stock_kwargs={"true_cfg_scale": 3.0, "negative_prompt": " "}),
+    # distilled guidance (a transformer input); latents= unpacked [B, 4C, h, w], the scheduler's packed;
+    # the system message takes ~190 of the text tokens
+    "flux2": Case("pipeline", 3.0, ("single", 0.0, 1.0), resolution=32, seq=256, stock_kwargs={"guidance_scale": 3.0},
+                  repacked=True),
 }
 
 
@@ -108,11 +114,18 @@ def stock_images(pipe, noise, case: Case, prompts=PROMPTS):
                     latents=noise.clone(), output_type="pt", max_sequence_length=case.seq, **case.stock_kwargs).images
 
 
+def noise_shape(policy) -> tuple[int, ...]:
+    """The per-sample shape of the stock pipeline's ``latents=`` argument."""
+    return policy.layout.input_shape if isinstance(policy, PipelinePolicy) else policy.latent_shape
+
+
 def policy_images(policy, noise, prompts=PROMPTS):
+    """Euler on the policy's grid from the stock pipeline's initial ``noise``, decoded."""
+    x = policy.policy_latents(noise.clone()) if isinstance(policy, PipelinePolicy) else noise.clone()
     with torch.no_grad():
         cond = policy.encode_prompts(list(prompts))
         vel = lambda x, s: policy.velocity(x, torch.full((x.shape[0],), s), cond).float()  # noqa: E731
-        return policy.decode(solve_ode(vel, noise.clone(), policy.sigma_grid(STEPS)))
+        return policy.decode(solve_ode(vel, x, policy.sigma_grid(STEPS)))
 
 
 def test_a_euler_matches_the_stock_pipeline(family):
@@ -124,7 +137,8 @@ def test_a_euler_matches_the_stock_pipeline(family):
     generic = PipelinePolicy(pipe, family_of(type(pipe).__name__), resolution=case.resolution,
                              max_sequence_length=case.seq, guidance_scale=case.guidance, train_mode="frozen")
     assert (generic.combine.kind, generic.combine.offset, generic.combine.sign) == case.scheme
-    noise = torch.randn(2, *generic.latent_shape, generator=torch.Generator().manual_seed(0))
+    assert (generic.layout.index is not None) == case.repacked
+    noise = torch.randn(2, *noise_shape(generic), generator=torch.Generator().manual_seed(0))
     # prompts of different lengths (padded text), then of one length (Qwen-Image drops its text mask)
     for prompts in (PROMPTS, ["a red cube", "a big tree"]):
         theirs = stock_images(stock(base), noise, case, prompts)
@@ -160,9 +174,9 @@ def test_bc_two_lora_iterations(family):
 
 def test_d_export_loads_into_the_stock_pipeline(family, tmp_path):
     name, base, case, run_dir, cfg, _ = family
-    noise = torch.randn(2, *build_policy(cfg.model).latent_shape, generator=torch.Generator().manual_seed(3))
     assert main(["export", str(run_dir), "--to", str(tmp_path / "lora")]) == 0
     policy = build_policy(cfg.model)
+    noise = torch.randn(2, *noise_shape(policy), generator=torch.Generator().manual_seed(3))
     policy.load_trainable_state_dict(load_checkpoint(latest_checkpoint(run_dir))["trainer"]["ema"])
     ours = policy_images(policy, noise)
     pipe = stock(base)

@@ -48,8 +48,9 @@ _ENTRIES = (
                    lora_targets=(*ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
     # ZImageTransformer2DModel(x, t, cap_feats): positional arguments
     PipelineFamily("ZImagePipeline", timestep_arg=1, max_sequence_length=512),
+    # single-stream blocks fuse q, k, v and the MLP input into one projection
     PipelineFamily("Flux2Pipeline", max_sequence_length=512, lora_targets=(
-        *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+        *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "to_qkv_mlp_proj")),
 )
 for _entry in _ENTRIES:
     FAMILIES.register(_entry.pipeline)(lambda entry=_entry: entry)

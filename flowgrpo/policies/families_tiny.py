@@ -8,7 +8,10 @@
   ``Qwen2_5_VLForConditionalGeneration`` text encoder with a one-block vision tower over the same
   byte-level tokenizer, the video-style ``AutoencoderKLQwenImage`` with 4 latent channels). The
   pipeline's system-prompt template is long in bytes (about 144 tokens survive its fixed drop of 34),
-  so ``max_sequence_length`` must exceed ~150 for prompts to reach the transformer.
+  so ``max_sequence_length`` must exceed ~150 for prompts to reach the transformer;
+* FLUX.2: ``Flux2Pipeline`` (``Flux2Transformer2DModel`` with one double- and one single-stream
+  block, a 30-layer ``Mistral3ForConditionalGeneration`` 16 wide with a one-layer Pixtral vision
+  tower, a ``PixtralProcessor`` over the byte-level tokenizer, a two-level ``AutoencoderKLFlux2``).
 
 Each is deterministic in ``seed`` and leaves the caller's global RNG state untouched.
 """
@@ -27,16 +30,31 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_qwen_tokenizer(max_length: int = 64):
-    """A byte-level BPE ``Qwen2Tokenizer`` over the 256 byte symbols (no merges) plus Qwen's chat specials."""
+#: a Mistral-style chat template over message contents that are strings or lists of text parts
+#: (what Flux2Pipeline's ``apply_chat_template`` hands the processor)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% set text = m['content'] if m['content'] is string else "
+    "(m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('')) %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]{% elif m['role'] == 'user' %}"
+    "[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def _byte_bpe():
+    """A ``tokenizers`` byte-level BPE over the 256 byte symbols, no merges (one token per byte)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import Qwen2Tokenizer
 
     symbols = list(_bytes_to_unicode().values())
     bpe = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    tok = Qwen2Tokenizer(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+    return bpe
+
+
+def tiny_qwen_tokenizer(max_length: int = 64):
+    """A byte-level BPE ``Qwen2Tokenizer`` over the 256 byte symbols (no merges) plus Qwen's chat specials."""
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer(tokenizer_object=_byte_bpe(), eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                          unk_token=None, bos_token=None, model_max_length=max_length)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHAT_TEMPLATE
@@ -107,6 +125,49 @@ def tiny_qwen_image_components(seed: int = 0) -> dict:
             "text_encoder": text_encoder, "tokenizer": tokenizer}
 
 
+def tiny_pixtral_processor():
+    """A ``PixtralProcessor`` (FLUX.2's ``tokenizer``) over a byte-level BPE tokenizer with Mistral's
+    image and instruction specials and :data:`MISTRAL_TEMPLATE`."""
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=_byte_bpe(), bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>", model_max_length=2048)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "[IMG]", "[IMG_BREAK]", "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]})
+    return PixtralProcessor(image_processor=PixtralImageProcessor(), tokenizer=tok, patch_size=16,
+                            chat_template=MISTRAL_TEMPLATE)
+
+
+def tiny_flux2_components(seed: int = 0) -> dict:
+    """Random tiny ``Flux2Pipeline`` components. The text encoder has 30 layers (16 wide), so the
+    pipeline's default ``text_encoder_out_layers=(10, 20, 30)`` applies as for the real model."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    processor = tiny_pixtral_processor()
+    tok = processor.tokenizer
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                         max_position_embeddings=2048, num_attention_heads=2, num_hidden_layers=30,
+                         num_key_value_heads=1, head_dim=8, rope_theta=1e6, sliding_window=None, **ids),
+        vision_config=dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=16, image_size=32, patch_size=16, head_dim=8),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1, vision_feature_layer=-1, **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 5)
+        text_encoder = Mistral3ForConditionalGeneration(config).eval()
+        transformer = Flux2Transformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=3 * 16, timestep_guidance_channels=256, axes_dims_rope=[4] * 4)
+        vae = AutoencoderKLFlux2(
+            sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
+            latent_channels=4, norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False).eval()
+    return {"scheduler": FlowMatchEulerDiscreteScheduler(), "transformer": transformer, "vae": vae,
+            "text_encoder": text_encoder, "tokenizer": processor}
+
+
 #: tiny family name -> a builder ``seed -> pipeline`` (the stock pipeline class around random components)
 TINY_PIPELINES: Registry = Registry("tiny pipeline family")
 
@@ -124,6 +185,7 @@ def register_tiny(name: str, pipeline_class: str, components) -> None:
 register_tiny("sd35-large", "StableDiffusion3Pipeline", tiny_sd35_large_components)
 register_tiny("z-image", "ZImagePipeline", tiny_zimage_components)
 register_tiny("qwen-image", "QwenImagePipeline", tiny_qwen_image_components)
+register_tiny("flux2", "Flux2Pipeline", tiny_flux2_components)
 
 
 def save_tiny_pipeline(family: str, directory: str | Path, seed: int = 0) -> Path:

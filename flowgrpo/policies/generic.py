@@ -4,7 +4,9 @@ At construction, :class:`PipelinePolicy` runs the stock pipeline for two steps o
 prompts (:func:`~flowgrpo.policies.step_record.record_pipeline`) and learns from what it saw:
 
 * the latent layout: the scheduler's sample [B, ...] (packed tokens for FLUX / Qwen-Image, the VAE
-  grid for SD3 / Z-Image); :attr:`latent_shape` is its shape without B;
+  grid for SD3 / Z-Image); :attr:`latent_shape` is its shape without B. Where the pipeline's
+  ``latents=`` argument has another layout (FLUX.2 packs it itself), :attr:`layout`
+  (:mod:`~flowgrpo.policies.latent_layout`) maps between the two (:meth:`pipeline_latents`);
 * per transformer call of a step, how each argument is rebuilt (:class:`~flowgrpo.policies.call_replay.CallLayout`);
 * the timestep the transformer gets: ``a * sigma + b`` fitted from the two steps (SD3 / Wan ``1000
   sigma``, FLUX / Qwen-Image ``sigma``, Z-Image ``1 - sigma``), snapped to integers;
@@ -32,6 +34,7 @@ from .base import Conditioning
 from .call_replay import CallLayout
 from .diffusers_policy import DiffusersPolicy
 from .families import PipelineFamily, family_of
+from .latent_layout import learn_layout
 from .step_record import record_pipeline
 from .switches import runtime_options, torch_dtype
 from .velocity_combine import infer_combine
@@ -98,6 +101,7 @@ class PipelinePolicy(DiffusersPolicy):
             raise ValueError("no transformer call was recorded in its first two denoising steps")
         first, second = rec.steps
         self.latent_shape = tuple(first.sample.shape[1:])
+        self.layout = learn_layout(self.pipe, self._call_kwargs(PROBE_PROMPTS[:1], 4), first.sample[:1], self.dtype)
         self.layouts = []
         for i, call in enumerate(first.calls):
             latent_key = next((k for k in ("hidden_states", "x") if k in call.kwargs), 0)
@@ -167,13 +171,23 @@ class PipelinePolicy(DiffusersPolicy):
     def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
         return self.velocity(x, sigma, Conditioning(enc))
 
+    def pipeline_latents(self, x: Tensor) -> Tensor:
+        """Policy latents [B, *latent_shape] -> the stock pipeline's ``latents=`` argument [B, *layout.input_shape]
+        (the same tensor unless the pipeline rearranges its ``latents=`` itself, as FLUX.2 packs them)."""
+        return self.layout.to_pipeline(x)
+
+    def policy_latents(self, z: Tensor) -> Tensor:
+        """The inverse of :meth:`pipeline_latents`: the pipeline's ``latents=`` -> policy latents."""
+        return self.layout.from_pipeline(z)
+
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Latents [B, ...] -> images [B, 3, H, W] in [0, 1]: the stock pipeline's tail (one zero-velocity
         Euler step from ``latents``, guidance off, ``output_type="pt"``)."""
         images = []
         for chunk in latents.split(self.decode_batch):
-            kwargs = self._call_kwargs([""] * len(chunk), 1, guidance=1.0, latents=chunk.float(), output_type="pt")
+            kwargs = self._call_kwargs([""] * len(chunk), 1, guidance=1.0, latents=self.pipeline_latents(chunk.float()),
+                                       output_type="pt")
             kwargs.pop("negative_prompt", None)
             rec = record_pipeline(self.pipe, kwargs, max_steps=2, run_transformer=False)
             images.append(torch.as_tensor(rec.output[0]).float())
