@@ -59,6 +59,9 @@ PROMPTS = ("a photo of a cat sitting on a windowsill", "a red circle on a white 
            "a lighthouse in a storm", "two dogs playing in the snow")
 REFERENCE = "flow_grpo (reference)"
 ENV = "FLOWGRPO_REFERENCE"  # where the tests look for a checkout
+#: variant overrides of this prefix set switches of objects the trainer builds without a config key:
+#: ``bench.merge_lora=false`` is the sampler's plain path (``ForestSampler.merge_lora``)
+BENCH_SWITCH = "bench."
 
 
 def settings_for(num_steps: int = 10, resolution: int = 64, guidance_scale: float = 4.5,
@@ -89,9 +92,15 @@ class FlowgrpoSide:
               f"data.prompts={prompts_file}", f"data.prompts_per_iteration={prompts_per_iteration}",
               f"data.trees_per_prompt={group}", "reward.weights={jpeg_compressibility: 1.0}", "log.progress=false",
               *overrides]
-        self.cfg = load_config("flow-grpo", None, ov)
+        own = [o for o in ov if o.startswith(BENCH_SWITCH)]
+        self.cfg = load_config("flow-grpo", None, [o for o in ov if not o.startswith(BENCH_SWITCH)])
         self.trainer = Trainer(self.cfg)
         self.group = group
+        for o in own:  # switches of objects the trainer builds without a config key
+            key, _, value = o[len(BENCH_SWITCH):].partition("=")
+            if key != "merge_lora":
+                raise ValueError(f"unknown bench switch {o!r}; valid: {BENCH_SWITCH}merge_lora=true|false")
+            self.trainer.sampler.merge_lora = value.lower() in ("1", "true", "yes")
 
     def rollout(self, prompts: list[str], iteration: int):
         """The collect stage without the reward: encode, roll out, decode. Returns (cond, plan, rollout, images)."""

@@ -10,6 +10,7 @@ import math
 import torch
 from torch import Tensor
 
+from .lora_merge import lora_merged
 from .forest import Level, Rollout
 from .noise import TreeNoise
 from .plan import SamplingPlan
@@ -30,11 +31,15 @@ class ForestSampler:
     Args:
         policy: a :class:`flowgrpo.policies.Policy` (velocity, encode_prompts, latent_shape).
         max_micro_batch: largest model batch (before classifier-free-guidance doubling).
+        merge_lora: fold a float32 peft LoRA adapter into the base weights for the rollout's
+            duration (:func:`flowgrpo.samplers.lora_merge.lora_merged`; the same chains up to float
+            rounding, the weights restored bit for bit afterwards). False: the plain path.
     """
 
-    def __init__(self, policy, max_micro_batch: int = 256):
+    def __init__(self, policy, max_micro_batch: int = 256, merge_lora: bool = True):
         self.policy = policy
         self.max_micro_batch = max_micro_batch
+        self.merge_lora = merge_lora
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond, prompt_rows: Tensor) -> Tensor:
         """Velocity for nodes x [N, ...] whose conditioning rows are ``prompt_rows`` [N], chunked."""
@@ -52,9 +57,22 @@ class ForestSampler:
         """The dtype the model takes its latents in (step math itself is float32)."""
         return next(self.policy.parameters()).dtype
 
+    def _denoiser(self):
+        try:
+            return self.policy.denoiser
+        except Exception:  # a policy without a transformer submodule: nothing to fold
+            return None
+
     @torch.no_grad()
     def rollout(self, plan: SamplingPlan, prompts: list[str], trees_per_prompt: int, generator: torch.Generator,
                 shared_group_noise: bool = False, cond=None, trees: range | None = None) -> Rollout:
+        """See :meth:`_rollout`; with :attr:`merge_lora` the adapter is folded in for its duration."""
+        cond = cond if cond is not None else self.policy.encode_prompts(prompts)
+        with lora_merged(self._denoiser() if self.merge_lora else None):
+            return self._rollout(plan, prompts, trees_per_prompt, generator, shared_group_noise, cond, trees)
+
+    def _rollout(self, plan: SamplingPlan, prompts: list[str], trees_per_prompt: int, generator: torch.Generator,
+                 shared_group_noise: bool = False, cond=None, trees: range | None = None) -> Rollout:
         """Sample ``trees_per_prompt`` trees per prompt following ``plan``.
 
         Tree t (global id, prompt-major: tree t belongs to prompt t // trees_per_prompt) draws all of its

@@ -77,6 +77,7 @@ class GRPOObjective(Objective):
             best = best_paths(view.whole, adv.leaf_advantages, adv.leaf_mask)
             it["best"] = [view.local(d, b) for d, b in enumerate(best)]
         it["level_sizes"] = [len(lv) for lv in view.whole.levels] if ctx.dp.world > 1 else None
+        it["rows"] = len(batch)
         # rows carry their index into the iteration's batch, for the per-row weights above
         return dataclasses.replace(batch, row=torch.arange(len(batch)))
 
@@ -93,8 +94,11 @@ class GRPOObjective(Objective):
         mean = transition_means(mb, v, plan)
         mean_ref, kl_sigma = None, None
         if cfg.beta > 0:
-            v_ref = policy.reference_velocity(x.to(ctx.dtype), mb.sigma, cond).float()
-            mean_ref = transition_means(mb, v_ref, plan).detach()
+            ref = it.get("mean_ref")
+            if ref is not None and bool(it["ref_done"][mb.row].all()):
+                mean_ref = ref[mb.row.to(ref.device)]
+            else:
+                mean_ref = self._reference_means(ctx, mb)
             kl_sigma = mb.std if cfg.kl_sigma == "transition_std" else transition_sigma_t(mb, plan)
         out = self.loss_fn(mb.prev_sample, mean, mb.mean_old, it["logp_std"][mb.row], mb.log_prob_old,
                            mb.advantages, it["weights"][mb.row], clip_range=it["clip"], guard=cfg.guard,
@@ -105,6 +109,33 @@ class GRPOObjective(Objective):
             if sft is not None:
                 loss = loss + sft
         return MicroLoss(loss=loss, record=out)
+
+    def _reference_means(self, ctx: UpdateContext, rows) -> torch.Tensor:
+        """mu_ref [m, ...] float32 of ``rows`` under the frozen base model (no gradient)."""
+        cond = ctx.collected.cond.index(rows.prompt)
+        x = rows.sample.to(ctx.device).to(ctx.dtype)
+        v_ref = ctx.policy.reference_velocity(x, rows.sigma, cond).float()
+        return transition_means(rows, v_ref, ctx.collected.plan).detach()
+
+    def begin_minibatch(self, ctx: UpdateContext, rows, passes: int) -> int:
+        """With ``loss.batched_reference`` (and beta > 0, not lock-step): the reference means of the
+        minibatch's rows not yet computed this iteration, in batches of ``sampler.max_micro_batch``
+        rows (one adapter toggle and few large calls instead of one per micro-batch; every inner
+        epoch reuses them, the base model being frozen). Returns the model calls made."""
+        if self.cfg.beta <= 0 or not self.cfg.batched_reference or ctx.lockstep or rows is None or not len(rows):
+            return 0
+        it = self._it
+        if "mean_ref" not in it:
+            it["mean_ref"] = torch.empty(it["rows"], *rows.sample.shape[1:], device=ctx.device)
+            it["ref_done"] = torch.zeros(it["rows"], dtype=torch.bool)
+        todo = rows.select((~it["ref_done"][rows.row]).nonzero(as_tuple=True)[0])
+        calls = 0
+        for part in torch.split(torch.arange(len(todo)), ctx.cfg.sampler.max_micro_batch) if len(todo) else ():
+            chunk = todo.select(part)
+            it["mean_ref"][chunk.row.to(ctx.device)] = self._reference_means(ctx, chunk)
+            it["ref_done"][chunk.row] = True
+            calls += 1
+        return calls
 
     def minibatch_terms(self, ctx: UpdateContext) -> dict:
         if self.cfg.anchor_weight <= 0:
