@@ -7,6 +7,7 @@
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
     flowgrpo bench ops|samplers|e2e|profile|reward-server|plugin|scaling [--out DIR] [--json PATH]
     flowgrpo bench reference --flow-grpo PATH [--out DIR] [--json PATH]
+    flowgrpo bench memory [--out DIR] [--json PATH]
     flowgrpo serve-reward --reward NAME [--option k=v ...] [--host H] [--port P] [--token-env VAR]
     flowgrpo unigenbench check|generate|score|compare ...   (flowgrpo.unigenbench.cli)
     flowgrpo build-ext [--cuda] | doctor
@@ -264,6 +265,10 @@ def _cmd_bench(args) -> int:
 
         kw = {"repeats": args.repeats} if args.repeats else {}
         run_bench_reference(args.flow_grpo, args.json, out_dir=args.out, **kw)
+    elif args.what == "memory":
+        from .benchmarks.bench_memory import run_bench_memory
+
+        run_bench_memory(args.json, out_dir=args.out)
     return 0
 
 
@@ -330,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a section (model, sampler, loss, ...) or one key (loss.beta); default: all")
     ce.set_defaults(fn=_cmd_config)
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
-    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin", "scaling", "reference"])
+    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin", "scaling", "reference",
+                                      "memory"])
     b.add_argument("--out", default=None, metavar="DIR",
                    help="folder for the CSV and PNG (created; default: the current directory)")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")

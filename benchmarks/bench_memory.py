@@ -1,0 +1,157 @@
+"""`flowgrpo bench memory`: peak memory of short training runs, per process.
+
+Three runs of ``flowgrpo train`` (``iterations`` iterations each, held-out evaluation off so that
+only training is measured), every one in fresh processes, after a process that only imports them:
+
+* ``imports-only``: Python, torch, diffusers, transformers and flowgrpo's trainer imported, nothing
+  run (the fixed part of every other row);
+* ``default``: the default recipe (``flowgrpo train`` with no preset: shapes-nft on the shapes world);
+* ``sd3-tiny-lora``: the flow-grpo preset on the tiny random SD3 with a LoRA adapter (CFG 4.5, KL
+  0.04, 4 prompts x 4 chains, T = 10, 64 px, JPEG reward);
+* ``sd3-tiny-lora-fsdp2``: the same run on 2 processes with FSDP2 (``configs/accelerate/fsdp.yaml``;
+  gloo processes on a CPU-only machine).
+
+Each process runs the CLI under :mod:`flowgrpo.benchmarks.memory_probe`, which writes its own peak
+resident set size (``ru_maxrss``: the whole process, Python and torch included) and, where CUDA is
+available, ``torch.cuda.max_memory_allocated`` (tensors only; the caching allocator's reserve and
+the CUDA context are not in it). The table gives the largest value over a run's processes.
+
+Run ``flowgrpo bench memory [--out DIR] [--json PATH]``; prints a table, writes ``memory.csv`` and
+``memory.png`` into ``--out`` and the JSON ``{"device", "iterations", "rows": [{"run", "processes",
+"peak_rss_mb", "peak_cuda_mb", "wall_s"}]}``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import output_dir, write_json
+
+PROMPTS = ("a photo of a cat", "a red circle on a white table", "a mountain lake at dawn", "a blue vintage car")
+FSDP_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "accelerate" / "fsdp.yaml"
+
+
+def _sd3_overrides(prompts_file: Path) -> list[str]:
+    return ["--preset", "flow-grpo", "model.name=sd3-tiny", "model.train_mode=lora", "model.guidance_scale=4.5",
+            "loss.beta=0.04", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts_file}",
+            "data.prompts_per_iteration=4", "data.trees_per_prompt=4", "sampler.num_steps=10"]
+
+
+def runs(prompts_file: Path) -> dict[str, tuple[int, list[str]]]:
+    """Run name -> (processes, ``flowgrpo train`` arguments before the common ones)."""
+    return {"imports-only": (1, ["--imports-only"]), "default": (1, []),
+            "sd3-tiny-lora": (1, _sd3_overrides(prompts_file)), "sd3-tiny-lora-fsdp2": (2, _sd3_overrides(prompts_file))}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+def measure(name: str, processes: int, args: list[str], iterations: int, work: Path, timeout: float = 1200) -> dict:
+    """Run one configuration under the probe; returns its row (peaks are the maximum over processes)."""
+    probe_dir = work / name
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    common = [f"train.iterations={iterations}", "train.max_minutes=0", "eval.evaluator=none", "train.threads=1",
+              "log.progress=false", f"log.out_dir={work / 'runs'}", f"log.run_name={name}"]
+    probe = ["-m", "flowgrpo.benchmarks.memory_probe", str(probe_dir), "train"]
+    if args == ["--imports-only"]:
+        cmd = [sys.executable, *probe[:3], *args]
+    elif processes == 1:
+        cmd = [sys.executable, *probe, *args, *common]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(FSDP_CONFIG),
+               "--num_processes", str(processes), *probe, *args, *common]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench memory: run {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    reports = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
+    if len(reports) != processes:
+        raise RuntimeError(f"bench memory: run {name} wrote {len(reports)} reports for {processes} processes")
+    cuda = [r["peak_cuda_mb"] for r in reports if r["peak_cuda_mb"] is not None]
+    return {"run": name, "processes": processes, "peak_rss_mb": max(r["peak_rss_mb"] for r in reports),
+            "peak_cuda_mb": max(cuda) if cuda else None, "wall_s": wall}
+
+
+def run_bench_memory(json_path=None, *, iterations: int = 3, only: list[str] | None = None, out_dir=None,
+                     quiet: bool = False) -> dict:
+    """Measure every run of :func:`runs` (or those named in ``only``); table, CSV, PNG and JSON."""
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        prompts_file = work / "prompts.txt"
+        prompts_file.write_text("\n".join(PROMPTS) + "\n")
+        for name, (n, args) in runs(prompts_file).items():
+            if only is None or name in only:
+                rows.append(measure(name, n, args, iterations, work))
+    result = {"device": device, "iterations": iterations, "rows": rows}
+    out = output_dir(out_dir)
+    with (out / "memory.csv").open("w", newline="") as f:
+        wr = csv.writer(f)
+        cols = ("run", "processes", "peak_rss_mb", "peak_cuda_mb", "wall_s")
+        wr.writerow(cols + ("device", "iterations"))
+        for r in rows:
+            wr.writerow([("" if r[k] is None else f"{r[k]:.1f}" if isinstance(r[k], float) else r[k]) for k in cols]
+                        + [device, iterations])
+    _plot(out / "memory.png", result)
+    write_json(json_path, result)
+    if not quiet:
+        print(f"peak memory per process, {iterations} training iterations, device {device}")
+        print(f"{'run':24s} {'procs':>5s} {'peak RSS MB':>12s} {'peak CUDA MB':>13s} {'wall s':>8s}")
+        for r in rows:
+            cuda = "n/a" if r["peak_cuda_mb"] is None else f"{r['peak_cuda_mb']:.1f}"
+            print(f"{r['run']:24s} {r['processes']:5d} {r['peak_rss_mb']:12.1f} {cuda:>13s} {r['wall_s']:8.1f}")
+    return result
+
+
+def _plot(path: Path, result: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # pragma: no cover - matplotlib missing
+        return
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.bar(range(len(rows)), [r["peak_rss_mb"] for r in rows], label="peak RSS (process)")
+    if any(r["peak_cuda_mb"] is not None for r in rows):
+        ax.bar(range(len(rows)), [r["peak_cuda_mb"] or 0 for r in rows], width=0.4, label="peak CUDA allocated")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["run"] for r in rows], fontsize=8)
+    ax.set_ylabel("MB (largest over the run's processes)")
+    ax.set_title(f"bench memory: {result['iterations']} training iterations, {result['device']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m flowgrpo.benchmarks.bench_memory", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--only", nargs="*", default=None, help="run names to measure (default: all)")
+    args = ap.parse_args(argv)
+    run_bench_memory(args.json, iterations=args.iterations, only=args.only, out_dir=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

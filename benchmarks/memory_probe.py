@@ -1,0 +1,56 @@
+"""Run the flowgrpo CLI in this process, then write this process's peak memory (for ``bench memory``).
+
+``python -m flowgrpo.benchmarks.memory_probe DIR ARGS...`` runs ``flowgrpo ARGS...`` and writes
+``DIR/rank<RANK>.json`` = ``{"rank", "peak_rss_mb", "peak_cuda_mb", "exit_code"}``: the peak resident
+set size of this process (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on Linux) and, with CUDA,
+``torch.cuda.max_memory_allocated()`` (None without CUDA). Under a distributed launcher every
+process writes its own file (``RANK`` from the environment). ``--imports-only`` instead of the
+arguments only imports what a training run imports (the trainer, the SD3 adapter, diffusers'
+SD3 pipeline): the fixed cost in every row of the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+
+def peak_memory() -> dict:
+    """``{"peak_rss_mb", "peak_cuda_mb"}`` of this process so far (MiB; CUDA None where unavailable)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    cuda = None
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available():
+            cuda = torch.cuda.max_memory_allocated() / 2**20
+    return {"peak_rss_mb": rss, "peak_cuda_mb": cuda}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2:
+        print("usage: python -m flowgrpo.benchmarks.memory_probe DIR flowgrpo-arguments...", file=sys.stderr)
+        return 2
+    out, args = Path(argv[0]), argv[1:]
+    if args == ["--imports-only"]:
+        import diffusers.pipelines.stable_diffusion_3  # noqa: F401
+        import flowgrpo.policies.sd3  # noqa: F401
+        import flowgrpo.trainer.trainer  # noqa: F401
+
+        code = 0
+    else:
+        from flowgrpo.cli import main as cli_main
+
+        code = cli_main(args)
+    rank = int(os.environ.get("RANK", "0"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **peak_memory(), "exit_code": code}))
+    return code or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
