@@ -1,8 +1,9 @@
 """Run the flowgrpo CLI in this process, then write this process's peak memory (for ``bench memory``).
 
-``python -m flowgrpo.benchmarks.memory_probe DIR ARGS...`` runs ``flowgrpo ARGS...`` and writes
-``DIR/rank<RANK>.json`` = ``{"rank", "peak_rss_mb", "peak_cuda_mb", "exit_code"}``: the peak resident
-set size of this process (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on Linux) and, with CUDA,
+``python -m flowgrpo.benchmarks.memory_probe DIR ARGS...`` runs ``python -m flowgrpo ARGS...`` in this
+process (through ``runpy``, so that this module does not import the CLI that imports the benchmarks)
+and writes ``DIR/rank<RANK>.json`` = ``{"rank", "peak_rss_mb", "peak_cuda_mb", "exit_code"}``: the
+peak resident set size of this process (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on Linux) and, with CUDA,
 ``torch.cuda.max_memory_allocated()`` (None without CUDA). Under a distributed launcher every
 process writes its own file (``RANK`` from the environment). ``--imports-only`` instead of the
 arguments only imports what a training run imports (the trainer, the SD3 adapter, diffusers'
@@ -42,10 +43,15 @@ def main(argv=None) -> int:
         import flowgrpo.trainer.trainer  # noqa: F401
 
         code = 0
-    else:
-        from flowgrpo.cli import main as cli_main
+    else:  # exactly `python -m flowgrpo ARGS...`, in this process
+        import runpy
 
-        code = cli_main(args)
+        sys.argv = ["flowgrpo", *args]
+        try:
+            runpy.run_module("flowgrpo", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **peak_memory(), "exit_code": code}))
