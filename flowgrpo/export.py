@@ -22,6 +22,8 @@ from pathlib import Path
 from .errors import UserError
 
 LORA_DIRNAME = "lora"
+#: the file diffusers' save_lora_weights writes and load_lora_weights reads in a LoRA folder
+LORA_FILENAME = "pytorch_lora_weights.safetensors"
 
 
 def checkpoint_weights(run_dir: Path, checkpoint: int | None = None, raw: bool = False):
@@ -68,8 +70,12 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
         del policy
         pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch_dtype(cfg.model.dtype), local_files_only=True)
         pipe.load_lora_weights(str(lora_dir))
+        # further experts' adapters (Wan 2.2's transformer_2) sit in sub-folders named after them
+        experts = [sub.name for sub in sorted(lora_dir.iterdir()) if (sub / LORA_FILENAME).is_file()]
+        for name in experts:
+            pipe.load_lora_weights(str(lora_dir / name), **{f"load_into_{name}": True})
         with torch.no_grad():
-            pipe.fuse_lora()
+            pipe.fuse_lora(**({"components": ["transformer", *experts]} if experts else {}))
         pipe.unload_lora_weights()
     pipe.save_pretrained(to)
     print(f"wrote {to} ({type(pipe).__name__} with the {which} LoRA of {ckpt} fused into its weights)")

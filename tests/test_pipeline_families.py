@@ -1,10 +1,13 @@
-"""Text-to-image families through the generic pipeline adapter, each on a tiny random pipeline saved to disk.
+"""Text-to-image and text-to-video families through the generic pipeline adapter, each on a tiny random
+pipeline saved to disk.
 
 Per family: (a) Euler at noise 0 through flowgrpo = the stock pipeline's images for the same latents;
 (b) on-policy ratio 1 on the first update; (c) 2 LoRA iterations move the LoRA, not the base (the
 trained policy's base weights equal the pipeline folder's); (d) ``flowgrpo export`` gives a LoRA the
 stock pipeline loads and that reproduces the policy's images; (e) an untrainable pipeline class gets
-one line naming what it lacks. The measured values are printed (``pytest -s``).
+one line naming what it lacks. Wan 2.2 (both layouts) runs the stock pipeline with flow-matching Euler
+at its ``flow_shift`` in place of its UniPC solver, as the adapter does; for its two experts, the
+trained steps decide which expert's LoRA moves. The measured values are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from flowgrpo.policies import build_policy, resolve_adapter
 from flowgrpo.policies.families import family_of
 from flowgrpo.policies.families_tiny import save_tiny_pipeline
 from flowgrpo.policies.generic import PipelinePolicy
+from flowgrpo.policies.wan_tiny import save_tiny_wan
 from flowgrpo.samplers.solvers import solve_ode
 from flowgrpo.trainer import run as run_module
 from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -48,6 +52,10 @@ class Case:
     stock_kwargs: dict = field(default_factory=dict)
     #: whether the pipeline's latents= argument is in another layout than the scheduler's sample
     repacked: bool = False
+    #: video frames (None: an image family)
+    frames: int | None = None
+    #: the stock pipeline steps with flow-matching Euler at its flow_shift instead of its own solver
+    euler: bool = False
 
 
 CASES = {
@@ -61,12 +69,41 @@ CASES = {
     # the system message takes ~190 of the text tokens
     "flux2": Case("pipeline", 3.0, ("single", 0.0, 1.0), resolution=32, seq=256, stock_kwargs={"guidance_scale": 3.0},
                   repacked=True),
+    # two experts split at boundary_ratio 0.875: step 0 of 3 (t = 1000) is transformer's, steps 1-2 transformer_2's
+    "wan22-a14b": Case("pipeline", 4.0, ("cfg", 0.0, 1.0), resolution=32, seq=16, stock_kwargs={"guidance_scale": 4.0},
+                       frames=5, euler=True),
+    # one expert, 48 latent channels, per-token timesteps
+    "wan22-5b": Case("pipeline", 4.0, ("cfg", 0.0, 1.0), resolution=64, seq=16, stock_kwargs={"guidance_scale": 4.0},
+                     frames=5, euler=True),
 }
 
 
 def base_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The non-LoRA parameters of ``module`` under their names without peft's ``base_layer.``."""
     return {n.replace("base_layer.", ""): p.detach().clone() for n, p in module.named_parameters() if "lora_" not in n}
+
+
+def run_config(base, case: Case, root, *overrides: str):
+    """A LoRA run of ``case`` on the pipeline folder ``base`` writing to ``root/run``: 2 iterations of
+    flow_grpo (every step trained) unless ``overrides`` say otherwise."""
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    return load_config("shapes", None, [
+        *([f"model.num_frames={case.frames}"] if case.frames else []), "reward.frame_stride=1",
+        f"model.name={base}", "model.train_mode=lora", f"model.resolution={case.resolution}",
+        f"model.max_sequence_length={case.seq}", "model.lora_rank=4", "model.lora_alpha=8",
+        f"model.guidance_scale={case.guidance}", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts}",
+        "data.prompts_per_iteration=2", "data.trees_per_prompt=2", f"sampler.num_steps={STEPS}",
+        "sampler.strategy=flow_grpo", "train.iterations=2", "train.threads=1", "train.lr=3e-2", "eval.evaluator=none",
+        "log.progress=false", "log.trackers=[]", "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run",
+        *overrides,
+    ])
+
+
+def moved_lora(run_dir) -> list[str]:
+    """Names of the LoRA B matrices of the run's latest checkpoint that left zero (where peft starts them)."""
+    state = load_checkpoint(latest_checkpoint(run_dir))["trainer"]["trainable"]
+    return [k for k, v in state.items() if "lora_B" in k and v.abs().max() > 0]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -76,16 +113,7 @@ def family(request, tmp_path_factory):
     case = CASES[name]
     root = tmp_path_factory.mktemp(name)
     base = save_tiny_pipeline(name, root / "base")
-    prompts = root / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    cfg = load_config("shapes", None, [
-        f"model.name={base}", "model.train_mode=lora", f"model.resolution={case.resolution}",
-        f"model.max_sequence_length={case.seq}", "model.lora_rank=4", "model.lora_alpha=8",
-        f"model.guidance_scale={case.guidance}", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts}",
-        "data.prompts_per_iteration=2", "data.trees_per_prompt=2", f"sampler.num_steps={STEPS}",
-        "sampler.strategy=flow_grpo", "train.iterations=2", "train.threads=1", "train.lr=3e-2", "eval.evaluator=none",
-        "log.progress=false", "log.trackers=[]", "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run",
-    ])
+    cfg = run_config(base, case, root)
     trainers = []
 
     class Capturing(run_module.GRPOTrainer):
@@ -99,19 +127,30 @@ def family(request, tmp_path_factory):
     return name, base, case, root / "run", cfg, trainers[0].policy
 
 
-def stock(path):
-    from diffusers import DiffusionPipeline
+def stock(path, case: Case):
+    """The stock pipeline of the folder (with flow-matching Euler at its flow_shift where ``case.euler``)."""
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
     pipe = DiffusionPipeline.from_pretrained(str(path), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
+    if case.euler:
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
     return pipe
 
 
 def stock_images(pipe, noise, case: Case, prompts=PROMPTS):
+    """Images [B, 3, H, W] (videos [B, F, 3, H, W]) of the stock pipeline from ``noise``."""
+    video = {"num_frames": case.frames} if case.frames else {}
     with torch.no_grad():
         # a copy: ZImagePipeline writes its chat-templated prompts into the list it is given
         return pipe(prompt=list(prompts), height=case.resolution, width=case.resolution, num_inference_steps=STEPS,
-                    latents=noise.clone(), output_type="pt", max_sequence_length=case.seq, **case.stock_kwargs).images
+                    latents=noise.clone(), output_type="pt", max_sequence_length=case.seq, **video,
+                    **case.stock_kwargs)[0]
+
+
+def experts(policy) -> tuple[str, ...]:
+    """The policy's trained denoisers (pipeline attribute names)."""
+    return policy.switch.names if isinstance(policy, PipelinePolicy) else ("transformer",)
 
 
 def noise_shape(policy) -> tuple[int, ...]:
@@ -132,20 +171,25 @@ def test_a_euler_matches_the_stock_pipeline(family):
     name, base, case, _, cfg, _ = family
     assert resolve_adapter(cfg.model)[0] == case.adapter
     frozen = ModelConfig(name=str(base), train_mode="frozen", resolution=case.resolution, max_sequence_length=case.seq,
-                         guidance_scale=case.guidance)
-    pipe = stock(base)
+                         guidance_scale=case.guidance, num_frames=case.frames)
+    pipe = stock(base, Case("", 0.0, ("", 0.0, 0.0)))  # as saved (Wan: UniPC, which the adapter replaces)
     generic = PipelinePolicy(pipe, family_of(type(pipe).__name__), resolution=case.resolution,
-                             max_sequence_length=case.seq, guidance_scale=case.guidance, train_mode="frozen")
+                             max_sequence_length=case.seq, guidance_scale=case.guidance, train_mode="frozen",
+                             num_frames=case.frames)
+    # the sampled steps reach every expert (both of Wan 2.2 A14B)
+    routed = generic.switch.route(generic.sigma_grid(STEPS)[:-1]).unique().tolist()
+    assert routed == list(range(len(generic.switch.names))), routed
     assert (generic.combine.kind, generic.combine.offset, generic.combine.sign) == case.scheme
     assert (generic.layout.index is not None) == case.repacked
     noise = torch.randn(2, *noise_shape(generic), generator=torch.Generator().manual_seed(0))
     # prompts of different lengths (padded text), then of one length (Qwen-Image drops its text mask)
     for prompts in (PROMPTS, ["a red cube", "a big tree"]):
-        theirs = stock_images(stock(base), noise, case, prompts)
+        theirs = stock_images(stock(base, case), noise, case, prompts)
         assert theirs.std() > 1e-3  # a real image, not a constant
         for policy in (build_policy(frozen), generic):
             ours = policy_images(policy, noise, prompts)
-            assert ours.shape == theirs.shape == (2, 3, case.resolution, case.resolution)
+            frames = (case.frames,) if case.frames else ()
+            assert ours.shape == theirs.shape == (2, *frames, 3, case.resolution, case.resolution)
             diff = float((ours - theirs).abs().max())
             print(f"\n[{name}] (a) {type(policy).__name__} Euler vs stock, {prompts[0]!r}...: max abs {diff:.3g}")
             assert diff <= 1e-5, (type(policy).__name__, diff)
@@ -160,15 +204,20 @@ def test_bc_two_lora_iterations(family):
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
     state = load_checkpoint(latest_checkpoint(run_dir))["trainer"]["trainable"]
     assert state and all("lora" in k for k in state)
-    moved = [k for k, v in state.items() if "lora_B" in k and v.abs().max() > 0]  # B starts at zero
+    moved = moved_lora(run_dir)
     assert moved
     assert set(policy.trainable_state_dict()) == set(state)
-    # the base: the trained policy's non-LoRA transformer weights are still the pipeline folder's
-    before = base_weights(stock(base).transformer)
-    after = base_weights(policy.denoiser)
-    assert set(after) == set(before)
-    base_diff = max(float((after[k].float() - before[k].float()).abs().max()) for k in before)
-    print(f"[{name}] (c) {len(moved)} LoRA B matrices moved; base weights max change {base_diff:.3g}")
+    # every expert's LoRA moved (all steps are trained here)
+    assert all(any(k.startswith(e + ".") for k in moved) for e in experts(policy))
+    # the base: the trained policy's non-LoRA weights of every expert are still the pipeline folder's
+    pipe = stock(base, case)
+    base_diff = 0.0
+    for expert in experts(policy):
+        before, after = base_weights(getattr(pipe, expert)), base_weights(getattr(policy, expert))
+        assert set(after) == set(before)
+        base_diff = max(base_diff, *(float((after[k].float() - before[k].float()).abs().max()) for k in before))
+    print(f"[{name}] (c) {len(moved)} LoRA B matrices moved ({', '.join(experts(policy))}); "
+          f"base weights max change {base_diff:.3g}")
     assert base_diff == 0.0
 
 
@@ -179,15 +228,37 @@ def test_d_export_loads_into_the_stock_pipeline(family, tmp_path):
     noise = torch.randn(2, *noise_shape(policy), generator=torch.Generator().manual_seed(3))
     policy.load_trainable_state_dict(load_checkpoint(latest_checkpoint(run_dir))["trainer"]["ema"])
     ours = policy_images(policy, noise)
-    pipe = stock(base)
+    pipe = stock(base, case)
     before = stock_images(pipe, noise, case)
     pipe.load_lora_weights(str(tmp_path / "lora"))
+    for expert in experts(policy)[1:]:  # Wan 2.2: DIR/transformer_2, loaded into the second expert
+        pipe.load_lora_weights(str(tmp_path / "lora" / expert), **{f"load_into_{expert}": True})
     theirs = stock_images(pipe, noise, case)
     change, diff = float((theirs - before).abs().max()), float((theirs - ours).abs().max())
     print(f"\n[{name}] (d) exported LoRA in the stock pipeline vs policy: max abs {diff:.3g} "
           f"(the LoRA changes the images by {change:.3g})")
     assert change > 1e-4  # the trained LoRA changes the images
     assert diff <= 1e-4
+    if len(experts(policy)) > 1:  # --fuse fuses every expert's adapter
+        assert main(["export", str(run_dir), "--to", str(tmp_path / "fused"), "--fuse"]) == 0
+        fused = stock_images(stock(tmp_path / "fused", case), noise, case)
+        fused_diff = float((fused - theirs).abs().max())
+        print(f"[{name}] (d) --fuse vs the LoRA-loaded pipeline: max abs {fused_diff:.3g}")
+        assert fused_diff <= 1e-4
+
+
+@pytest.mark.parametrize("start", [0, STEPS - 1])
+def test_wan22_the_trained_steps_pick_the_expert(start, tmp_path):
+    """Step 0 of 3 (t = 1000 >= 875) is transformer's, step 2 (t = 8.9) transformer_2's: a MixGRPO
+    window of that one step trains that expert's LoRA only."""
+    case = CASES["wan22-a14b"]
+    base = save_tiny_pipeline("wan22-a14b", tmp_path / "base")
+    cfg = run_config(base, case, tmp_path, "sampler.strategy=mix_grpo", "strategy.window=1",
+                     f"strategy.start={start}", "strategy.mode=frozen", "train.iterations=1")
+    run_module.train(cfg)
+    moved = {k.split(".")[0] for k in moved_lora(tmp_path / "run")}
+    print(f"\n[wan22-a14b] window at step {start}: LoRA moved in {sorted(moved)}")
+    assert moved == {"transformer" if start == 0 else "transformer_2"}
 
 
 def test_e_untrainable_pipelines_get_one_line(tmp_path):
@@ -195,9 +266,25 @@ def test_e_untrainable_pipelines_get_one_line(tmp_path):
                        "scheduler": ["diffusers", "EulerDiscreteScheduler"]}, "names no transformer component"),
              "ddpm": ({"_class_name": "SomeDiTPipeline", "transformer": ["diffusers", "DiTTransformer2DModel"],
                        "scheduler": ["diffusers", "DDPMScheduler"]}, "'DDPMScheduler' is not a flow-matching one")}
+    # Wan 2.2 ships UniPC; the adapter takes it only on flow sigmas predicting flow
+    cases["wan-eps"] = ({"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+                         "transformer_2": ["diffusers", "WanTransformer3DModel"],
+                         "scheduler": ["diffusers", "UniPCMultistepScheduler"]},
+                        "'UniPCMultistepScheduler' is not a flow-matching one")
+    (tmp_path / "wan-eps" / "scheduler").mkdir(parents=True)
+    (tmp_path / "wan-eps" / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps({"_class_name": "UniPCMultistepScheduler", "prediction_type": "epsilon"}))
     for folder, (index, needle) in cases.items():
-        (tmp_path / folder).mkdir()
+        (tmp_path / folder).mkdir(exist_ok=True)
         (tmp_path / folder / "model_index.json").write_text(json.dumps(index))
         with pytest.raises(UserError) as info:
             resolve_adapter(ModelConfig(name=str(tmp_path / folder)))
         assert needle in str(info.value) and "\n" not in str(info.value)
+    # Wan 2.1 keeps the wan adapter
+    assert resolve_adapter(ModelConfig(name=str(save_tiny_wan(tmp_path / "wan21"))))[0] == "wan"
+    # two experts train as two LoRAs, not in full
+    base = save_tiny_pipeline("wan22-a14b", tmp_path / "a14b")
+    with pytest.raises(UserError) as info:
+        build_policy(ModelConfig(name=str(base), train_mode="full", resolution=32, num_frames=5, max_sequence_length=16))
+    assert "full fine-tuning of its 2 experts is not supported" in str(info.value) and "\n" not in str(info.value)
+    print(f"\n(e) {info.value}")

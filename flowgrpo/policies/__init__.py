@@ -3,9 +3,10 @@
 Factories take a :class:`~flowgrpo.config.ModelConfig` and return a :class:`Policy`; heavy model
 code is imported only when its name is asked for. ``model.name`` is an adapter name, or a local
 diffusers pipeline directory (or a hub id already in the local cache), whose ``model_index.json``
-names the pipeline class and so the adapter (:data:`PIPELINE_ADAPTERS`); any other pipeline class
-goes to the generic adapter (``pipeline``, :mod:`flowgrpo.policies.generic`), which trains it when
-its scheduler is flow-matching or says in one line what it lacks.
+names the pipeline class and so the adapter (:data:`PIPELINE_ADAPTERS`; a Wan 2.2 ``WanPipeline``
+goes to the generic one); any other pipeline class goes to the generic adapter (``pipeline``,
+:mod:`flowgrpo.policies.generic`), which trains it when its scheduler is flow-matching (or a
+multistep solver on flow sigmas, as Wan's UniPC) or says in one line what it lacks.
 """
 
 from __future__ import annotations
@@ -64,16 +65,39 @@ def _model_index(index: Path) -> dict:
     return content
 
 
-def _generic_blocker(content: dict) -> str | None:
+def _flow_solver_config(directory: Path) -> bool:
+    """Whether ``directory``'s scheduler config is a multistep solver on flow sigmas predicting flow
+    (Wan's UniPC: ``use_flow_sigmas`` with ``prediction_type="flow_prediction"``), which the generic
+    adapter replaces by flow-matching Euler at its ``flow_shift``."""
+    try:
+        config = json.loads((directory / "scheduler" / "scheduler_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("use_flow_sigmas")) \
+        and config.get("prediction_type") == "flow_prediction"
+
+
+def _generic_blocker(content: dict, directory: Path) -> str | None:
     """Why the generic adapter cannot train the pipeline of a model_index.json (None: it may): it needs a
-    ``transformer`` and a flow-matching scheduler."""
+    ``transformer`` and a flow-matching scheduler (or a flow-sigma solver it swaps for one)."""
     if "transformer" not in content:
         return "model_index.json names no transformer component"
     scheduler = content.get("scheduler")
     name = scheduler[-1] if isinstance(scheduler, list) and scheduler else scheduler
-    if not (isinstance(name, str) and "FlowMatch" in name):
+    if not (isinstance(name, str) and ("FlowMatch" in name or _flow_solver_config(directory))):
         return f"its scheduler {name!r} is not a flow-matching one"
     return None
+
+
+def _generic_layout(cls: str, content: dict) -> bool:
+    """Whether a pipeline of a class with a dedicated adapter is in a layout only the generic adapter
+    trains: a ``WanPipeline`` with a second expert (Wan 2.2 A14B) or per-token timesteps (Wan 2.2
+    TI2V-5B); the ``wan`` adapter trains Wan 2.1."""
+    if cls != "WanPipeline":
+        return False
+    second = content.get("transformer_2")
+    has_second = isinstance(second, list) and len(second) == 2 and second[1] is not None
+    return has_second or bool(content.get("expand_timesteps"))
 
 
 def resolve_adapter(model_cfg) -> tuple[str, str | None]:
@@ -96,12 +120,13 @@ def resolve_adapter(model_cfg) -> tuple[str, str | None]:
     if not isinstance(cls, str):
         why = "model_index.json names no _class_name string"
     else:
-        why = None if cls in PIPELINE_ADAPTERS else _generic_blocker(content)
+        dedicated = cls in PIPELINE_ADAPTERS and not _generic_layout(cls, content)
+        why = None if dedicated else _generic_blocker(content, directory)
     if why is not None:
         raise UserError(f"{directory}: pipeline class {cls!r} is not supported: {why} (dedicated adapters: "
                         f"{', '.join(sorted(PIPELINE_ADAPTERS))}; other flow-matching transformer pipelines go "
                         "through the generic adapter)")
-    return PIPELINE_ADAPTERS.get(cls, "pipeline"), str(directory)
+    return (PIPELINE_ADAPTERS[cls] if dedicated else "pipeline"), str(directory)
 
 
 def build_policy(model_cfg) -> Policy:

@@ -6,7 +6,9 @@ concatenates its conditional and unconditional passes, else 1). Each top-level a
 
 * ``latent``: the latent input, ``k`` copies of the scheduler's sample [B, ...] concatenated on the
   batch axis (a tensor in the transformer's dtype, or a list of per-sample tensors, e.g. Z-Image's);
-* ``timestep``: ``a * sigma + b`` per row (``a``, ``b`` fitted from two steps by the policy);
+* ``timestep``: ``a * sigma + b`` per row (``a``, ``b`` fitted from two steps by the policy), of
+  shape [k*B] or, for a per-token timestep such as Wan 2.2 TI2V-5B's [k*B, tokens], the row value
+  repeated over the recorded per-row shape;
 * ``batched``: a tensor [k*B, ...] (prompt embeddings, masks, FLUX's guidance, ...), stored in the
   :class:`~flowgrpo.policies.base.Conditioning` as [B, k, ...]; a pipeline that passes None for it
   in some batches (Qwen-Image drops its text mask when no prompt of the batch is padded) is stored as
@@ -80,7 +82,10 @@ class CallLayout:
                 item_shape = tuple(stacked.shape[1:])
                 layout.slots.append(ArgSlot(key, "latent", (isinstance(latent, Tensor), item_shape), stacked.dtype))
             elif key == timestep_key:
-                layout.slots.append(ArgSlot(key, "timestep", None, value.dtype))
+                rows = value.reshape(value.shape[0], -1) if value.dim() > 1 else value.reshape(-1, 1)
+                if not torch.equal(rows, rows[:, :1].expand_as(rows)):
+                    raise ValueError(f"its timestep argument {key!r} varies within a sample")
+                layout.slots.append(ArgSlot(key, "timestep", tuple(value.shape[1:]), value.dtype))
             elif isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
                 layout.slots.append(ArgSlot(key, "batched"))
             elif isinstance(value, (list, tuple)) and len(value) == n and n > 0 and all(isinstance(v, Tensor) for v in value):
@@ -126,7 +131,9 @@ class CallLayout:
                 rows = x.to(slot.dtype).reshape(b, *item_shape).repeat(self.k, *[1] * len(item_shape))
                 value = rows if as_tensor else list(rows.unbind(0))
             elif slot.kind == "timestep":
-                value = timestep.to(slot.dtype).repeat(self.k)
+                row = slot.value
+                value = timestep.to(slot.dtype).reshape(b, *[1] * len(row)).expand(b, *row)
+                value = value.repeat(self.k, *[1] * len(row))
             elif slot.kind == "batched" and name + ".absent" in enc:
                 value = None
             elif slot.kind == "batched":

@@ -81,18 +81,25 @@ class DiffusersPolicy(SwitchedPolicy):
         """
         if self.train_mode != "lora":
             raise ValueError(f"save_lora needs train_mode='lora' (this policy is {self.train_mode!r})")
+        return self.write_lora(directory, self.denoiser_path, weights)
+
+    def write_lora(self, directory: str | Path, module_name: str, weights: dict[str, Tensor] | None = None) -> Path:
+        """Write the LoRA of the submodule ``module_name`` (e.g. ``transformer_2``) to ``directory`` in the
+        layout of :meth:`save_lora` (keys ``transformer.``-prefixed, as ``load_lora_weights`` expects for
+        the module it loads into); ``weights``: as :meth:`save_lora`."""
         from diffusers import StableDiffusion3Pipeline
         from peft.utils import get_peft_model_state_dict
 
+        module = getattr(self, module_name)
         if weights is None:
             weights = self.trainable_state_dict()
-        prefix = self.denoiser_path + "."  # trainable_state_dict names are the policy's; peft's the transformer's
+        prefix = module_name + "."  # trainable_state_dict names are the policy's; peft's the module's
         own = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.denoiser, state_dict=own, adapter_name=self.adapter_name)
+        state = get_peft_model_state_dict(module, state_dict=own, adapter_name=self.adapter_name)
         state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-        metadata = self.denoiser.peft_config[self.adapter_name].to_dict()
+        metadata = module.peft_config[self.adapter_name].to_dict()
         # any pipeline's LoraBaseMixin writes the same file; SD3's is used for all
         StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state,
                                                    transformer_lora_adapter_metadata=metadata)

@@ -24,8 +24,14 @@ class PipelineFamily:
         guidance_kwarg: the ``__call__`` keyword that receives ``model.guidance_scale``.
         call_kwargs: fixed ``__call__`` options of every recorded run (e.g. a negative prompt).
         timestep_arg: the transformer's timestep argument (a keyword, or a positional index).
-        lora_targets: peft target module names of the LoRA adapter.
-        resolution, max_sequence_length: the family's defaults where ``model.*`` leaves them unset.
+        lora_targets: peft target module names of the LoRA adapter (on every expert).
+        resolution, max_sequence_length, num_frames: the family's defaults where ``model.*`` leaves
+            them unset (``num_frames`` only for pipelines whose ``__call__`` takes it).
+        experts: the pipeline attributes of its denoisers, in the order they take over (Wan 2.2
+            A14B: ``transformer`` for high noise, then ``transformer_2``); one that is None in a
+            pipeline is absent (Wan 2.1 / 2.2 TI2V-5B have no ``transformer_2``).
+        boundary_config: the pipeline config key of the switch between two experts: the second
+            runs where the scheduler's timestep is below ``value * num_train_timesteps``.
     """
 
     pipeline: str
@@ -35,6 +41,9 @@ class PipelineFamily:
     lora_targets: tuple[str, ...] = ATTENTION_TARGETS
     resolution: int = 1024
     max_sequence_length: int = 256
+    num_frames: int = 81
+    experts: tuple[str, ...] = ("transformer",)
+    boundary_config: str | None = None
 
 
 FAMILIES: Registry[PipelineFamily] = Registry("pipeline family")
@@ -49,6 +58,11 @@ _ENTRIES = (
     # ZImageTransformer2DModel(x, t, cap_feats): positional arguments
     PipelineFamily("ZImagePipeline", timestep_arg=1, max_sequence_length=512),
     # single-stream blocks fuse q, k, v and the MLP input into one projection
+    # Wan 2.2 (the generic adapter takes WanPipeline folders with transformer_2 or expand_timesteps;
+    # Wan 2.1 ones keep the wan adapter): self- and cross-attention and the feed-forward of every block
+    PipelineFamily("WanPipeline", resolution=480, max_sequence_length=512, experts=("transformer", "transformer_2"),
+                   boundary_config="boundary_ratio",
+                   lora_targets=(*ATTENTION_TARGETS, "ffn.net.0.proj", "ffn.net.2")),
     PipelineFamily("Flux2Pipeline", max_sequence_length=512, lora_targets=(
         *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "to_qkv_mlp_proj")),
 )

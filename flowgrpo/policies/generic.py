@@ -23,6 +23,7 @@ given latents, ``output_type="pt"``. What a family needs beyond this is a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 
@@ -32,12 +33,16 @@ from torch import Tensor, nn
 from ..errors import UserError
 from .base import Conditioning
 from .call_replay import CallLayout
+from .diffusers_common import make_trainable
 from .diffusers_policy import DiffusersPolicy
 from .families import PipelineFamily, family_of
+from .experts import ExpertSwitch, route_rows
 from .latent_layout import learn_layout
+from .lora import lora_disabled
 from .step_record import record_pipeline
 from .switches import runtime_options, torch_dtype
 from .velocity_combine import infer_combine
+from .wan import wan_euler_scheduler
 
 PROBE_PROMPTS = ("a red cube on a table", "two blue spheres", "a photo of a cat")
 
@@ -57,23 +62,32 @@ class PipelinePolicy(DiffusersPolicy):
         family: its :class:`~flowgrpo.policies.families.PipelineFamily` entry.
         resolution: image side in pixels; guidance_scale: the value of ``family.guidance_kwarg``.
         train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch, switches: as
-            :class:`~flowgrpo.policies.sd3.SD3Policy` (``lora_targets`` default: the family's).
-        max_sequence_length: text tokens, passed to the pipeline when its ``__call__`` takes it.
+            :class:`~flowgrpo.policies.sd3.SD3Policy` (``lora_targets`` default: the family's; a LoRA
+            goes on every expert, and ``full`` needs a single one).
+        max_sequence_length, num_frames: text tokens and video frames, passed to the pipeline when its
+            ``__call__`` takes them.
+
+    A scheduler that is a multistep solver on flow sigmas (Wan's UniPC) is replaced by flow-matching
+    Euler at its ``flow_shift`` (the SDE steps need a one-step grid), as the ``wan`` adapter does.
     """
 
     def __init__(self, pipeline, family: PipelineFamily, *, resolution: int | None = None,
                  guidance_scale: float = 1.0, train_mode: str = "lora", lora_rank: int = 32, lora_alpha: float = 64.0,
-                 lora_targets=None, max_sequence_length: int | None = None, dtype: torch.dtype | str = torch.float32,
-                 decode_batch: int = 8, **switches):
+                 lora_targets=None, max_sequence_length: int | None = None, num_frames: int | None = None,
+                 dtype: torch.dtype | str = torch.float32, decode_batch: int = 8, **switches):
         super().__init__(1.0)  # guidance lives in the recorded step, not in Policy.velocity's CFG
         self.model_name = type(pipeline).__name__
         self.family, self.cfg_scale = family, float(guidance_scale)
-        modules = {n: m for n, m in pipeline.components.items()
-                   if isinstance(m, nn.Module) and (n in ("transformer", "vae") or n.startswith("text_encoder"))}
+        if is_flow_solver(pipeline.scheduler):
+            pipeline.scheduler = wan_euler_scheduler(pipeline.scheduler)
+        self.switch = ExpertSwitch.of(pipeline, family.experts, family.boundary_config)
+        modules = {n: m for n, m in pipeline.components.items() if isinstance(m, nn.Module) and (
+            n in (*self.switch.names, "vae") or n.startswith("text_encoder"))}
         self.setup_modules(train_mode, dtype, **modules)
         object.__setattr__(self, "pipe", pipeline)
         self.resolution = int(resolution or family.resolution)
         self.max_sequence_length = int(max_sequence_length or family.max_sequence_length)
+        self.num_frames = int(num_frames or family.num_frames)
         self.decode_batch = int(decode_batch)
         self._grids: dict[int, Tensor] = {}
         self._learn()
@@ -89,6 +103,8 @@ class PipelinePolicy(DiffusersPolicy):
                   "generator": torch.Generator(device="cpu").manual_seed(0)}
         if "max_sequence_length" in params:
             kwargs["max_sequence_length"] = self.max_sequence_length
+        if "num_frames" in params:
+            kwargs["num_frames"] = self.num_frames
         kwargs[self.family.guidance_kwarg] = self.cfg_scale if guidance is None else guidance
         kwargs.update(self.family.call_kwargs)
         kwargs.update(extra)
@@ -96,12 +112,14 @@ class PipelinePolicy(DiffusersPolicy):
 
     def _learn(self) -> None:
         """Record two steps on the probe prompts and learn the layout, timestep map and guidance scheme."""
-        rec = record_pipeline(self.pipe, self._call_kwargs(PROBE_PROMPTS, 4), max_steps=2, run_transformer=True)
+        rec = self._record(self._call_kwargs(PROBE_PROMPTS, 4), max_steps=2, run_transformer=True)
         if len(rec.steps) < 2 or not rec.steps[0].calls:
             raise ValueError("no transformer call was recorded in its first two denoising steps")
+        self.switch.check(rec.steps)
         first, second = rec.steps
         self.latent_shape = tuple(first.sample.shape[1:])
-        self.layout = learn_layout(self.pipe, self._call_kwargs(PROBE_PROMPTS[:1], 4), first.sample[:1], self.dtype)
+        self.layout = learn_layout(self.pipe, self._call_kwargs(PROBE_PROMPTS[:1], 4), first.sample[:1], self.dtype,
+                                   self.switch.names)
         self.layouts = []
         for i, call in enumerate(first.calls):
             latent_key = next((k for k in ("hidden_states", "x") if k in call.kwargs), 0)
@@ -120,6 +138,10 @@ class PipelinePolicy(DiffusersPolicy):
                              "scheme (single, CFG, CFG with norm rescale)")
         self.combine = combine
 
+    def _record(self, call_kwargs: dict, **options):
+        """:func:`~flowgrpo.policies.step_record.record_pipeline` of this pipeline and its experts."""
+        return record_pipeline(self.pipe, call_kwargs, experts=self.switch.names, **options)
+
     def _timestep_value(self, step) -> float:
         call = step.calls[0]
         key = self.family.timestep_arg
@@ -133,9 +155,54 @@ class PipelinePolicy(DiffusersPolicy):
             call.output_parts = out.float().reshape(layout.k, b, *self.latent_shape)
             yield call
 
+    # ------------------------------------------------------------------ experts: LoRA on each
+    def _experts(self) -> list[nn.Module]:
+        return [getattr(self, name) for name in self.switch.names]
+
+    def make_trainable(self, *, lora_rank: int, lora_alpha: float, lora_targets) -> None:
+        """The trainable part of every expert for ``train_mode`` (``full``: one expert only)."""
+        if self.train_mode == "full" and len(self.switch.names) > 1:
+            raise ValueError(f"full fine-tuning of its {len(self.switch.names)} experts is not supported; "
+                             "use model.train_mode=lora (a LoRA on each expert)")
+        for module in self._experts():
+            make_trainable(module, self.train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                           lora_targets=lora_targets, adapter_name=self.adapter_name)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Every expert's parameters that require grad (its LoRA, or the single transformer's weights)."""
+        return [p for module in self._experts() for p in module.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def adapter_disabled(self):
+        """The base model: every expert's LoRA off (other modes: as :class:`TrainedPolicy`)."""
+        if self.train_mode != "lora" or len(self.switch.names) == 1:
+            with super().adapter_disabled():
+                yield
+            return
+        with contextlib.ExitStack() as stack:
+            for module in self._experts():
+                stack.enter_context(lora_disabled(module))
+            yield
+
+    def train(self, mode: bool = True):
+        """Every expert follows ``mode``; the VAE and text encoders stay in eval."""
+        super().train(mode)
+        for module in self._experts():
+            module.train(mode)
+        return self
+
+    def save_lora(self, directory: str | Path, weights: dict[str, Tensor] | None = None) -> Path:
+        """The first expert's LoRA as :meth:`DiffusersPolicy.save_lora`; each further expert's in
+        ``directory/<name>/`` (Wan 2.2: ``pipe.load_lora_weights(directory / "transformer_2",
+        load_into_transformer_2=True)``)."""
+        directory = super().save_lora(directory, weights)
+        for name in self.switch.names[1:]:
+            self.write_lora(directory / name, name, weights)
+        return directory
+
     # ------------------------------------------------------------------ prompts and schedule
     def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
-        rec = record_pipeline(self.pipe, self._call_kwargs(prompts, 2), max_steps=1, run_transformer=False)
+        rec = self._record(self._call_kwargs(prompts, 2), max_steps=1, run_transformer=False)
         calls = rec.steps[0].calls
         if len(calls) != len(self.layouts):
             raise ValueError(f"{self.model_name} made {len(calls)} transformer calls for these prompts, "
@@ -149,7 +216,7 @@ class PipelinePolicy(DiffusersPolicy):
         """The float32 [num_steps + 1] grid the pipeline sets on its scheduler for ``num_steps`` steps
         (1 -> 0, CPU); ``shift`` is ignored: the pipeline and its scheduler config own it."""
         if num_steps not in self._grids:
-            rec = record_pipeline(self.pipe, self._call_kwargs([""], num_steps), max_steps=0, run_transformer=False)
+            rec = self._record(self._call_kwargs([""], num_steps), max_steps=0, run_transformer=False)
             sigmas = rec.sigmas
             if sigmas is None or len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0 \
                     or not bool((sigmas[1:] < sigmas[:-1]).all()):
@@ -165,7 +232,15 @@ class PipelinePolicy(DiffusersPolicy):
         g = self.cfg_scale if guidance_scale is None else float(guidance_scale)
         sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).reshape(-1).expand(x.shape[0])
         timestep = sigma * self.timestep_scale + self.timestep_offset
-        parts = torch.cat([layout.call(self.transformer, x, timestep, cond.tensors) for layout in self.layouts])
+
+        def run(expert: int, rows: Tensor | None) -> Tensor:  # [m, rows, ...]: every call's outputs
+            module = getattr(self, self.switch.names[expert])
+            if rows is None:
+                return torch.cat([layout.call(module, x, timestep, cond.tensors) for layout in self.layouts])
+            enc = {k: v[rows] for k, v in cond.tensors.items()}
+            return torch.cat([layout.call(module, x[rows], timestep[rows], enc) for layout in self.layouts])
+
+        parts = run(0, None) if self.switch.boundary is None else route_rows(self.switch, sigma, run)
         return self.combine(parts, g)
 
     def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
@@ -189,9 +264,17 @@ class PipelinePolicy(DiffusersPolicy):
             kwargs = self._call_kwargs([""] * len(chunk), 1, guidance=1.0, latents=self.pipeline_latents(chunk.float()),
                                        output_type="pt")
             kwargs.pop("negative_prompt", None)
-            rec = record_pipeline(self.pipe, kwargs, max_steps=2, run_transformer=False)
+            rec = self._record(kwargs, max_steps=2, run_transformer=False)
             images.append(torch.as_tensor(rec.output[0]).float())
         return torch.cat(images).clamp(0.0, 1.0)
+
+
+def is_flow_solver(scheduler) -> bool:
+    """Whether ``scheduler`` is not flow-matching Euler but a multistep solver on flow sigmas predicting
+    flow (Wan's ``UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction")``)."""
+    config = getattr(scheduler, "config", None) or {}
+    return "FlowMatch" not in type(scheduler).__name__ and bool(config.get("use_flow_sigmas")) \
+        and config.get("prediction_type") == "flow_prediction"
 
 
 def check_trainable(pipe) -> None:
@@ -200,7 +283,7 @@ def check_trainable(pipe) -> None:
     if not isinstance(getattr(pipe, "transformer", None), nn.Module):
         raise ValueError("it has no `transformer` component (UNet pipelines are not flow-matching transformers)")
     scheduler = getattr(pipe, "scheduler", None)
-    if scheduler is None or "FlowMatch" not in type(scheduler).__name__:
+    if scheduler is None or not ("FlowMatch" in type(scheduler).__name__ or is_flow_solver(scheduler)):
         raise ValueError(f"its scheduler {type(scheduler).__name__} is not a flow-matching one")
     params = inspect.signature(type(pipe).__call__).parameters
     missing = [p for p in ("prompt", "latents", "output_type", "num_inference_steps", "height", "width")
@@ -224,6 +307,7 @@ def build_pipeline_policy(cfg) -> PipelinePolicy:
         check_trainable(pipe)
         return PipelinePolicy(pipe, family_of(name), resolution=cfg.resolution, guidance_scale=cfg.guidance_scale,
                               train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                              max_sequence_length=cfg.max_sequence_length, dtype=dtype, **runtime_options(cfg))
+                              max_sequence_length=cfg.max_sequence_length, num_frames=cfg.num_frames, dtype=dtype,
+                              **runtime_options(cfg))
     except ValueError as exc:
         raise UserError(f"{name} in {str(path)!r} cannot be trained: {exc}") from None

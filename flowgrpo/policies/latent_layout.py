@@ -57,7 +57,7 @@ class LatentLayout:
         return flat[:, self.index.to(z.device)].reshape(z.shape[0], *self.sample_shape)
 
 
-def _noise_shape(pipeline, call_kwargs: dict) -> tuple[int, ...] | None:
+def _noise_shape(pipeline, call_kwargs: dict, experts: tuple[str, ...]) -> tuple[int, ...] | None:
     """The per-sample shape of the noise the pipeline draws with its module's ``randn_tensor`` (None:
     it draws none that way)."""
     module = sys.modules[type(pipeline).__module__]
@@ -72,29 +72,32 @@ def _noise_shape(pipeline, call_kwargs: dict) -> tuple[int, ...] | None:
         return real(shape, *args, **kwargs)
 
     with _patched(module, "randn_tensor", randn_tensor):
-        record_pipeline(pipeline, call_kwargs, max_steps=1, run_transformer=False)
+        record_pipeline(pipeline, call_kwargs, max_steps=1, run_transformer=False, experts=experts)
     return shapes[0][1:] if shapes else None
 
 
-def _stepped(pipeline, call_kwargs: dict, latents: Tensor) -> Tensor | None:
+def _stepped(pipeline, call_kwargs: dict, latents: Tensor, experts: tuple[str, ...]) -> Tensor | None:
     """The sample the first scheduler step receives for ``latents=latents`` (None: the pipeline refused them)."""
     try:
-        rec = record_pipeline(pipeline, {**call_kwargs, "latents": latents}, max_steps=1, run_transformer=False)
+        rec = record_pipeline(pipeline, {**call_kwargs, "latents": latents}, max_steps=1, run_transformer=False,
+                              experts=experts)
     except (RuntimeError, ValueError, IndexError):
         return None
     return rec.steps[0].sample if rec.steps else None
 
 
-def learn_layout(pipeline, call_kwargs: dict, sample: Tensor, dtype: torch.dtype) -> LatentLayout:
+def learn_layout(pipeline, call_kwargs: dict, sample: Tensor, dtype: torch.dtype,
+                 experts: tuple[str, ...] = ("transformer",)) -> LatentLayout:
     """The :class:`LatentLayout` of ``pipeline`` for the one-prompt call ``call_kwargs``, given the
     probe's sample [1, ...] of that call; ``dtype`` is the pipeline's latent dtype (the digit base
-    is the largest integer it holds exactly). ValueError when ``latents=`` is neither the sample's
-    layout nor a rearrangement of the noise the pipeline draws."""
+    is the largest integer it holds exactly), ``experts`` its denoisers (stubbed while learning).
+    ValueError when ``latents=`` is neither the sample's layout nor a rearrangement of the noise the
+    pipeline draws."""
     shape = tuple(sample.shape[1:])
-    got = _stepped(pipeline, call_kwargs, sample.clone())
+    got = _stepped(pipeline, call_kwargs, sample.clone(), experts)
     if got is not None and got.shape == sample.shape and torch.equal(got.float(), sample.float()):
         return LatentLayout(shape, shape)
-    noise = _noise_shape(pipeline, call_kwargs)
+    noise = _noise_shape(pipeline, call_kwargs, experts)
     n = sample[0].numel()
     if noise is None or math.prod(noise) != n:
         raise ValueError(f"its latents= argument is not in the layout of the scheduler's sample {list(shape)} and "
@@ -105,7 +108,7 @@ def learn_layout(pipeline, call_kwargs: dict, sample: Tensor, dtype: torch.dtype
     scale = 1
     while scale < n:
         digits = (flat // scale) % base
-        got = _stepped(pipeline, call_kwargs, digits.to(torch.float32).reshape(1, *noise))
+        got = _stepped(pipeline, call_kwargs, digits.to(torch.float32).reshape(1, *noise), experts)
         if got is None or got.shape != sample.shape:
             raise ValueError(f"its latents= argument of shape {list(noise)} did not reach the scheduler as a "
                              f"sample of shape {list(shape)}")

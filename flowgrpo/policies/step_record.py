@@ -3,10 +3,11 @@
 :func:`record_pipeline` runs ``pipeline(**call_kwargs)`` (the pipeline's own prompt encoding,
 latent preparation and guidance logic) with two temporary instance attributes:
 
-* ``transformer.forward`` records the positional and keyword arguments of every call (a
-  :class:`TransformerCall`); with ``run_transformer=False`` it returns zeros shaped like the latent
-  input instead of running the network (prompt encoding then costs the text encoders only, and the
-  pipeline's denoising loop leaves the latents as they are: a zero velocity);
+* ``transformer.forward`` (and that of every other expert named in ``experts``, e.g. Wan 2.2's
+  ``transformer_2``) records the positional and keyword arguments of every call and which expert
+  received it (a :class:`TransformerCall`); with ``run_transformer=False`` it returns zeros shaped
+  like the latent input instead of running the network (prompt encoding then costs the text
+  encoders only, and the pipeline's denoising loop leaves the latents as they are: a zero velocity);
 * ``scheduler.step`` records the velocity the pipeline combined from those calls, the sample and the
   sigma of the step (a :class:`StepRecord`) and stops the pipeline after ``max_steps`` steps.
 
@@ -27,11 +28,13 @@ from torch import Tensor
 @dataclass
 class TransformerCall:
     """One transformer call: ``args`` / ``kwargs`` as the pipeline passed them, ``output`` its first
-    returned element (a tensor [k*B, ...] or a list of per-sample tensors; None when not run)."""
+    returned element (a tensor [k*B, ...] or a list of per-sample tensors; None when not run) and
+    ``module``, the pipeline attribute of the expert called (``"transformer"``, ``"transformer_2"``)."""
 
     args: tuple
     kwargs: dict[str, Any]
     output: Any = None
+    module: str = "transformer"
 
 
 @dataclass
@@ -92,26 +95,35 @@ def _patched(obj, name: str, replacement):
             object.__delattr__(obj, name)
 
 
-@torch.no_grad()
-def record_pipeline(pipeline, call_kwargs: dict, *, max_steps: int, run_transformer: bool) -> PipelineRecord:
-    """Run ``pipeline(**call_kwargs)`` until ``max_steps`` scheduler steps are recorded (see the module
-    docstring). ``max_steps=0`` stops at the first ``scheduler.step`` without recording it as a step
-    (its calls stay in ``record.pending``). Returns the :class:`PipelineRecord`."""
-    record = PipelineRecord()
-    transformer, scheduler = pipeline.transformer, pipeline.scheduler
-    real_forward = transformer.forward
-    real_step = scheduler.step
-    real_set_timesteps = scheduler.set_timesteps
+def _recording_forward(record: PipelineRecord, name: str, real_forward, run_transformer: bool):
+    """A stand-in for expert ``name``'s ``forward`` that records each call into ``record.pending``."""
 
     @functools.wraps(real_forward)  # the signature stays inspectable (pipelines inspect it)
     def forward(*args, **kwargs):
-        call = TransformerCall(tuple(args), dict(kwargs))
+        call = TransformerCall(tuple(args), dict(kwargs), module=name)
         record.pending.append(call)
         if run_transformer:
             out = real_forward(*args, **kwargs)
             call.output = out[0] if isinstance(out, (tuple, list)) else out.sample
             return out
         return (zeros_like_tree(latent_input(args, kwargs)),)
+
+    return forward
+
+
+@torch.no_grad()
+def record_pipeline(pipeline, call_kwargs: dict, *, max_steps: int, run_transformer: bool,
+                    experts: tuple[str, ...] = ("transformer",)) -> PipelineRecord:
+    """Run ``pipeline(**call_kwargs)`` until ``max_steps`` scheduler steps are recorded (see the module
+    docstring). ``max_steps=0`` stops at the first ``scheduler.step`` without recording it as a step
+    (its calls stay in ``record.pending``); ``experts``: the pipeline attributes whose calls are
+    recorded (those that are None are skipped). Returns the :class:`PipelineRecord`."""
+    record = PipelineRecord()
+    scheduler = pipeline.scheduler
+    real_step = scheduler.step
+    real_set_timesteps = scheduler.set_timesteps
+    modules = {name: getattr(pipeline, name, None) for name in experts}
+    modules = {name: m for name, m in modules.items() if m is not None}
 
     @functools.wraps(real_set_timesteps)
     def set_timesteps(*args, **kwargs):
@@ -131,8 +143,12 @@ def record_pipeline(pipeline, call_kwargs: dict, *, max_steps: int, run_transfor
             raise _Stop
         return real_step(model_output, timestep, sample, *args, **kwargs)
 
-    with _patched(transformer, "forward", forward), _patched(scheduler, "step", step), \
-            _patched(scheduler, "set_timesteps", set_timesteps):
+    with contextlib.ExitStack() as stack:
+        for name, module in modules.items():
+            stack.enter_context(_patched(module, "forward",
+                                         _recording_forward(record, name, module.forward, run_transformer)))
+        stack.enter_context(_patched(scheduler, "step", step))
+        stack.enter_context(_patched(scheduler, "set_timesteps", set_timesteps))
         try:
             record.output = pipeline(**call_kwargs)
         except _Stop:
