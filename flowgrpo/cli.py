@@ -5,7 +5,7 @@
     flowgrpo export RUN_DIR --to DIR [--fuse] [--checkpoint N] [--raw]
     flowgrpo presets
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
-    flowgrpo bench ops|samplers|e2e|profile|reward-server|plugin|scaling [--out DIR] [--json PATH]
+    flowgrpo bench ops|samplers|e2e|profile|reward-server|plugin|scaling|overlap [--out DIR] [--json PATH]
     flowgrpo bench reference --flow-grpo PATH [--out DIR] [--json PATH]
     flowgrpo bench memory [--out DIR] [--json PATH]
     flowgrpo serve-reward --reward NAME [--option k=v ...] [--host H] [--port P] [--token-env VAR]
@@ -256,6 +256,10 @@ def _cmd_bench(args) -> int:
         from .benchmarks.bench_scaling import run_bench_scaling
 
         run_bench_scaling(args.json, out_dir=args.out)
+    elif args.what == "overlap":
+        from .benchmarks.bench_overlap import run_bench_overlap
+
+        run_bench_overlap(args.json, out_dir=args.out)
     elif args.what == "reference":
         if not args.flow_grpo:
             print("flowgrpo: bench reference needs --flow-grpo PATH (a checkout of github.com/yifan123/flow_grpo)",
@@ -335,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a section (model, sampler, loss, ...) or one key (loss.beta); default: all")
     ce.set_defaults(fn=_cmd_config)
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
-    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin", "scaling", "reference",
-                                      "memory"])
+    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin", "scaling", "overlap",
+                                      "reference", "memory"])
     b.add_argument("--out", default=None, metavar="DIR",
                    help="folder for the CSV and PNG (created; default: the current directory)")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -36,19 +37,23 @@ class RemoteReward:
     Options: ``url`` (``http://host:port``), ``token_env`` (name of an environment variable holding
     the server's bearer token; the token itself never sits in a config), ``timeout`` (seconds per
     request), ``retries`` and ``backoff`` (seconds before the first retry, doubled each time),
-    ``batch_size`` (images per request), ``name`` (the reward's display name).
+    ``batch_size`` (images per request), ``concurrency`` (requests in flight at once: the server
+    batches concurrent requests, so a slow reward model is called fewer times), ``name`` (the
+    reward's display name).
     """
 
     def __init__(self, url: str, token_env: str | None = None, timeout: float = 30.0, retries: int = 3,
-                 backoff: float = 1.0, batch_size: int = 64, name: str | None = None):
+                 backoff: float = 1.0, batch_size: int = 64, concurrency: int = 1, name: str | None = None):
         try:
             import httpx
         except ImportError:
             raise ConfigError("the remote reward needs httpx: pip install 'flowgrpo[remote]'") from None
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"reward.options.remote.url must be an http(s) URL, got {url!r}")
-        if int(retries) < 0 or float(backoff) < 0 or float(timeout) <= 0 or int(batch_size) < 1:
-            raise ConfigError("reward.options.remote: retries and backoff must be >= 0, timeout > 0, batch_size >= 1")
+        if int(retries) < 0 or float(backoff) < 0 or float(timeout) <= 0 or int(batch_size) < 1 or int(concurrency) < 1:
+            raise ConfigError("reward.options.remote: retries and backoff must be >= 0, timeout > 0, batch_size >= 1, "
+                              "concurrency >= 1")
+        self.concurrency = int(concurrency)
         self.url = url.rstrip("/")
         self.endpoint = f"{self.url}/score"
         self.retries, self.backoff, self.batch_size = int(retries), float(backoff), int(batch_size)
@@ -68,11 +73,19 @@ class RemoteReward:
         group_list = None if groups is None else [int(g) for g in torch.as_tensor(groups).reshape(-1).tolist()]
         scores = torch.full((n,), float("nan"), dtype=torch.float32)
         comps: dict[str, Tensor] = {}
-        for idx in pack_groups(group_list if group_list is not None else list(prompts), self.batch_size):
+        packs = pack_groups(group_list if group_list is not None else list(prompts), self.batch_size)
+        bodies = []
+        for idx in packs:
             body = {"prompts": [prompts[i] for i in idx], "images": encode_png_b64(images[idx])}
             if group_list is not None:
                 body["groups"] = [group_list[i] for i in idx]
-            answer = self._post(body)
+            bodies.append(body)
+        if self.concurrency > 1 and len(bodies) > 1:  # httpx.Client is thread-safe; answers keep request order
+            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(bodies))) as pool:
+                answers = list(pool.map(self._post, bodies))
+        else:
+            answers = [self._post(b) for b in bodies]
+        for idx, answer in zip(packs, answers):
             try:
                 scores[idx] = parse_floats(answer.get("scores"), len(idx), "scores")
                 raw_comps = answer.get("components") or {}

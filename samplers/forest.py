@@ -303,3 +303,48 @@ class Rollout:
         return TransitionBatch(sample=x, prev_sample=x, mean_old=x, std=x.new_zeros(0), log_prob_old=x.new_zeros(0),
                                sigma=flt, sigma_next=flt, step=idx, tree=idx, prompt=idx, advantages=flt, node=idx,
                                depth=idx)
+
+
+_LEVEL_FIELDS = ("x", "tree", "mean", "std", "log_prob", "pos", "lane", "sde", "train")
+
+
+def concat_rollouts(parts: list[Rollout]) -> tuple[Rollout, list[Tensor]]:
+    """One rollout from rollouts of consecutive, disjoint tree ranges of one iteration (the same plan,
+    prompts and trees per prompt: e.g. :class:`~flowgrpo.samplers.forest_sampler.ForestSampler` waves).
+
+    Each depth holds the parts' nodes in part order; parent indices are shifted into the merged
+    previous depth. Returns the rollout and, per part, the positions [L_part] of its leaves among
+    the merged rollout's leaves (leaves are numbered depth by depth, so a part's leaves need not be
+    contiguous when leaves sit at several depths).
+    """
+    if not parts:
+        raise ValueError("concat_rollouts needs at least one rollout")
+    first = parts[0]
+    if len({len(p.levels) for p in parts}) != 1:
+        raise ValueError("rollouts of one plan have the same depth; got " + str([len(p.levels) for p in parts]))
+    levels, offsets = [], [[0] * len(parts)]  # offsets[d][k]: first node of part k at depth d
+    for d in range(len(first.levels)):
+        lvs = [p.levels[d] for p in parts]
+        starts = [sum(len(lv) for lv in lvs[:k]) for k in range(len(parts))]
+        fields = {}
+        for name in _LEVEL_FIELDS:
+            vals = [getattr(lv, name) for lv in lvs]
+            if any((v is None) != (vals[0] is None) for v in vals):
+                raise ValueError(f"rollouts differ in whether depth {d} has {name!r}")
+            fields[name] = None if vals[0] is None else torch.cat(vals)
+        if d == 0:
+            fields["parent"] = torch.cat([lv.parent for lv in lvs])
+        else:
+            fields["parent"] = torch.cat([lv.parent + offsets[-1][k] for k, lv in enumerate(lvs)])
+        offsets.append(starts)
+        levels.append(Level(**fields))
+    merged = Rollout(plan=first.plan, levels=levels, prompts=first.prompts, tree_prompt=first.tree_prompt,
+                     tree_group=first.tree_group, nfe=sum(p.nfe for p in parts))
+    width = max(len(lv) for lv in levels) + 1
+    key = merged.leaf_depth * width + merged.leaf_node  # increasing: leaves are in (depth, node) order
+    positions = []
+    for k, p in enumerate(parts):
+        start = torch.tensor([offsets[d + 1][k] for d in range(len(levels))], dtype=torch.long)
+        mine = p.leaf_depth * width + p.leaf_node + start[p.leaf_depth]
+        positions.append(torch.searchsorted(key, mine))
+    return merged, positions

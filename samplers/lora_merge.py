@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 
-def _lora_layers(module: nn.Module) -> list:
+def lora_layers(module: nn.Module) -> list:
+    """The peft LoRA layers of ``module`` (empty without peft)."""
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # pragma: no cover - peft is a dependency
@@ -33,18 +34,23 @@ def _lora_layers(module: nn.Module) -> list:
     return [m for m in module.modules() if isinstance(m, LoraLayer)]
 
 
-def _foldable(layer) -> bool:
+def foldable_layer(layer) -> bool:
+    """Whether ``W + s B A`` of this peft LoRA layer is exactly what its forward computes, in float32:
+    a plain ``nn.Linear`` base with an unsharded float32 weight, active adapters without DoRA, LoRA
+    bias, dropout or another peft variant, and not merged already."""
     base = layer.get_base_layer()
     w = getattr(base, "weight", None)
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or not isinstance(base, nn.Linear):
+    if not isinstance(base, nn.Linear) or not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
         return False
     if type(w).__name__ == "DTensor" or hasattr(w, "ds_id") or w.numel() == 0:  # sharded (FSDP, ZeRO-3)
         return False
-    if layer.merged or layer.disable_adapters:
+    if layer.merged or getattr(layer, "fan_in_fan_out", False):
         return False
     active = [a for a in layer.active_adapters if a in layer.lora_A]
-    extra = getattr(layer, "lora_bias", {})
-    return bool(active) and not any(layer.use_dora.get(a, False) or extra.get(a, False) for a in active)
+    plain = all(not layer.use_dora.get(a, False) and not getattr(layer, "lora_bias", {}).get(a, False)
+                and a not in getattr(layer, "lora_variant", {})
+                and isinstance(layer.lora_dropout[a], nn.Identity) for a in active)
+    return bool(active) and plain
 
 
 @contextlib.contextmanager
@@ -57,9 +63,9 @@ def lora_merged(module: nn.Module | None, enabled: bool = True):
     if not enabled or module is None or torch.is_grad_enabled():
         yield 0
         return
-    layers = _lora_layers(module)
-    if not layers or not all(_foldable(m) for m in layers):  # all or nothing: one consistent model
-        yield 0
+    layers = lora_layers(module)
+    if not layers or any(m.disable_adapters for m in layers) or not all(foldable_layer(m) for m in layers):
+        yield 0  # all or nothing: one consistent model
         return
     saved = [(m, m.get_base_layer().weight.detach().clone()) for m in layers]
     try:

@@ -210,10 +210,14 @@ def test_pairwise_groups_survive_batching_and_splitting():
     ref = reward(images, prompts, groups)
     assert len(set(ref.scores.tolist())) > 1
     with ServerThread(create_app(reward, max_batch=6)) as srv:
-        for batch_size in (4, 8, 24):
-            out = build_reward("remote", url=srv.url, batch_size=batch_size)(images, prompts, groups)
-            assert as_floats(out.scores) == as_floats(ref.scores), batch_size
-            assert as_floats(out.components["ties"]) == as_floats(ref.components["ties"]), batch_size
+        for batch_size, concurrency in ((4, 1), (8, 1), (24, 1), (4, 3), (8, 6)):
+            # concurrent requests of one call come back in request order
+            out = build_reward("remote", url=srv.url, batch_size=batch_size, concurrency=concurrency)(
+                images, prompts, groups)
+            assert as_floats(out.scores) == as_floats(ref.scores), (batch_size, concurrency)
+            assert as_floats(out.components["ties"]) == as_floats(ref.components["ties"]), (batch_size, concurrency)
+    with pytest.raises(Exception, match="concurrency >= 1"):
+        build_reward("remote", url="http://127.0.0.1:1", concurrency=0)
 
 
 def test_a_failing_reward_is_a_500_retried_then_one_line():

@@ -103,3 +103,63 @@ def test_batched_reference_matches_per_micro_batch(prompt_file, epochs):
         assert m_fast[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-8), key
     for n in w_plain:
         torch.testing.assert_close(w_fast[n], w_plain[n], rtol=1e-5, atol=1e-6)
+
+
+def test_fold_rule_takes_tiny_layers_not_wide_ones():
+    from flowgrpo.objectives.lora_fold import fold_wins
+
+    assert fold_wins(tokens=4096, fan_in=64, fan_out=64, rank=32)  # the tiny SD3: rank is half the width
+    assert fold_wins(tokens=4096, fan_in=64, fan_out=256, rank=32)
+    assert not fold_wins(tokens=4096, fan_in=1536, fan_out=1536, rank=32)  # SD3.5-M's width
+    assert not fold_wins(tokens=1, fan_in=64, fan_out=64, rank=32)  # building W + s B A costs more than one token
+
+
+def test_folded_layer_matches_peft_and_auto_keeps_wide_layers():
+    from peft import LoraConfig, get_peft_model
+
+    from flowgrpo.objectives.lora_fold import lora_folded
+
+    torch.manual_seed(0)
+    for width, rank, mode in ((64, 32, "always"), (512, 2, "auto")):
+        model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(width, width)),
+                               LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["0"], init_lora_weights="gaussian"))
+        _perturb_lora_params([p for p in model.parameters() if p.requires_grad])
+        x = torch.randn(16, width)
+        plain = model(x)
+        grads_plain = torch.autograd.grad(plain.square().sum(), [p for p in model.parameters() if p.requires_grad])
+        with lora_folded(model, mode) as patched:
+            assert patched == 1
+            fast = model(x)
+            grads_fast = torch.autograd.grad(fast.square().sum(), [p for p in model.parameters() if p.requires_grad])
+        assert "forward" not in vars(model.base_model.model[0])  # unpatched on exit
+        if mode == "auto":  # fewer FLOPs through peft's path: it is taken, bit for bit
+            assert torch.equal(fast, plain)
+        torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads_fast, grads_plain):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _perturb_lora_params(params, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def test_folded_update_matches_peft_update(prompt_file):
+    """One iteration with the update's LoRA folded and one through peft: same loss, KL, gradient norm
+    and adapter weights up to float rounding."""
+    runs = {}
+    for mode in ("always", "never"):
+        torch.manual_seed(0)
+        # adam_eps 1e-2: Adam's first step is ~lr * sign(g) for |g| >> eps, which would turn float noise
+        # in a near-zero gradient element into a step of up to lr
+        trainer = Trainer(_config(prompt_file, f"train.fold_lora={mode}", "train.adam_eps=1e-2"))
+        _perturb_lora(trainer.policy)
+        runs[mode] = (trainer.iteration_step().metrics, trainer.policy.trainable_state_dict())
+    (m_fast, w_fast), (m_plain, w_plain) = runs["always"], runs["never"]
+    assert m_plain["kl"] > 0
+    for key in ("loss", "kl", "grad_norm"):
+        assert m_fast[key] == pytest.approx(m_plain[key], rel=1e-4, abs=1e-8), key
+    for n in w_plain:
+        torch.testing.assert_close(w_fast[n], w_plain[n], rtol=1e-4, atol=1e-6)

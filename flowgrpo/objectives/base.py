@@ -61,7 +61,9 @@ class Collected:
             (:class:`~flowgrpo.trainer.data_parallel.ForestView`).
         rewards: reward name -> [L_whole] float (NaN where a reward failed), whole forest's leaf order.
         components: named reward components [L_whole] for logging.
-        seconds: wall-clock of rollout + decoding.
+        seconds: wall-clock of sampling (the rollout's model calls and steps).
+        collect_seconds: wall-clock of the whole collect stage: sampling, decoding and the scoring
+            that was not overlapped with sampling (``reward.waves``).
         prompt_keys: the curriculum key of each prompt row (:class:`~flowgrpo.data.PromptBatch`).
     """
 
@@ -74,6 +76,7 @@ class Collected:
     rewards: dict[str, Tensor]
     components: dict[str, Tensor]
     seconds: float = 0.0
+    collect_seconds: float = 0.0
     prompt_keys: list[str] = field(default_factory=list)
 
 

@@ -25,6 +25,7 @@ from ..samplers.recompute import transition_log_prob_std, transition_means, tran
 from ..sft import best_path_sft_loss, best_paths
 from .base import MicroLoss, Objective, UpdateContext
 from .grpo_stats import UpdateStatsCollector
+from .lora_fold import lora_folded
 
 
 class GRPOObjective(Objective):
@@ -89,7 +90,7 @@ class GRPOObjective(Objective):
         cfg, it, policy, plan = self.cfg, self._it, ctx.policy, ctx.collected.plan
         cond = ctx.collected.cond.index(mb.prompt)
         x = mb.sample.to(ctx.device)
-        with ctx.autocast():
+        with ctx.autocast(), lora_folded(self._denoiser(policy), ctx.cfg.train.fold_lora):
             v = policy.velocity(x.to(ctx.dtype), mb.sigma, cond).float()
         mean = transition_means(mb, v, plan)
         mean_ref, kl_sigma = None, None
@@ -109,6 +110,13 @@ class GRPOObjective(Objective):
             if sft is not None:
                 loss = loss + sft
         return MicroLoss(loss=loss, record=out)
+
+    @staticmethod
+    def _denoiser(policy):
+        try:
+            return policy.denoiser
+        except Exception:  # a policy without a transformer submodule: nothing to fold
+            return None
 
     def _reference_means(self, ctx: UpdateContext, rows) -> torch.Tensor:
         """mu_ref [m, ...] float32 of ``rows`` under the frozen base model (no gradient)."""

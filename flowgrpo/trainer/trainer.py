@@ -45,6 +45,7 @@ from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
 from ..sharded_tensors import like_param
 from .data_parallel import DataParallel
 from .update_loop import run_update, update_rng
+from .waves import collect_in_waves, wave_ranges
 
 
 @dataclass
@@ -198,20 +199,30 @@ class Trainer:
         """Roll out iteration ``iteration``'s forest (this rank's trees) and score its leaves; the
         rewards are gathered into the whole forest's leaf order."""
         cfg = self.cfg
-        t0 = time.perf_counter()
         plan = self.strategy.plan(iteration)
         drawn = self.prompts.draw(iteration, cfg.data.prompts_per_iteration)
         prompts = drawn.prompts
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, iteration, ROLLOUT))
         self.policy.eval()
         cond = self.policy.encode_prompts(prompts)  # once per iteration: the rollout and the update share it
-        shard = self.dp.tree_shard(len(prompts) * cfg.data.trees_per_prompt)
+        per_prompt = cfg.data.trees_per_prompt
+        shard = self.dp.tree_shard(len(prompts) * per_prompt)
+        noise_state = gen.get_state()  # every wave draws its trees' noise from the same state
+
+        def sample(trees: range) -> Rollout:
+            wave_gen = torch.Generator()
+            wave_gen.set_state(noise_state)
+            return self.sampler.rollout(plan, prompts, per_prompt, wave_gen, cfg.sampler.shared_group_noise,
+                                        cond=cond, trees=trees)
+
+        def score(ro: Rollout):
+            images = self.decode_leaves(ro)
+            return (images, *self.score(images, ro.leaf_prompts, ro.leaf_groups))
+
+        waves = wave_ranges(shard, per_prompt, cfg.reward.waves)
         with self.objective.rollout_weights(self.policy):  # e.g. DiffusionNFT samples with its old policy
-            rollout = self.sampler.rollout(plan, prompts, cfg.data.trees_per_prompt, gen,
-                                           cfg.sampler.shared_group_noise, cond=cond, trees=shard)
-        images = self.decode_leaves(rollout)
-        seconds = time.perf_counter() - t0
-        local_rewards, local_comps = self.score(images, rollout.leaf_prompts, rollout.leaf_groups)
+            wc = collect_in_waves(waves, sample, score, overlap=cfg.reward.overlap and len(waves) > 1)
+        rollout, images, local_rewards, local_comps = wc.rollout, wc.images, wc.rewards, wc.components
         view = self.dp.forest_view(rollout)
         rewards = view.gather_leaf_values(local_rewards)
         for name, r in rewards.items():
@@ -221,8 +232,8 @@ class Trainer:
                                 f"data.prompts={cfg.data.prompts!r}); choose rewards for them with reward.weights=... "
                                 f"(valid: {', '.join(REWARDS.names())})")
         return Collected(iteration=iteration, plan=plan, cond=cond, rollout=rollout, images=images, view=view,
-                         rewards=rewards, components=view.gather_leaf_values(local_comps), seconds=seconds,
-                         prompt_keys=drawn.keys)
+                         rewards=rewards, components=view.gather_leaf_values(local_comps),
+                         seconds=wc.sample_seconds, collect_seconds=wc.seconds, prompt_keys=drawn.keys)
 
     def credit(self, col: Collected) -> Credit:
         """Advantages over the whole iteration's forest, the edges that may train (a leaf with
@@ -300,7 +311,8 @@ class Trainer:
         if cr.pruned_edges is not None:
             metrics["pruned_edges"] = cr.pruned_edges
         metrics.update(train_stats)
-        metrics.update({"nfe_rollout": col.view.whole.nfe, "rollout_s": col.seconds, "train_s": t_train,
+        metrics.update({"nfe_rollout": col.view.whole.nfe, "rollout_s": col.seconds,
+                        "collect_s": col.collect_seconds, "train_s": t_train,
                         "iter_s": time.perf_counter() - t0, "trained_steps": len(cr.steps)})
         self.iteration += 1
         w = cfg.reward.weights
