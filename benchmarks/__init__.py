@@ -27,3 +27,25 @@ def write_json(json_path: str | Path | None, data: dict) -> None:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2))
+
+
+def write_csv(path: str | Path, rows: list[dict], columns: list[str] | tuple[str, ...] | None = None) -> None:
+    """Write ``rows`` (dicts) as CSV with a header of ``columns`` (default: the first row's keys)."""
+    import csv
+
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(columns or rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def print_table(rows: list[dict], columns: list[str] | tuple[str, ...], first_width: int = 20) -> None:
+    """Print ``rows`` as an aligned table: the first column left-aligned, numbers with 3 decimals."""
+    def cell(v, width, left=False):
+        text = f"{v:.3f}" if isinstance(v, float) else str(v)
+        return text.ljust(width) if left else text.rjust(width)
+
+    widths = [first_width] + [max(len(c), 8) for c in columns[1:]]
+    print(" ".join(cell(c, w, i == 0) for i, (c, w) in enumerate(zip(columns, widths))))
+    for r in rows:
+        print(" ".join(cell(r[c], w, i == 0) for i, (c, w) in enumerate(zip(columns, widths))))

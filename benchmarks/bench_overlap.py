@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import statistics
 import time
 
@@ -34,7 +33,7 @@ from flowgrpo.config import load_config
 from flowgrpo.rewards import build_reward
 from flowgrpo.rewards.base import RewardOutput
 
-from . import output_dir, write_json
+from . import output_dir, print_table, write_csv, write_json
 
 COLUMNS = ("setting", "waves", "concurrency", "iterations", "sample_s", "collect_s", "bound_s", "collect_vs_serial",
            "collect_vs_bound")
@@ -134,15 +133,8 @@ def run_bench_overlap(json_path=None, out_dir=None, delay: float = 0.2, iteratio
                      "collect_vs_bound": round(med[name]["collect"] / bound, 3)})
     print(f"collect stage of {preset}, served shapes reward with {delay * 1000:.0f} ms per call, medians of "
           f"{iterations} iterations")
-    print(f"{'setting':<20} {'waves':>5} {'conc':>4} {'sample s':>9} {'collect s':>10} {'bound s':>8} "
-          f"{'vs serial':>9} {'vs bound':>8}")
-    for r in rows:
-        print(f"{r['setting']:<20} {r['waves']:>5} {r['concurrency']:>4} {r['sample_s']:>9.3f} {r['collect_s']:>10.3f} "
-              f"{r['bound_s']:>8.3f} {r['collect_vs_serial']:>9.3f} {r['collect_vs_bound']:>8.3f}")
-    with open(out / "overlap.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    print_table(rows, COLUMNS)
+    write_csv(out / "overlap.csv", rows, COLUMNS)
     _plot(rows, out / "overlap.png", delay)
     data = {"preset": preset, "overrides": list(overrides), "delay_s": delay, "iterations": iterations, "rows": rows}
     write_json(json_path, data)

@@ -15,7 +15,6 @@ is the most that can scale. zero2 is skipped where DeepSpeed is not installed.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import output_dir, write_json
+from . import output_dir, write_csv, write_json
 
 
 #: the engines' accelerate configs, relative to the repository root (where the benchmarks run)
@@ -83,10 +82,7 @@ def run_bench_scaling(json_path=None, out_dir=None, processes=(1, 2), iterations
     for r in rows:
         print(f"{r['processes']:>9} {r['engine']:>6} {r['iter_s']:>8.2f} {r['rollout_s']:>9.2f} {r['train_s']:>8.2f} "
               f"{r['samples_per_s']:>9.1f} {r['speedup']:>8.2f} {r['efficiency']:>6.2f}")
-    with open(out / "scaling.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "scaling.csv", rows)
     import matplotlib
 
     matplotlib.use("Agg")
