@@ -73,6 +73,8 @@ class RewardConfig:
     options: dict = _f({}, "reward name -> {option: value} passed to the reward's factory (e.g. reward.options.hpsv2.checkpoint=/path/HPS_v2.1_compressed.pt); `flowgrpo.rewards.build_reward` lists a reward's valid options on a miss")
     frame_stride: int = _f(1, "videos [B, F, 3, H, W]: every reward scores frames 0, s, 2s, ... and averages per video (flowgrpo.rewards.video)", ge=1)
     renormalize: bool = _f(False, "normalize_then_sum with several rewards: z-score the weighted sum of z-scores again per group (the references do not)")
+    waves: int = _f(1, "roll out each process's trees in this many waves of whole groups and score wave k (decode + every reward) on a worker thread while wave k + 1 samples: collect time tends to max(sampling, scoring) instead of their sum (flowgrpo.trainer.waves); 1 = one batch, scored after it", ge=1)
+    overlap: bool = _f(True, "with waves > 1: score on a worker thread while the next wave samples (false: score each wave right after it, the same numbers, for comparison)")
 
 
 @dataclass
