@@ -9,7 +9,7 @@ import torch
 from conftest import BRIGHTNESS, TinyPolicy
 
 from flowgrpo.config import SamplerConfig
-from flowgrpo.errors import UserError
+from flowgrpo.errors import ConfigError, UserError
 from flowgrpo.rewards import REWARDS, RewardOutput
 from flowgrpo.samplers.forest import concat_rollouts
 from flowgrpo.samplers.forest_sampler import ForestSampler
@@ -145,3 +145,16 @@ def test_collect_in_waves_places_each_waves_scores_at_its_leaves():
     assert torch.equal(out.rewards["tree"], out.rollout.leaf_tree.float())
     assert torch.equal(out.components["tree.double"], 2 * out.rollout.leaf_tree.float())
     assert torch.equal(out.images, out.rollout.leaves.x.cpu())
+
+
+def test_waves_are_refused_under_a_lock_step_engine(tiny_config, monkeypatch):
+    """FSDP / ZeRO gather weights on every model call: ranks whose shards cut into different numbers
+    of waves would hang, so the combination is refused up front, naming the key."""
+    import flowgrpo.trainer.accelerator as acc
+
+    class FakeFSDPEngine:
+        lockstep = True
+
+    monkeypatch.setattr(acc, "weight_engine", lambda accelerator, dp: FakeFSDPEngine())
+    with pytest.raises(ConfigError, match=r"reward.waves=2 .*FakeFSDPEngine.*reward.waves=1"):
+        Trainer(tiny_config(**{"reward.waves": 2}))

@@ -34,7 +34,7 @@ from ..curriculum import SignalCurriculum, groups_with_signal
 from ..data import PromptSource
 from ..objectives import Collected, Credit, UpdateContext, build_objective
 from ..policies import build_policy
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..rewards import REWARDS, build_reward, check_rewards_fit_model
 from ..rewards.video import score_frames
 from ..samplers.forest import Rollout
@@ -84,6 +84,12 @@ class Trainer:
         self.dp = DataParallel(self.accelerator)
         self.engine = weight_engine(self.accelerator, self.dp)  # whole weights, FSDP shards or DeepSpeed ZeRO
         self.dp.equal_shards = self.engine.lockstep
+        if cfg.reward.waves > 1 and self.engine.lockstep:
+            # waves cut at group boundaries, which fall differently in each rank's shard: the ranks would
+            # make different numbers of model calls, and a sharded engine gathers weights on every call
+            raise ConfigError(f"reward.waves={cfg.reward.waves} cannot run under {type(self.engine).__name__} "
+                              "(FSDP / DeepSpeed ZeRO need the same model calls on every rank): use reward.waves=1 "
+                              "or DDP")
         self.dp.tree_shard(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt)  # fail now if too few trees
         torch.manual_seed(tc.seed)  # adapter initialisation
         # rewards first: a reward that cannot read this model's images fails before the model loads
