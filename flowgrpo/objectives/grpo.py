@@ -127,9 +127,10 @@ class GRPOObjective(Objective):
 
     def begin_minibatch(self, ctx: UpdateContext, rows, passes: int) -> int:
         """With ``loss.batched_reference`` (and beta > 0, not lock-step): the reference means of the
-        minibatch's rows not yet computed this iteration, in batches of ``sampler.max_micro_batch``
-        rows (one adapter toggle and few large calls instead of one per micro-batch; every inner
-        epoch reuses them, the base model being frozen). Returns the model calls made."""
+        minibatch's rows not yet computed this iteration, in no-grad batches of ``train.micro_batch``
+        rows, which every inner epoch then reuses (the base model is frozen): epochs after the first
+        make no reference call. (Larger batches than the update's own were slower on a 2-core CPU:
+        their activations leave the caches.) Returns the model calls made."""
         if self.cfg.beta <= 0 or not self.cfg.batched_reference or ctx.lockstep or rows is None or not len(rows):
             return 0
         it = self._it
@@ -138,7 +139,7 @@ class GRPOObjective(Objective):
             it["ref_done"] = torch.zeros(it["rows"], dtype=torch.bool)
         todo = rows.select((~it["ref_done"][rows.row]).nonzero(as_tuple=True)[0])
         calls = 0
-        for part in torch.split(torch.arange(len(todo)), ctx.cfg.sampler.max_micro_batch) if len(todo) else ():
+        for part in torch.split(torch.arange(len(todo)), ctx.cfg.train.micro_batch) if len(todo) else ():
             chunk = todo.select(part)
             it["mean_ref"][chunk.row.to(ctx.device)] = self._reference_means(ctx, chunk)
             it["ref_done"][chunk.row] = True
