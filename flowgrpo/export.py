@@ -69,14 +69,20 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
         lora_dir = policy.save_lora(Path(tmp) / LORA_DIRNAME, weights)
         del policy
         pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch_dtype(cfg.model.dtype), local_files_only=True)
-        pipe.load_lora_weights(str(lora_dir))
-        # further experts' adapters (Wan 2.2's transformer_2) sit in sub-folders named after them
-        experts = [sub.name for sub in sorted(lora_dir.iterdir()) if (sub / LORA_FILENAME).is_file()]
-        for name in experts:
-            pipe.load_lora_weights(str(lora_dir / name), **{f"load_into_{name}": True})
-        with torch.no_grad():
-            pipe.fuse_lora(**({"components": ["transformer", *experts]} if experts else {}))
-        pipe.unload_lora_weights()
+        if hasattr(pipe, "load_lora_weights"):
+            pipe.load_lora_weights(str(lora_dir))
+            # further experts' adapters (Wan 2.2's transformer_2) sit in sub-folders named after them
+            experts = [sub.name for sub in sorted(lora_dir.iterdir()) if (sub / LORA_FILENAME).is_file()]
+            for name in experts:
+                pipe.load_lora_weights(str(lora_dir / name), **{f"load_into_{name}": True})
+            with torch.no_grad():
+                pipe.fuse_lora(**({"components": ["transformer", *experts]} if experts else {}))
+            pipe.unload_lora_weights()
+        else:  # a pipeline without a LoRA loader (HunyuanVideo 1.5): its transformer's own
+            pipe.transformer.load_lora_adapter(str(lora_dir), prefix="transformer", weight_name=LORA_FILENAME)
+            with torch.no_grad():
+                pipe.transformer.fuse_lora()
+            pipe.transformer.unload_lora()
     pipe.save_pretrained(to)
     print(f"wrote {to} ({type(pipe).__name__} with the {which} LoRA of {ckpt} fused into its weights)")
     return to

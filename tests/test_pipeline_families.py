@@ -12,6 +12,7 @@ trained steps decide which expert's LoRA moves. The measured values are printed 
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -56,6 +57,12 @@ class Case:
     frames: int | None = None
     #: the stock pipeline steps with flow-matching Euler at its flow_shift instead of its own solver
     euler: bool = False
+    #: the largest batch the stock pipeline runs (HunyuanVideo 1.5's VAE decodes one video at a time)
+    stock_batch: int = 8
+    #: the guidance value is the guider component's, not a keyword (HunyuanVideo 1.5)
+    guider: bool = False
+    #: the pipeline has no load_lora_weights: the LoRA goes into its transformer with load_lora_adapter
+    adapter_loader: bool = False
 
 
 CASES = {
@@ -75,6 +82,10 @@ CASES = {
     # one expert, 48 latent channels, per-token timesteps
     "wan22-5b": Case("pipeline", 4.0, ("cfg", 0.0, 1.0), resolution=64, seq=16, stock_kwargs={"guidance_scale": 4.0},
                      frames=5, euler=True),
+    # the transformer's input is [sample, zero condition latents, zero mask]; guidance is the guider's; text
+    # is padded to the pipeline's fixed 1000 MLLM + 256 ByT5 tokens (no max_sequence_length)
+    "hunyuan-video15": Case("pipeline", 4.0, ("cfg", 0.0, 1.0), resolution=16, frames=5, stock_batch=1, guider=True,
+                            adapter_loader=True),
 }
 
 
@@ -135,17 +146,37 @@ def stock(path, case: Case):
     pipe.set_progress_bar_config(disable=True)
     if case.euler:
         pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
+    if case.guider:
+        pipe.guider = pipe.guider.new(guidance_scale=case.guidance)
     return pipe
 
 
 def stock_images(pipe, noise, case: Case, prompts=PROMPTS):
     """Images [B, 3, H, W] (videos [B, F, 3, H, W]) of the stock pipeline from ``noise``."""
-    video = {"num_frames": case.frames} if case.frames else {}
+    options = {"num_frames": case.frames} if case.frames else {}
+    if "max_sequence_length" in inspect.signature(type(pipe).__call__).parameters:
+        options["max_sequence_length"] = case.seq
+    out = []
     with torch.no_grad():
-        # a copy: ZImagePipeline writes its chat-templated prompts into the list it is given
-        return pipe(prompt=list(prompts), height=case.resolution, width=case.resolution, num_inference_steps=STEPS,
-                    latents=noise.clone(), output_type="pt", max_sequence_length=case.seq, **video,
-                    **case.stock_kwargs)[0]
+        for i in range(0, len(prompts), case.stock_batch):
+            # a copy: ZImagePipeline writes its chat-templated prompts into the list it is given
+            out.append(pipe(prompt=list(prompts[i:i + case.stock_batch]), height=case.resolution, width=case.resolution,
+                            num_inference_steps=STEPS, latents=noise[i:i + case.stock_batch].clone(), output_type="pt",
+                            **options, **case.stock_kwargs)[0])
+    return torch.cat(out)
+
+
+def load_lora(pipe, directory, policy, case: Case) -> None:
+    """The exported LoRA into the stock pipeline: ``load_lora_weights`` (each further expert's from its
+    sub-folder), or the transformer's ``load_lora_adapter`` where the pipeline has no LoRA loader."""
+    if case.adapter_loader:
+        assert not hasattr(pipe, "load_lora_weights")
+        pipe.transformer.load_lora_adapter(str(directory), prefix="transformer",
+                                           weight_name="pytorch_lora_weights.safetensors")
+        return
+    pipe.load_lora_weights(str(directory))
+    for expert in experts(policy)[1:]:  # Wan 2.2: DIR/transformer_2, loaded into the second expert
+        pipe.load_lora_weights(str(directory / expert), **{f"load_into_{expert}": True})
 
 
 def experts(policy) -> tuple[str, ...]:
@@ -172,10 +203,14 @@ def test_a_euler_matches_the_stock_pipeline(family):
     assert resolve_adapter(cfg.model)[0] == case.adapter
     frozen = ModelConfig(name=str(base), train_mode="frozen", resolution=case.resolution, max_sequence_length=case.seq,
                          guidance_scale=case.guidance, num_frames=case.frames)
-    pipe = stock(base, Case("", 0.0, ("", 0.0, 0.0)))  # as saved (Wan: UniPC, which the adapter replaces)
-    generic = PipelinePolicy(pipe, family_of(type(pipe).__name__), resolution=case.resolution,
-                             max_sequence_length=case.seq, guidance_scale=case.guidance, train_mode="frozen",
-                             num_frames=case.frames)
+    policies = [build_policy(frozen)]  # what model.name=<folder> builds
+    if case.adapter != "pipeline":  # a dedicated adapter: the generic one too, built directly
+        pipe = stock(base, Case("", 0.0, ("", 0.0, 0.0)))
+        policies.append(PipelinePolicy(pipe, family_of(type(pipe).__name__), resolution=case.resolution,
+                                       max_sequence_length=case.seq, guidance_scale=case.guidance, train_mode="frozen",
+                                       num_frames=case.frames))
+    generic = policies[-1]
+    assert isinstance(generic, PipelinePolicy)
     # the sampled steps reach every expert (both of Wan 2.2 A14B)
     routed = generic.switch.route(generic.sigma_grid(STEPS)[:-1]).unique().tolist()
     assert routed == list(range(len(generic.switch.names))), routed
@@ -186,7 +221,7 @@ def test_a_euler_matches_the_stock_pipeline(family):
     for prompts in (PROMPTS, ["a red cube", "a big tree"]):
         theirs = stock_images(stock(base, case), noise, case, prompts)
         assert theirs.std() > 1e-3  # a real image, not a constant
-        for policy in (build_policy(frozen), generic):
+        for policy in policies:
             ours = policy_images(policy, noise, prompts)
             frames = (case.frames,) if case.frames else ()
             assert ours.shape == theirs.shape == (2, *frames, 3, case.resolution, case.resolution)
@@ -230,16 +265,14 @@ def test_d_export_loads_into_the_stock_pipeline(family, tmp_path):
     ours = policy_images(policy, noise)
     pipe = stock(base, case)
     before = stock_images(pipe, noise, case)
-    pipe.load_lora_weights(str(tmp_path / "lora"))
-    for expert in experts(policy)[1:]:  # Wan 2.2: DIR/transformer_2, loaded into the second expert
-        pipe.load_lora_weights(str(tmp_path / "lora" / expert), **{f"load_into_{expert}": True})
+    load_lora(pipe, tmp_path / "lora", policy, case)
     theirs = stock_images(pipe, noise, case)
     change, diff = float((theirs - before).abs().max()), float((theirs - ours).abs().max())
     print(f"\n[{name}] (d) exported LoRA in the stock pipeline vs policy: max abs {diff:.3g} "
           f"(the LoRA changes the images by {change:.3g})")
     assert change > 1e-4  # the trained LoRA changes the images
     assert diff <= 1e-4
-    if len(experts(policy)) > 1:  # --fuse fuses every expert's adapter
+    if len(experts(policy)) > 1 or case.adapter_loader:  # --fuse fuses every expert's adapter, with either loader
         assert main(["export", str(run_dir), "--to", str(tmp_path / "fused"), "--fuse"]) == 0
         fused = stock_images(stock(tmp_path / "fused", case), noise, case)
         fused_diff = float((fused - theirs).abs().max())

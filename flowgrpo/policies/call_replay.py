@@ -5,7 +5,10 @@ pipeline that denoised ``B`` prompts, the call's batch being ``k * B`` (k = 2 wh
 concatenates its conditional and unconditional passes, else 1). Each top-level argument is one of:
 
 * ``latent``: the latent input, ``k`` copies of the scheduler's sample [B, ...] concatenated on the
-  batch axis (a tensor in the transformer's dtype, or a list of per-sample tensors, e.g. Z-Image's);
+  batch axis (a tensor in the transformer's dtype, or a list of per-sample tensors, e.g. Z-Image's),
+  possibly followed on the channel axis by channels that are the same for every sample
+  (HunyuanVideo 1.5's text-to-video input is [sample, zero condition latents, zero mask]), kept as
+  one recorded row;
 * ``timestep``: ``a * sigma + b`` per row (``a``, ``b`` fitted from two steps by the policy), of
   shape [k*B] or, for a per-token timestep such as Wan 2.2 TI2V-5B's [k*B, tokens], the row value
   repeated over the recorded per-row shape;
@@ -53,6 +56,25 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _constant_channels(stacked: Tensor, samples: Tensor) -> Tensor | None:
+    """None when the latent input ``stacked`` [n, ...] holds ``samples`` [n, ...] (any shape of the
+    same size); else the channels it appends after them on axis 1, one row [1, c, ...], when they are
+    the same for every row. ValueError when it is neither."""
+    n = stacked.shape[0]
+    flat = samples.reshape(n, -1).to(stacked.dtype).float()
+    if stacked[0].numel() == samples[0].numel():
+        if torch.equal(stacked.reshape(n, -1).float(), flat):
+            return None
+    elif stacked.dim() == samples.dim() and stacked.shape[2:] == samples.shape[2:] \
+            and stacked.shape[1] > samples.shape[1]:
+        c = samples.shape[1]
+        tail = stacked[:, c:]
+        if torch.equal(stacked[:, :c].reshape(n, -1).float(), flat) and torch.equal(tail, tail[:1].expand_as(tail)):
+            return tail[:1].clone()
+    raise ValueError("its latent input is not the scheduler's sample repeated on the batch axis (with at most "
+                     "sample-independent channels appended)")
+
+
 @dataclass
 class CallLayout:
     """The slots of one transformer call and its batch multiple ``k`` (see the module docstring)."""
@@ -73,14 +95,15 @@ class CallLayout:
             raise ValueError(f"its latent input has batch {n}, not a multiple of the {b} samples")
         k = n // b
         stacked = latent if isinstance(latent, Tensor) else torch.stack(list(latent))
-        if not torch.equal(stacked.reshape(n, -1).float(), sample.repeat(k, *[1] * (sample.dim() - 1))
-                           .reshape(n, -1).to(stacked.dtype).float()):
-            raise ValueError("its latent input is not the scheduler's sample repeated on the batch axis")
+        extra = _constant_channels(stacked, sample.repeat(k, *[1] * (sample.dim() - 1)))
         layout = cls(index, k)
         for key, value in _items(call):
             if key == latent_key:
                 item_shape = tuple(stacked.shape[1:])
-                layout.slots.append(ArgSlot(key, "latent", (isinstance(latent, Tensor), item_shape), stacked.dtype))
+                if extra is not None:  # the sample's own channels, then the constant ones
+                    item_shape = (item_shape[0] - extra.shape[1], *item_shape[1:])
+                layout.slots.append(ArgSlot(key, "latent", (isinstance(latent, Tensor), item_shape, extra),
+                                            stacked.dtype))
             elif key == timestep_key:
                 rows = value.reshape(value.shape[0], -1) if value.dim() > 1 else value.reshape(-1, 1)
                 if not torch.equal(rows, rows[:, :1].expand_as(rows)):
@@ -127,8 +150,11 @@ class CallLayout:
         for slot in self.slots:
             name = f"c{self.index}.{slot.key}"
             if slot.kind == "latent":
-                as_tensor, item_shape = slot.value
-                rows = x.to(slot.dtype).reshape(b, *item_shape).repeat(self.k, *[1] * len(item_shape))
+                as_tensor, item_shape, extra = slot.value
+                rows = x.to(slot.dtype).reshape(b, *item_shape)
+                if extra is not None:
+                    rows = torch.cat([rows, extra.to(rows.device).expand(b, *extra.shape[1:])], dim=1)
+                rows = rows.repeat(self.k, *[1] * (rows.dim() - 1))
                 value = rows if as_tensor else list(rows.unbind(0))
             elif slot.kind == "timestep":
                 row = slot.value

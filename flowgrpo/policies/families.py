@@ -22,6 +22,8 @@ class PipelineFamily:
     Attributes:
         pipeline: the pipeline class name (``_class_name`` of ``model_index.json``).
         guidance_kwarg: the ``__call__`` keyword that receives ``model.guidance_scale``.
+        guidance_attr: instead, a dotted attribute of the pipeline that holds it for each call
+            (HunyuanVideo 1.5's ``guider.guidance_scale``: its guidance is a component, not a keyword).
         call_kwargs: fixed ``__call__`` options of every recorded run (e.g. a negative prompt).
         timestep_arg: the transformer's timestep argument (a keyword, or a positional index).
         lora_targets: peft target module names of the LoRA adapter (on every expert).
@@ -32,10 +34,12 @@ class PipelineFamily:
             pipeline is absent (Wan 2.1 / 2.2 TI2V-5B have no ``transformer_2``).
         boundary_config: the pipeline config key of the switch between two experts: the second
             runs where the scheduler's timestep is below ``value * num_train_timesteps``.
+        decode_batch: the largest batch the pipeline's VAE decodes (``model.*`` has no key for it).
     """
 
     pipeline: str
     guidance_kwarg: str = "guidance_scale"
+    guidance_attr: str | None = None
     call_kwargs: dict = field(default_factory=dict)
     timestep_arg: str | int = "timestep"
     lora_targets: tuple[str, ...] = ATTENTION_TARGETS
@@ -44,6 +48,7 @@ class PipelineFamily:
     num_frames: int = 81
     experts: tuple[str, ...] = ("transformer",)
     boundary_config: str | None = None
+    decode_batch: int = 8
 
 
 FAMILIES: Registry[PipelineFamily] = Registry("pipeline family")
@@ -63,6 +68,10 @@ _ENTRIES = (
     PipelineFamily("WanPipeline", resolution=480, max_sequence_length=512, experts=("transformer", "transformer_2"),
                    boundary_config="boundary_ratio",
                    lora_targets=(*ATTENTION_TARGETS, "ffn.net.0.proj", "ffn.net.2")),
+    # guidance is the guider component's; the text goes through two encoders (MLLM and ByT5 glyphs)
+    # (diffusers 0.42.1: its VAE's mid-block attention mask [B, L, L] does not broadcast for B > 1)
+    PipelineFamily("HunyuanVideo15Pipeline", guidance_attr="guider.guidance_scale", resolution=480, num_frames=121,
+                   decode_batch=1),
     PipelineFamily("Flux2Pipeline", max_sequence_length=512, lora_targets=(
         *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "to_qkv_mlp_proj")),
 )

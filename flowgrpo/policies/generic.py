@@ -24,6 +24,7 @@ given latents, ``output_type="pt"``. What a family needs beyond this is a
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class PipelinePolicy(DiffusersPolicy):
     def __init__(self, pipeline, family: PipelineFamily, *, resolution: int | None = None,
                  guidance_scale: float = 1.0, train_mode: str = "lora", lora_rank: int = 32, lora_alpha: float = 64.0,
                  lora_targets=None, max_sequence_length: int | None = None, num_frames: int | None = None,
-                 dtype: torch.dtype | str = torch.float32, decode_batch: int = 8, **switches):
+                 dtype: torch.dtype | str = torch.float32, decode_batch: int | None = None, **switches):
         super().__init__(1.0)  # guidance lives in the recorded step, not in Policy.velocity's CFG
         self.model_name = type(pipeline).__name__
         self.family, self.cfg_scale = family, float(guidance_scale)
@@ -88,7 +89,7 @@ class PipelinePolicy(DiffusersPolicy):
         self.resolution = int(resolution or family.resolution)
         self.max_sequence_length = int(max_sequence_length or family.max_sequence_length)
         self.num_frames = int(num_frames or family.num_frames)
-        self.decode_batch = int(decode_batch)
+        self.decode_batch = int(decode_batch or family.decode_batch)
         self._grids: dict[int, Tensor] = {}
         self._learn()
         self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha,
@@ -105,7 +106,8 @@ class PipelinePolicy(DiffusersPolicy):
             kwargs["max_sequence_length"] = self.max_sequence_length
         if "num_frames" in params:
             kwargs["num_frames"] = self.num_frames
-        kwargs[self.family.guidance_kwarg] = self.cfg_scale if guidance is None else guidance
+        if self.family.guidance_attr is None:  # else _record sets it on the pipeline
+            kwargs[self.family.guidance_kwarg] = self.cfg_scale if guidance is None else guidance
         kwargs.update(self.family.call_kwargs)
         kwargs.update(extra)
         return kwargs
@@ -138,9 +140,21 @@ class PipelinePolicy(DiffusersPolicy):
                              "scheme (single, CFG, CFG with norm rescale)")
         self.combine = combine
 
-    def _record(self, call_kwargs: dict, **options):
-        """:func:`~flowgrpo.policies.step_record.record_pipeline` of this pipeline and its experts."""
-        return record_pipeline(self.pipe, call_kwargs, experts=self.switch.names, **options)
+    def _record(self, call_kwargs: dict, guidance: float | None = None, **options):
+        """:func:`~flowgrpo.policies.step_record.record_pipeline` of this pipeline and its experts; where
+        the family's guidance is a pipeline attribute (``guidance_attr``), it holds ``guidance`` (default:
+        the policy's) for the call."""
+        options = {"experts": self.switch.names, "sample_shape": getattr(self, "latent_shape", None), **options}
+        if self.family.guidance_attr is None:
+            return record_pipeline(self.pipe, call_kwargs, **options)
+        *path, name = self.family.guidance_attr.split(".")
+        owner = functools.reduce(getattr, path, self.pipe)
+        old = getattr(owner, name)
+        setattr(owner, name, self.cfg_scale if guidance is None else float(guidance))
+        try:
+            return record_pipeline(self.pipe, call_kwargs, **options)
+        finally:
+            setattr(owner, name, old)
 
     def _timestep_value(self, step) -> float:
         call = step.calls[0]
@@ -264,7 +278,7 @@ class PipelinePolicy(DiffusersPolicy):
             kwargs = self._call_kwargs([""] * len(chunk), 1, guidance=1.0, latents=self.pipeline_latents(chunk.float()),
                                        output_type="pt")
             kwargs.pop("negative_prompt", None)
-            rec = self._record(kwargs, max_steps=2, run_transformer=False)
+            rec = self._record(kwargs, guidance=1.0, max_steps=2, run_transformer=False)
             images.append(torch.as_tensor(rec.output[0]).float())
         return torch.cat(images).clamp(0.0, 1.0)
 

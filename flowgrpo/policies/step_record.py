@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,17 @@ def _patched(obj, name: str, replacement):
             object.__delattr__(obj, name)
 
 
-def _recording_forward(record: PipelineRecord, name: str, real_forward, run_transformer: bool):
+def _stub_output(args: tuple, kwargs: dict, sample_shape: tuple[int, ...] | None):
+    """Zeros standing for the transformer's output: shaped like its latent input, or [n, *sample_shape]
+    where the input holds more than the sample (HunyuanVideo 1.5 appends condition channels)."""
+    latent = latent_input(args, kwargs)
+    if isinstance(latent, Tensor) and sample_shape is not None and latent[0].numel() != math.prod(sample_shape):
+        return torch.zeros(latent.shape[0], *sample_shape, dtype=latent.dtype, device=latent.device)
+    return zeros_like_tree(latent)
+
+
+def _recording_forward(record: PipelineRecord, name: str, real_forward, run_transformer: bool,
+                       sample_shape: tuple[int, ...] | None):
     """A stand-in for expert ``name``'s ``forward`` that records each call into ``record.pending``."""
 
     @functools.wraps(real_forward)  # the signature stays inspectable (pipelines inspect it)
@@ -106,18 +117,20 @@ def _recording_forward(record: PipelineRecord, name: str, real_forward, run_tran
             out = real_forward(*args, **kwargs)
             call.output = out[0] if isinstance(out, (tuple, list)) else out.sample
             return out
-        return (zeros_like_tree(latent_input(args, kwargs)),)
+        return (_stub_output(args, kwargs, sample_shape),)
 
     return forward
 
 
 @torch.no_grad()
 def record_pipeline(pipeline, call_kwargs: dict, *, max_steps: int, run_transformer: bool,
-                    experts: tuple[str, ...] = ("transformer",)) -> PipelineRecord:
+                    experts: tuple[str, ...] = ("transformer",),
+                    sample_shape: tuple[int, ...] | None = None) -> PipelineRecord:
     """Run ``pipeline(**call_kwargs)`` until ``max_steps`` scheduler steps are recorded (see the module
     docstring). ``max_steps=0`` stops at the first ``scheduler.step`` without recording it as a step
     (its calls stay in ``record.pending``); ``experts``: the pipeline attributes whose calls are
-    recorded (those that are None are skipped). Returns the :class:`PipelineRecord`."""
+    recorded (those that are None are skipped); ``sample_shape``: the scheduler's per-sample shape,
+    when known, for the zeros that stand in for the transformer. Returns the :class:`PipelineRecord`."""
     record = PipelineRecord()
     scheduler = pipeline.scheduler
     real_step = scheduler.step
@@ -146,7 +159,8 @@ def record_pipeline(pipeline, call_kwargs: dict, *, max_steps: int, run_transfor
     with contextlib.ExitStack() as stack:
         for name, module in modules.items():
             stack.enter_context(_patched(module, "forward",
-                                         _recording_forward(record, name, module.forward, run_transformer)))
+                                         _recording_forward(record, name, module.forward, run_transformer,
+                                                            sample_shape)))
         stack.enter_context(_patched(scheduler, "step", step))
         stack.enter_context(_patched(scheduler, "set_timesteps", set_timesteps))
         try:
