@@ -294,6 +294,41 @@ def test_wan22_the_trained_steps_pick_the_expert(start, tmp_path):
     assert moved == {"transformer" if start == 0 else "transformer_2"}
 
 
+def test_wan22_switches_reach_both_experts(tmp_path, monkeypatch):
+    """model.gradient_checkpointing / compile_transformer act on transformer_2 as on transformer (compiling
+    is recorded, not run), and the checkpointed velocity and LoRA gradients of both experts are the plain ones."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(self))
+    base = save_tiny_pipeline("wan22-a14b", tmp_path / "base")
+    options = dict(name=str(base), train_mode="lora", resolution=32, num_frames=5, max_sequence_length=16,
+                   guidance_scale=4.0, lora_rank=4, lora_alpha=8)
+    plain = build_policy(ModelConfig(**options))
+    switched = build_policy(ModelConfig(**options, gradient_checkpointing=True, compile_transformer=True))
+    assert compiled == [switched.transformer, switched.transformer_2]
+    assert switched.transformer.is_gradient_checkpointing and switched.transformer_2.is_gradient_checkpointing
+    x = torch.randn(2, *plain.latent_shape, generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([1.0, 0.5])  # one row per expert
+    grads = []
+    for policy in (plain, switched):
+        policy.train()
+        torch.manual_seed(0)
+        for p in policy.trainable_parameters():
+            torch.nn.init.normal_(p, std=0.1)  # the same draws for both: B != 0, so A gets gradients too
+        v = policy.velocity(x, sigma, policy.encode_prompts(PROMPTS))
+        v.square().sum().backward()
+        grads.append((v.detach(), [p.grad for p in policy.trainable_parameters()]))
+    (v0, g0), (v1, g1) = grads
+    torch.testing.assert_close(v1, v0, rtol=0, atol=1e-5)
+    # the mixed batch's rows are each row's own velocity (routed to its expert and put back in place)
+    with torch.no_grad():
+        cond = plain.encode_prompts(PROMPTS)
+        alone = torch.cat([plain.velocity(x[i:i + 1], sigma[i:i + 1], cond.index(torch.tensor([i]))) for i in (0, 1)])
+    torch.testing.assert_close(alone, v0, rtol=0, atol=1e-5)
+    assert all(a is not None for a in g0) and len(g0) == len(g1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
 def test_e_untrainable_pipelines_get_one_line(tmp_path):
     cases = {"unet": ({"_class_name": "StableDiffusionXLPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
                        "scheduler": ["diffusers", "EulerDiscreteScheduler"]}, "names no transformer component"),

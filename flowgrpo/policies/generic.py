@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from .experts import ExpertSwitch, route_rows
 from .latent_layout import learn_layout
 from .lora import lora_disabled
 from .step_record import record_pipeline
-from .switches import runtime_options, torch_dtype
+from .switches import COMPILE_BACKEND_ENV, runtime_options, torch_dtype
 from .velocity_combine import infer_combine
 from .wan import wan_euler_scheduler
 
@@ -204,6 +205,18 @@ class PipelinePolicy(DiffusersPolicy):
         for module in self._experts():
             module.train(mode)
         return self
+
+    def apply_switches(self, **switches) -> None:
+        """:meth:`SwitchedPolicy.apply_switches`, whose per-network switches (gradient checkpointing,
+        xformers attention, ``torch.compile``) act on ``transformer``, and the same on every further expert."""
+        super().apply_switches(**switches)
+        for module in self._experts()[1:]:
+            if switches.get("gradient_checkpointing"):
+                module.enable_gradient_checkpointing()
+            if switches.get("attention_backend", "sdpa") != "sdpa":
+                module.enable_xformers_memory_efficient_attention()
+            if switches.get("compile_transformer"):
+                module.compile(backend=os.environ.get(COMPILE_BACKEND_ENV) or "inductor")
 
     def save_lora(self, directory: str | Path, weights: dict[str, Tensor] | None = None) -> Path:
         """The first expert's LoRA as :meth:`DiffusersPolicy.save_lora`; each further expert's in
