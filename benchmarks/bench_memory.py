@@ -8,8 +8,8 @@ only training is measured), every one in fresh processes, after a process that o
 * ``default``: the default recipe (``flowgrpo train`` with no preset: shapes-nft on the shapes world);
 * ``sd3-tiny-lora``: the flow-grpo preset on the tiny random SD3 with a LoRA adapter (CFG 4.5, KL
   0.04, 4 prompts x 4 chains, T = 10, 64 px, JPEG reward);
-* ``sd3-tiny-lora-fsdp2``: the same run on 2 processes with FSDP2 (``configs/accelerate/fsdp.yaml``;
-  gloo processes on a CPU-only machine).
+* ``sd3-tiny-lora-fsdp2``: the same run on 2 processes with FSDP2 (the settings of
+  ``configs/accelerate/fsdp.yaml``; gloo processes on a CPU-only machine).
 
 Each process runs the CLI under :mod:`flowgrpo.benchmarks.memory_probe`, which writes its own peak
 resident set size (``ru_maxrss``: the whole process, Python and torch included) and, where CUDA is
@@ -35,7 +35,17 @@ from pathlib import Path
 from . import output_dir, write_json
 
 PROMPTS = ("a photo of a cat", "a red circle on a white table", "a mountain lake at dawn", "a blue vintage car")
-FSDP_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "accelerate" / "fsdp.yaml"
+#: the accelerate config of the FSDP2 run: ``configs/accelerate/fsdp.yaml``'s settings, written into the
+#: benchmark's temporary folder (so the benchmark runs from any directory, installed or not)
+FSDP_SETTINGS = {
+    "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_machines": 1, "machine_rank": 0,
+    "mixed_precision": "no", "dynamo_config": {}, "main_training_function": "main", "rdzv_backend": "static",
+    "same_network": True, "use_cpu": False, "gpu_ids": "all",
+    "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                    "fsdp_reshard_after_forward": True, "fsdp_offload_params": False,
+                    "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
+                    "fsdp_activation_checkpointing": False},
+}
 
 
 def _sd3_overrides(prompts_file: Path) -> list[str]:
@@ -68,7 +78,11 @@ def measure(name: str, processes: int, args: list[str], iterations: int, work: P
     elif processes == 1:
         cmd = [sys.executable, *probe, *args, *common]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(FSDP_CONFIG),
+        import yaml
+
+        config = work / "fsdp.yaml"
+        config.write_text(yaml.safe_dump({**FSDP_SETTINGS, "num_processes": processes}))
+        cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config),
                "--num_processes", str(processes), *probe, *args, *common]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
