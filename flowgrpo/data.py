@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from torch import Tensor
 
 from .curriculum import SignalCurriculum
+from .references import read_reference
 from .seeds import PROMPTS
 from .shapes.prompts import load_prompt_file, sample_train_spec
 from .shapes.world import TAGS
@@ -14,10 +16,13 @@ from .shapes.world import TAGS
 
 @dataclass
 class PromptBatch:
-    """One iteration's prompts and their curriculum keys (both of length N, group g = prompt g)."""
+    """One iteration's prompts and their curriculum keys (both of length N, group g = prompt g), and for
+    a prompt file with an ``image`` column each prompt's reference image (float32 [3, H, W] in [0, 1]
+    at the file's own size; None for prompts without images)."""
 
     prompts: list[str]
     keys: list[str]
+    references: list[Tensor] | None = None
 
 
 class PromptSource:
@@ -26,7 +31,8 @@ class PromptSource:
 
     ``spec`` is "shapes" (fresh procedural shapes-world prompts every iteration, from the training
     pools only: held-out prompts are never trained on) or the path of a .txt / .jsonl prompt file
-    (prompts drawn without replacement within an iteration).
+    (prompts drawn without replacement within an iteration). A .jsonl file's ``image`` column gives each
+    prompt a reference image (image editing), drawn with it into :attr:`PromptBatch.references`.
 
     ``curriculum`` (optional, :class:`~flowgrpo.curriculum.SignalCurriculum`) reweights what is drawn.
     Its keys are the tags (the shapes world's six; a .jsonl file's ``tag`` column) when ``key_by`` is
@@ -40,6 +46,7 @@ class PromptSource:
         self.seed = seed
         self.curriculum = curriculum
         self.rows = None if spec == "shapes" else load_prompt_file(spec)
+        self._references: dict[int, Tensor] = {}
         if self.rows is None and key_by == "prompt" and curriculum is not None:
             raise ValueError("the shapes world draws fresh prompts every iteration: its curriculum keys are its "
                              "tags (data.curriculum_key=tag or auto), not the prompts")
@@ -64,7 +71,19 @@ class PromptSource:
         keys = [self._key(r["prompt"], r["tag"]) for r in self.rows]
         p = None if cur is None else cur.weights(keys)
         idx = rng.choice(len(self.rows), size=n, replace=len(self.rows) < n, p=p)
-        return PromptBatch([self.rows[i]["prompt"] for i in idx], [keys[i] for i in idx])
+        refs = [self._reference(int(i)) for i in idx] if self.has_references else None
+        return PromptBatch([self.rows[i]["prompt"] for i in idx], [keys[i] for i in idx], refs)
+
+    @property
+    def has_references(self) -> bool:
+        """Whether the prompts come with reference images (a .jsonl file with an ``image`` column)."""
+        return self.rows is not None and "image" in self.rows[0]
+
+    def _reference(self, row: int) -> Tensor:
+        """Row ``row``'s reference image [3, H, W], read once (the file was checked when loaded)."""
+        if row not in self._references:
+            self._references[row] = read_reference(self.rows[row]["image"])
+        return self._references[row]
 
     def batch(self, iteration: int, n: int) -> list[str]:
         """The ``n`` prompts of ``iteration`` (:meth:`draw` without the keys)."""

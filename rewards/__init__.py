@@ -12,6 +12,8 @@ _BUILT_IN = {
     "jpeg_compressibility": "compressibility:JpegCompressibility",
     "jpeg_incompressibility": "compressibility:JpegIncompressibility",
     "shapes_pairwise": "pairwise:ShapesPairwiseReward",
+    # image editing: an example reward that reads the reference image (wants_references)
+    "edit_consistency": "edit:EditConsistencyReward",
     # reward models (weights from a local path or the hub cache; never downloaded in tests)
     "hpsv2": "hps:HPSv2Reward",
     "pickscore": "pickscore:PickScoreReward",

@@ -25,6 +25,11 @@ class Reward(Protocol):
 
     ``groups`` (long [B], optional) is the GRPO group of each image: pairwise rewards (Pref-GRPO
     win rates) compare images within a group; pointwise rewards ignore it.
+
+    Image editing: a reward whose class sets ``wants_references = True`` is also called with
+    ``references=`` [B, 3, H, W] in [0, 1], the reference image of each image's prompt at the images'
+    size (None when the prompts have none); other rewards never see the keyword
+    (:func:`wants_references`).
     """
 
     name: str
@@ -52,3 +57,8 @@ def check_options(name: str, factory, options: dict) -> None:
     if missing:
         raise ConfigError(f"reward {name!r} needs option(s) {', '.join(missing)} "
                           f"(set reward.options.{name}.{missing[0]}=...)")
+
+
+def wants_references(reward) -> bool:
+    """Whether ``reward`` asks for the prompts' reference images (its ``wants_references`` attribute)."""
+    return bool(getattr(reward, "wants_references", False))

@@ -133,9 +133,20 @@ class Policy(nn.Module, ABC):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    @property
+    def takes_references(self) -> bool:
+        """Whether the model edits a reference image (each prompt comes with one; see
+        :meth:`encode_prompts`). Default: False, a text-to-image (or video) model."""
+        return False
+
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        """Encode prompts once per rollout; the empty prompt is encoded for guidance."""
+    def encode_prompts(self, prompts: list[str], references=None) -> Conditioning:
+        """Encode prompts once per rollout; the empty prompt is encoded for guidance. ``references``
+        (one image [3, h, w] in [0, 1] per prompt) are for image-editing models
+        (:attr:`takes_references`); a model that takes none refuses them with a UserError."""
+        if references is not None:
+            raise UserError(f"model {type(self).__name__} takes no reference images (it is not an image-editing "
+                            "model); give a prompt file without an \"image\" column")
         uncond = self._encode([""]) if self.guidance_scale != 1.0 else None
         return Conditioning(self._encode(list(prompts)), uncond)
 

@@ -8,7 +8,10 @@ concatenates its conditional and unconditional passes, else 1). Each top-level a
   batch axis (a tensor in the transformer's dtype, or a list of per-sample tensors, e.g. Z-Image's),
   possibly followed on the channel axis by channels that are the same for every sample
   (HunyuanVideo 1.5's text-to-video input is [sample, zero condition latents, zero mask]), kept as
-  one recorded row;
+  one recorded row, or by a part that changes with the prompt (an edit pipeline's reference-image
+  tokens: FLUX.1-Kontext and Qwen-Image-Edit concatenate them after the sample's tokens), stored in
+  the :class:`~flowgrpo.policies.base.Conditioning` as [B, k, ...] like a ``batched`` argument; the
+  call's output is then cut back to the sample's length on that axis, as those pipelines do;
 * ``timestep``: ``a * sigma + b`` per row (``a``, ``b`` fitted from two steps by the policy), of
   shape [k*B] or, for a per-token timestep such as Wan 2.2 TI2V-5B's [k*B, tokens], the row value
   repeated over the recorded per-row shape;
@@ -25,6 +28,7 @@ concatenates its conditional and unconditional passes, else 1). Each top-level a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,10 +60,11 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _constant_channels(stacked: Tensor, samples: Tensor) -> Tensor | None:
-    """None when the latent input ``stacked`` [n, ...] holds ``samples`` [n, ...] (any shape of the
-    same size); else the channels it appends after them on axis 1, one row [1, c, ...], when they are
-    the same for every row. ValueError when it is neither."""
+def _appended(stacked: Tensor, samples: Tensor) -> Tensor | str | None:
+    """What the latent input ``stacked`` [n, ...] holds beyond ``samples`` [n, ...]: None when it is
+    the samples (any shape of the same size); the part appended after them on axis 1, as one row
+    [1, c, ...], when it is the same for every row; ``"batched"`` when that part differs between rows
+    (a reference image's tokens). ValueError when the input does not start with the samples."""
     n = stacked.shape[0]
     flat = samples.reshape(n, -1).to(stacked.dtype).float()
     if stacked[0].numel() == samples[0].numel():
@@ -69,10 +74,10 @@ def _constant_channels(stacked: Tensor, samples: Tensor) -> Tensor | None:
             and stacked.shape[1] > samples.shape[1]:
         c = samples.shape[1]
         tail = stacked[:, c:]
-        if torch.equal(stacked[:, :c].reshape(n, -1).float(), flat) and torch.equal(tail, tail[:1].expand_as(tail)):
-            return tail[:1].clone()
+        if torch.equal(stacked[:, :c].reshape(n, -1).float(), flat):
+            return tail[:1].clone() if torch.equal(tail, tail[:1].expand_as(tail)) else "batched"
     raise ValueError("its latent input is not the scheduler's sample repeated on the batch axis (with at most "
-                     "sample-independent channels appended)")
+                     "a part appended after it on axis 1)")
 
 
 @dataclass
@@ -95,13 +100,13 @@ class CallLayout:
             raise ValueError(f"its latent input has batch {n}, not a multiple of the {b} samples")
         k = n // b
         stacked = latent if isinstance(latent, Tensor) else torch.stack(list(latent))
-        extra = _constant_channels(stacked, sample.repeat(k, *[1] * (sample.dim() - 1)))
+        extra = _appended(stacked, sample.repeat(k, *[1] * (sample.dim() - 1)))
         layout = cls(index, k)
         for key, value in _items(call):
             if key == latent_key:
                 item_shape = tuple(stacked.shape[1:])
-                if extra is not None:  # the sample's own channels, then the constant ones
-                    item_shape = (item_shape[0] - extra.shape[1], *item_shape[1:])
+                if extra is not None:  # the sample's own part, then the appended one
+                    item_shape = (sample.shape[1], *item_shape[1:])
                 layout.slots.append(ArgSlot(key, "latent", (isinstance(latent, Tensor), item_shape, extra),
                                             stacked.dtype))
             elif key == timestep_key:
@@ -127,7 +132,11 @@ class CallLayout:
         items = dict(_items(call))
         for slot in self.slots:
             value, name = items.get(slot.key), f"c{self.index}.{slot.key}"
-            if slot.kind == "batched" and value is None:
+            if slot.kind == "latent" and isinstance(slot.value[2], str):  # the appended per-prompt part
+                stacked = value if isinstance(value, Tensor) else torch.stack(list(value))
+                tail = stacked[:, slot.value[1][0]:]
+                out[name + ".appended"] = tail.reshape(self.k, b, *tail.shape[1:]).transpose(0, 1).contiguous()
+            elif slot.kind == "batched" and value is None:
                 out[name + ".absent"] = torch.ones(b, dtype=torch.bool)
             elif slot.kind == "batched":
                 out[name] = value.reshape(self.k, b, *value.shape[1:]).transpose(0, 1).contiguous()
@@ -152,9 +161,12 @@ class CallLayout:
             if slot.kind == "latent":
                 as_tensor, item_shape, extra = slot.value
                 rows = x.to(slot.dtype).reshape(b, *item_shape)
-                if extra is not None:
+                if isinstance(extra, Tensor):
                     rows = torch.cat([rows, extra.to(rows.device).expand(b, *extra.shape[1:])], dim=1)
                 rows = rows.repeat(self.k, *[1] * (rows.dim() - 1))
+                if isinstance(extra, str):  # per-prompt rows [b, k, ...] -> [k*b, ...], after the sample's part
+                    tail = enc[name + ".appended"]
+                    rows = torch.cat([rows, tail.transpose(0, 1).reshape(self.k * b, *tail.shape[2:]).to(rows)], dim=1)
                 value = rows if as_tensor else list(rows.unbind(0))
             elif slot.kind == "timestep":
                 row = slot.value
@@ -179,6 +191,16 @@ class CallLayout:
                 kwargs[slot.key] = value
         out = transformer(*args, **kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out.sample
-        if not isinstance(out, Tensor):
-            out = torch.stack([o.float() for o in out])
-        return out.float().reshape(self.k, b, *x.shape[1:])
+        return sample_part(out, x.shape[1:]).reshape(self.k, b, *x.shape[1:])
+
+
+def sample_part(out, sample_shape: tuple[int, ...]) -> Tensor:
+    """A transformer output [n, ...] (a tensor, or a list of per-sample tensors) as float32, cut to the
+    sample's length on axis 1 where it is longer (an edit pipeline's output covers the reference
+    tokens appended to the input too; the pipeline keeps the first ``sample_shape[0]``)."""
+    if not isinstance(out, Tensor):
+        out = torch.stack([o.float() for o in out])
+    out = out.float()
+    if out[0].numel() != math.prod(sample_shape) and out.dim() > 1 and out.shape[1] > sample_shape[0]:
+        out = out[:, : sample_shape[0]]
+    return out

@@ -35,6 +35,10 @@ class PipelineFamily:
         boundary_config: the pipeline config key of the switch between two experts: the second
             runs where the scheduler's timestep is below ``value * num_train_timesteps``.
         decode_batch: the largest batch the pipeline's VAE decodes (``model.*`` has no key for it).
+        reference_kwarg: for an image-editing pipeline, the ``__call__`` keyword of the reference
+            images (each prompt comes with one; the policy then needs them to encode prompts).
+        area_kwarg: a ``__call__`` keyword that caps the output area and so must be ``resolution ** 2``
+            (FLUX.1-Kontext's ``max_area`` rescales any height / width to 1024^2 by default).
     """
 
     pipeline: str
@@ -49,6 +53,8 @@ class PipelineFamily:
     experts: tuple[str, ...] = ("transformer",)
     boundary_config: str | None = None
     decode_batch: int = 8
+    reference_kwarg: str | None = None
+    area_kwarg: str | None = None
 
 
 FAMILIES: Registry[PipelineFamily] = Registry("pipeline family")
@@ -72,6 +78,16 @@ _ENTRIES = (
     # (diffusers 0.42.1: its VAE's mid-block attention mask [B, L, L] does not broadcast for B > 1)
     PipelineFamily("HunyuanVideo15Pipeline", guidance_attr="guider.guidance_scale", resolution=480, num_frames=121,
                    decode_batch=1),
+    # image editing: the reference image's latent tokens follow the sample's in the transformer input.
+    # Kontext: the reference enters at model.resolution (square; its auto-resize to a preferred
+    # Kontext resolution is off: at 1024 it picks 1024x1024 for a square image anyway)
+    PipelineFamily("FluxKontextPipeline", reference_kwarg="image", area_kwarg="max_area",
+                   call_kwargs={"_auto_resize": False}, max_sequence_length=512, lora_targets=(
+                       *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+    # Qwen-Image-Edit: the VL text encoder sees the reference too; true CFG as Qwen-Image
+    PipelineFamily("QwenImageEditPipeline", guidance_kwarg="true_cfg_scale", call_kwargs={"negative_prompt": " "},
+                   reference_kwarg="image",
+                   lora_targets=(*ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
     PipelineFamily("Flux2Pipeline", max_sequence_length=512, lora_targets=(
         *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "to_qkv_mlp_proj")),
 )

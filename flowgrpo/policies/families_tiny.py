@@ -12,7 +12,8 @@
 * FLUX.2: ``Flux2Pipeline`` (``Flux2Transformer2DModel`` with one double- and one single-stream
   block, a 30-layer ``Mistral3ForConditionalGeneration`` 16 wide with a one-layer Pixtral vision
   tower, a ``PixtralProcessor`` over the byte-level tokenizer, a two-level ``AutoencoderKLFlux2``);
-* the video families (Wan 2.2's two layouts, HunyuanVideo 1.5): :mod:`~flowgrpo.policies.families_tiny_video`.
+* the video families (Wan 2.2's two layouts, HunyuanVideo 1.5): :mod:`~flowgrpo.policies.families_tiny_video`;
+* the image-editing families (FLUX.1-Kontext, Qwen-Image-Edit): :mod:`~flowgrpo.policies.families_tiny_edit`.
 
 Each is deterministic in ``seed`` and leaves the caller's global RNG state untouched.
 """
@@ -190,6 +191,7 @@ register_tiny("flux2", "Flux2Pipeline", tiny_flux2_components)
 TINY_PIPELINES.register_lazy("wan22-a14b", "flowgrpo.policies.families_tiny_video:tiny_wan22_a14b_pipeline")
 TINY_PIPELINES.register_lazy("wan22-5b", "flowgrpo.policies.families_tiny_video:tiny_wan22_5b_pipeline")
 TINY_PIPELINES.register_lazy("hunyuan-video15", "flowgrpo.policies.families_tiny_video:tiny_hunyuan_video15_pipeline")
+TINY_PIPELINES.register_lazy("flux-kontext", "flowgrpo.policies.families_tiny_edit:tiny_flux_kontext_pipeline")
 
 
 def save_tiny_pipeline(family: str, directory: str | Path, seed: int = 0) -> Path:

@@ -33,8 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..references import probe_references, quantize, resize_references, to_pil
 from .base import Conditioning
-from .call_replay import CallLayout
+from .call_replay import CallLayout, sample_part
 from .diffusers_common import make_trainable
 from .diffusers_policy import DiffusersPolicy
 from .families import PipelineFamily, family_of
@@ -98,11 +99,20 @@ class PipelinePolicy(DiffusersPolicy):
         self.apply_switches(**switches)
 
     # ------------------------------------------------------------------ recording
-    def _call_kwargs(self, prompts, steps: int, guidance: float | None = None, **extra) -> dict:
+    def _call_kwargs(self, prompts, steps: int, guidance: float | None = None, references: Tensor | None = None,
+                     **extra) -> dict:
+        """The ``__call__`` options of a recorded run over ``prompts``; an edit family's reference images
+        ``references`` [B, 3, R, R] in [0, 1] (default: :func:`~flowgrpo.references.probe_references`)
+        go to its ``reference_kwarg`` as PIL images."""
         params = inspect.signature(type(self.pipe).__call__).parameters
         kwargs = {"prompt": list(prompts), "height": self.resolution, "width": self.resolution,
                   "num_inference_steps": steps, "output_type": "latent",
                   "generator": torch.Generator(device="cpu").manual_seed(0)}
+        if self.family.reference_kwarg is not None:
+            refs = probe_references(len(prompts), self.resolution) if references is None else references
+            kwargs[self.family.reference_kwarg] = to_pil(refs)
+        if self.family.area_kwarg is not None:
+            kwargs[self.family.area_kwarg] = self.resolution ** 2
         if "max_sequence_length" in params:
             kwargs["max_sequence_length"] = self.max_sequence_length
         if "num_frames" in params:
@@ -166,8 +176,7 @@ class PipelinePolicy(DiffusersPolicy):
     def _outputs(self, step):
         b = step.sample.shape[0]
         for layout, call in zip(self.layouts, step.calls):
-            out = call.output if isinstance(call.output, Tensor) else torch.stack([o.float() for o in call.output])
-            call.output_parts = out.float().reshape(layout.k, b, *self.latent_shape)
+            call.output_parts = sample_part(call.output, self.latent_shape).reshape(layout.k, b, *self.latent_shape)
             yield call
 
     # ------------------------------------------------------------------ experts: LoRA on each
@@ -228,8 +237,29 @@ class PipelinePolicy(DiffusersPolicy):
         return directory
 
     # ------------------------------------------------------------------ prompts and schedule
-    def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
-        rec = self._record(self._call_kwargs(prompts, 2), max_steps=1, run_transformer=False)
+    @property
+    def takes_references(self) -> bool:
+        """Whether this is an image-editing pipeline: every prompt comes with a reference image."""
+        return self.family.reference_kwarg is not None
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], references=None) -> Conditioning:
+        """The pipeline's prompt encoding (:meth:`Policy.encode_prompts`); for an edit pipeline also its
+        reference-image encoding, once per prompt: ``references`` (a list of [3, h, w] or a tensor [B, 3,
+        h, w], in [0, 1]) are resized to ``resolution`` x ``resolution``, rounded to 8 bits and handed
+        to the pipeline, whose image tokens (and, for Qwen-Image-Edit, its VL encoder's view of the
+        image) become per-prompt conditioning. These encodings bypass the prompt cache."""
+        if not self.takes_references:
+            return super().encode_prompts(prompts, references)
+        if references is None or len(references) != len(prompts):
+            raise UserError(f"{self.model_name} edits a reference image: each prompt needs one (a .jsonl prompt "
+                            f"file with an \"image\" column), got {0 if references is None else len(references)} "
+                            f"for {len(prompts)} prompts")
+        refs = quantize(resize_references(references, self.resolution, self.resolution))
+        return Conditioning(self._encode_now(list(prompts), refs))
+
+    def _encode_now(self, prompts: list[str], references: Tensor | None = None) -> dict[str, Tensor]:
+        rec = self._record(self._call_kwargs(prompts, 2, references=references), max_steps=1, run_transformer=False)
         calls = rec.steps[0].calls
         if len(calls) != len(self.layouts):
             raise ValueError(f"{self.model_name} made {len(calls)} transformer calls for these prompts, "

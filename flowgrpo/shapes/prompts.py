@@ -116,10 +116,14 @@ def seen_specs(num_prompts: int = 64) -> list[SceneSpec]:
 
 
 def load_prompt_file(path: str | Path) -> list[dict]:
-    """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``{"prompt": ..., "tag": ...}``).
+    """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``{"prompt": ..., "tag": ..., "image": ...}``).
 
-    Returns a list of ``{"prompt": str, "tag": str}``. Raises :class:`UserError` naming the file (and
-    line) for a missing file, a directory, a file that is not UTF-8 text, an empty file, or a malformed line.
+    Returns a list of ``{"prompt": str, "tag": str}``, plus ``"image"`` (a :class:`Path`) on every row
+    of a .jsonl file with an ``image`` column: the reference image of an image-editing prompt, a path
+    relative to the prompt file's folder (or absolute). Either every line names an image or none does.
+    Raises :class:`UserError` naming the file (and line) for a missing file, a directory, a file that
+    is not UTF-8 text, an empty file, a malformed line, a line lacking the image the others have, or
+    an image file that is missing or unreadable (each is opened once here).
     """
     path = Path(path)
     if not path.exists():
@@ -146,9 +150,29 @@ def load_prompt_file(path: str | Path) -> list[dict]:
                 raise UserError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
                 raise UserError(f"{path}:{lineno}: each JSONL line needs a non-empty string field 'prompt'")
-            rows.append({"prompt": obj["prompt"].strip(), "tag": str(obj.get("tag", "default"))})
+            row = {"prompt": obj["prompt"].strip(), "tag": str(obj.get("tag", "default"))}
+            image = obj.get("image")
+            if image is not None:
+                if not isinstance(image, str) or not image.strip():
+                    raise UserError(f"{path}:{lineno}: field 'image' must be a non-empty string path")
+                row["image"] = _check_image(path.parent / image.strip(), f"{path}:{lineno}")
+            rows.append(row)
         else:
             rows.append({"prompt": line.strip(), "tag": "default"})
     if not rows:
         raise UserError(f"prompt file {path} holds no prompts")
+    with_image = ["image" in r for r in rows]
+    if any(with_image) and not all(with_image):
+        lines = [i for i, line in enumerate(text.splitlines(), start=1) if line.strip()]
+        first = lines[with_image.index(False)]
+        raise UserError(f"{path}:{first}: no 'image' although other lines name one (an edit prompt file gives "
+                        "every prompt its reference image)")
     return rows
+
+
+def _check_image(image: Path, where: str) -> Path:
+    """``image`` itself once PIL has decoded it; UserError naming ``where`` when it is missing or unreadable."""
+    from ..references import read_reference
+
+    read_reference(image, where)
+    return image

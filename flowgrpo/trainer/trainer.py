@@ -34,6 +34,7 @@ from ..curriculum import SignalCurriculum, groups_with_signal
 from ..data import PromptSource
 from ..objectives import Collected, Credit, UpdateContext, build_objective
 from ..policies import build_policy
+from ..references import resize_references
 from ..errors import ConfigError, UserError
 from ..rewards import REWARDS, build_reward, check_rewards_fit_model
 from ..rewards.video import score_frames
@@ -177,13 +178,18 @@ class Trainer:
         x = rollout.leaves.x
         return torch.cat([self.policy.decode(x[i:i + chunk]).float().cpu() for i in range(0, x.shape[0], chunk)])
 
-    def score(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor | None = None) -> tuple[dict, dict]:
+    def score(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor | None = None,
+              references: list[torch.Tensor] | torch.Tensor | None = None) -> tuple[dict, dict]:
         """Rewards [L] per name, plus named components for logging. Every reward also receives the
         leaves' group ids [L] (pairwise rewards compare within a group); videos are scored every
-        ``reward.frame_stride``-th frame and averaged."""
+        ``reward.frame_stride``-th frame and averaged. ``references`` (image editing: each leaf's
+        reference image, [3, h, w] in [0, 1]) reach the rewards that declare ``wants_references``,
+        resized to the images' size ([L, 3, H, W])."""
         scores, comps = {}, {}
+        if references is not None:
+            references = resize_references(references, images.shape[-2], images.shape[-1])
         for name, fn in self.rewards.items():
-            out = score_frames(fn, images, prompts, groups, self.cfg.reward.frame_stride)
+            out = score_frames(fn, images, prompts, groups, self.cfg.reward.frame_stride, references)
             scores[name] = out.scores.float().cpu()
             for k, v in out.components.items():
                 comps[f"{name}.{k}"] = v.float().cpu()
@@ -210,7 +216,9 @@ class Trainer:
         prompts = drawn.prompts
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, iteration, ROLLOUT))
         self.policy.eval()
-        cond = self.policy.encode_prompts(prompts)  # once per iteration: the rollout and the update share it
+        refs = drawn.references  # image editing: one reference image per prompt, else None
+        # once per iteration: the rollout and the update share it
+        cond = self.policy.encode_prompts(prompts) if refs is None else self.policy.encode_prompts(prompts, refs)
         per_prompt = cfg.data.trees_per_prompt
         shard = self.dp.tree_shard(len(prompts) * per_prompt)
         noise_state = gen.get_state()  # every wave draws its trees' noise from the same state
@@ -223,7 +231,8 @@ class Trainer:
 
         def score(ro: Rollout):
             images = self.decode_leaves(ro)
-            return (images, *self.score(images, ro.leaf_prompts, ro.leaf_groups))
+            leaf_refs = None if refs is None else [refs[i] for i in ro.tree_prompt[ro.leaf_tree].tolist()]
+            return (images, *self.score(images, ro.leaf_prompts, ro.leaf_groups, leaf_refs))
 
         waves = wave_ranges(shard, per_prompt, cfg.reward.waves)
         with self.objective.rollout_weights(self.policy):  # e.g. DiffusionNFT samples with its old policy
