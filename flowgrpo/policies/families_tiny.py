@@ -192,6 +192,7 @@ TINY_PIPELINES.register_lazy("wan22-a14b", "flowgrpo.policies.families_tiny_vide
 TINY_PIPELINES.register_lazy("wan22-5b", "flowgrpo.policies.families_tiny_video:tiny_wan22_5b_pipeline")
 TINY_PIPELINES.register_lazy("hunyuan-video15", "flowgrpo.policies.families_tiny_video:tiny_hunyuan_video15_pipeline")
 TINY_PIPELINES.register_lazy("flux-kontext", "flowgrpo.policies.families_tiny_edit:tiny_flux_kontext_pipeline")
+TINY_PIPELINES.register_lazy("qwen-image-edit", "flowgrpo.policies.families_tiny_edit:tiny_qwen_image_edit_pipeline")
 
 
 def save_tiny_pipeline(family: str, directory: str | Path, seed: int = 0) -> Path:

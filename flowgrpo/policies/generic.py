@@ -120,6 +120,9 @@ class PipelinePolicy(DiffusersPolicy):
         if self.family.guidance_attr is None:  # else _record sets it on the pipeline
             kwargs[self.family.guidance_kwarg] = self.cfg_scale if guidance is None else guidance
         kwargs.update(self.family.call_kwargs)
+        if self.family.reference_kwarg is not None and isinstance(kwargs.get("negative_prompt"), str):
+            # one per prompt: Qwen-Image-Edit encodes each with its prompt's image (a string is one prompt)
+            kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(prompts)
         kwargs.update(extra)
         return kwargs
 
