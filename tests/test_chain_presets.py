@@ -52,7 +52,7 @@ PLANS = {
 SDE = {p: ("flow_grpo", 0.7) for p in PRESETS} | {"dance-grpo": ("dance", 0.3)}
 # SDE steps entering the update: all of them, except DanceGRPO's random 60 %: round(0.6 * 6) = 4
 TRAINED = {"dance-grpo": 4}
-TIMING = {"rollout_s", "train_s", "iter_s"}
+TIMING = {"rollout_s", "collect_s", "train_s", "iter_s"}
 
 
 def overrides(model_dir, preset, world, prompt_file=None):

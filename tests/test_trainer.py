@@ -15,7 +15,7 @@ from flowgrpo.samplers import sde_step
 from flowgrpo.seeds import ROLLOUT, derive_seed
 from flowgrpo.trainer.trainer import GRPOTrainer
 
-TIMING = ("rollout_s", "train_s", "iter_s", "train_seconds")
+TIMING = ("rollout_s", "collect_s", "train_s", "iter_s", "train_seconds")
 
 
 def numeric(metrics: dict) -> dict:
