@@ -183,6 +183,27 @@ def test_trainer_score_passes_references_only_to_rewards_that_want_them():
         trainer.score(images, ["a", "b"], torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("case", ["reward without references", "references for a text-to-image model"])
+def test_trainer_checks_references_before_the_first_rollout(tmp_path, case):
+    from flowgrpo.config import load_config
+    from flowgrpo.trainer.trainer import Trainer
+
+    path, _ = edit_prompt_file(tmp_path)
+    if case == "reward without references":
+        plain = tmp_path / "plain.txt"
+        plain.write_text("\n".join(PROMPTS) + "\n")
+        overrides, needle = [f"data.prompts={plain}", "reward.weights={edit_consistency: 1.0}"], \
+            "reward 'edit_consistency' compares each image with its prompt's reference image"
+    else:
+        overrides, needle = [f"data.prompts={path}", "reward.weights={jpeg_compressibility: 1.0}"], \
+            "gives reference images but model.name='shapes' takes none"
+    cfg = load_config("shapes", None, ["train.threads=1", "eval.evaluator=none", "log.progress=false",
+                                       "log.trackers=[]", *overrides])
+    with pytest.raises(UserError) as info:
+        Trainer(cfg)
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------- families
 def moved_lora(run_dir) -> list[str]:
     state = load_checkpoint(latest_checkpoint(run_dir))["trainer"]["trainable"]

@@ -37,6 +37,7 @@ from ..policies import build_policy
 from ..references import resize_references
 from ..errors import ConfigError, UserError
 from ..rewards import REWARDS, build_reward, check_rewards_fit_model
+from ..rewards.base import wants_references
 from ..rewards.video import score_frames
 from ..samplers.forest import Rollout
 from ..samplers.forest_sampler import ForestSampler
@@ -113,9 +114,27 @@ class Trainer:
         self.curriculum = (SignalCurriculum(dc.curriculum_floor, dc.curriculum_rate)
                            if dc.curriculum == "signal" else None)
         self.prompts = PromptSource(dc.prompts, tc.seed, self.curriculum, dc.curriculum_key)
+        self._check_references()
         self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
         self.objective.setup(self.policy)
         self.iteration = 0
+
+    def _check_references(self) -> None:
+        """Image editing, checked before the first rollout: reference images (a prompt file's ``image``
+        column) need an edit model, an edit model needs them, and so does a reward that wants them."""
+        has, takes = self.prompts.has_references, bool(getattr(self.policy, "takes_references", False))
+        prompts, model = self.cfg.data.prompts, self.cfg.model.name
+        column = 'use a .jsonl prompt file with an "image" column'
+        if has and not takes:
+            raise UserError(f"data.prompts={prompts!r} gives reference images but model.name={model!r} takes none "
+                            "(not an image-editing model)")
+        if takes and not has:
+            raise UserError(f"model.name={model!r} edits a reference image per prompt and data.prompts={prompts!r} "
+                            f"gives none: {column}")
+        wanting = [name for name, fn in self.rewards.items() if wants_references(fn)]
+        if wanting and not has:
+            raise UserError(f"reward {wanting[0]!r} compares each image with its prompt's reference image, and "
+                            f"data.prompts={prompts!r} gives none: {column}")
 
     @property
     def optimizer(self):
