@@ -12,6 +12,7 @@ the stock pipeline loads and that reproduces the policy's images. The 2 iteratio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -292,6 +293,14 @@ def test_a_euler_matches_the_stock_pipeline(family):
     torch.testing.assert_close(policy_images(policy, noise, [refs[1], refs[0]]), swapped, rtol=0, atol=1e-5)
     with pytest.raises(UserError, match="each prompt needs one"):
         policy.encode_prompts(list(PROMPTS))
+    # offloaded text encoders visit the device for the edit encoding and go back; the encoding is the same
+    offloaded = build_policy(dataclasses.replace(model, offload_text_encoders=True))
+    moves = []
+    real_move = offloaded._text_encoders_to
+    offloaded._text_encoders_to = lambda device: (moves.append(str(device)), real_move(device))
+    got, want = offloaded.encode_prompts(PROMPTS, refs).tensors, policy.encode_prompts(PROMPTS, refs).tensors
+    assert moves == [str(offloaded.device), "cpu"] and set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_bc_two_lora_iterations(family):

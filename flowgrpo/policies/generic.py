@@ -251,7 +251,8 @@ class PipelinePolicy(DiffusersPolicy):
         reference-image encoding, once per prompt: ``references`` (a list of [3, h, w] or a tensor [B, 3,
         h, w], in [0, 1]) are resized to ``resolution`` x ``resolution``, rounded to 8 bits and handed
         to the pipeline, whose image tokens (and, for Qwen-Image-Edit, its VL encoder's view of the
-        image) become per-prompt conditioning. These encodings bypass the prompt cache."""
+        image) become per-prompt conditioning. These encodings bypass the prompt cache (keyed by prompt
+        only); with ``offload_text_encoders`` the encoders visit :attr:`device` for the call."""
         if not self.takes_references:
             return super().encode_prompts(prompts, references)
         if references is None or len(references) != len(prompts):
@@ -259,7 +260,13 @@ class PipelinePolicy(DiffusersPolicy):
                             f"file with an \"image\" column), got {0 if references is None else len(references)} "
                             f"for {len(prompts)} prompts")
         refs = quantize(resize_references(references, self.resolution, self.resolution))
-        return Conditioning(self._encode_now(list(prompts), refs))
+        if not self.offload_text_encoders:
+            return Conditioning(self._encode_now(list(prompts), refs))
+        self._text_encoders_to(self.device)  # for this call only, as the prompt cache's misses
+        try:
+            return Conditioning(self._encode_now(list(prompts), refs))
+        finally:
+            self._text_encoders_to("cpu")
 
     def _encode_now(self, prompts: list[str], references: Tensor | None = None) -> dict[str, Tensor]:
         rec = self._record(self._call_kwargs(prompts, 2, references=references), max_steps=1, run_transformer=False)
