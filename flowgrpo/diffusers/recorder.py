@@ -18,8 +18,11 @@ transformer input; its true CFG scale is ``true_cfg_scale``, which the pipeline 
 2.2 switches scale with the expert): ``attach`` also wraps ``pipe.scheduler.step`` to see the
 velocity the pipeline steps with, and the scale is the one (a hint, the pipeline's attribute, else
 a least-squares fit) that turns the step's transformer outputs into exactly that velocity. A step
-whose velocity is no such combination (SD3's skip-layer guidance, a guidance rescale) is marked and
-:meth:`StepRecorder.velocity` refuses it rather than return another velocity.
+whose velocity is no such combination is replayed through the generic adapter's call layouts and
+guidance schemes instead (:mod:`flowgrpo.diffusers.general_replay`: Qwen-Image's true CFG with norm
+rescale, Z-Image's negated c + g (c - u), positional or list inputs); a step that fits none of them
+(SD3's skip-layer guidance, a guidance rescale) is marked and :meth:`StepRecorder.velocity` refuses
+it rather than return another velocity.
 """
 
 from __future__ import annotations
@@ -29,12 +32,20 @@ import numbers
 import torch
 from torch import Tensor
 
+from ..policies.step_record import TransformerCall
+from .general_replay import GeneralStep, learn_step
+
 #: denoiser attributes of a pipeline that get a forward pre-hook (Wan 2.2 has two experts)
 DENOISERS = ("transformer", "transformer_2")
 
 
-def _detach(value):
-    return value.detach() if isinstance(value, Tensor) else value
+def _detach_tree(value):
+    """``value`` with every tensor detached (inside lists and tuples too)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detach_tree(v) for v in value)
+    return value
 
 
 def _output(out) -> Tensor:
@@ -70,6 +81,10 @@ class StepRecorder:
         guidance_scales: per step seen by the scheduler, the CFG scale g of v = u + g (c - u) that the
             pipeline stepped with (None: no CFG, v is the one output).
         unreplayable: per step whose stepped velocity is no such combination, why.
+        general: per step replayed through the generic adapter's call layouts and guidance schemes
+            (:mod:`~flowgrpo.diffusers.general_replay`): pipelines that call their transformer
+            positionally or with the sample inside a list or with extra channels, and schemes other
+            than u + g (c - u) (Z-Image, Qwen-Image, HunyuanVideo 1.5, FLUX.1-Kontext, ...).
         guidance_scale: step 0's CFG scale (None without CFG); the pipeline's ``guidance_scale``
             attribute when the scheduler's steps were not seen.
         cfg: whether the pipeline did classifier-free guidance (at step 0).
@@ -89,7 +104,14 @@ class StepRecorder:
         self.unreplayable: dict[int, str] = {}
         self.guidance_scale: float | None = None
         self.cfg = False
+        self.general: dict[int, GeneralStep] = {}
         self._hints = tuple(float(g) for g in guidance_scales)
+        self._raw: list[tuple[torch.nn.Module, TransformerCall]] = []  # the running step's calls, with outputs
+        # steps seen by the scheduler wrapper, and what it saw: the step index and, for pipelines that
+        # take no callback_on_step_end (HunyuanVideo 1.5), the latents and timesteps
+        self._stepped = 0
+        self._stepped_latents: list[Tensor] = []
+        self._stepped_timesteps: list[float] = []
         self._hooks: list = []
         self._outputs: list[Tensor] = []  # the running step's transformer outputs, until the scheduler steps
         self._pipe = None
@@ -118,8 +140,18 @@ class StepRecorder:
             step, had_own = scheduler.step, "step" in vars(scheduler)
 
             def recorded_step(model_output, *args, **kwargs):
-                self._read_guidance(model_output)
-                return step(model_output, *args, **kwargs)
+                sample = kwargs.get("sample", args[1] if len(args) > 1 else None)
+                timestep = kwargs.get("timestep", args[0] if args else None)
+                self._read_guidance(model_output, sample)
+                out = step(model_output, *args, **kwargs)
+                self._stepped += 1
+                prev = out[0] if isinstance(out, tuple) else getattr(out, "prev_sample", None)
+                if isinstance(prev, Tensor):
+                    self._stepped_latents.append(prev.detach())
+                if timestep is not None:
+                    self._stepped_timesteps.append(float(timestep.flatten()[0]) if isinstance(timestep, Tensor)
+                                                   else float(timestep))
+                return out
 
             scheduler.step = recorded_step
             self._unwrap = (recorded_step, step if had_own else None)
@@ -130,6 +162,11 @@ class StepRecorder:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if not self.latents and self._stepped_latents:  # no callback ran: the scheduler's view of the steps
+            self.latents, self.timesteps = self._stepped_latents, self._stepped_timesteps
+            if 0 in self.guidance_scales:
+                self.guidance_scale = self.guidance_scales[0]
+                self.cfg = self.guidance_scale is not None
         if self._scheduler is not None:
             wrapper, previous = self._unwrap
             if vars(self._scheduler).get("step") is wrapper:  # else someone wrapped it after us: leave theirs
@@ -138,27 +175,75 @@ class StepRecorder:
                 else:
                     self._scheduler.step = previous
         self._pipe = self._scheduler = None
-        self._outputs = []
+        self._outputs, self._raw = [], []
 
     def _pre_hook(self, module, args, kwargs):
-        if args:
-            raise TypeError("StepRecorder expects the pipeline to call its transformer with keyword arguments")
-        step = len(self.latents)  # callbacks so far = index of the running step
+        step = self._step_index()
         while len(self.calls) <= step:
             self.calls.append([])
-        self.calls[step].append((module, {k: _detach(v) for k, v in kwargs.items()}))
+        kw = {k: _detach_tree(v) for k, v in kwargs.items()}
+        self.calls[step].append((module, kw))
+        self._raw.append((module, TransformerCall(tuple(_detach_tree(a) for a in args), kw)))
+
+    def _step_index(self) -> int:
+        """The running step: steps the scheduler wrapper saw, else callbacks so far."""
+        return self._stepped if self._scheduler is not None else len(self.latents)
 
     def _post_hook(self, module, args, output):
-        self._outputs.append(_output(output).detach())
+        first = output[0] if isinstance(output, (tuple, list)) else output.sample
+        if isinstance(first, Tensor):
+            self._outputs.append(first.detach())
+        if self._raw:
+            self._raw[-1][1].output = _detach_tree(first)
 
-    def _read_guidance(self, velocity: Tensor) -> None:
-        """Called with the velocity [B, ...] the pipeline steps with: record the CFG scale g for which
-        u + g (c - u) of this step's transformer outputs is that velocity (to rounding), or why none is.
+    def _scale_hints(self) -> list[float]:
+        """Guidance scales to try: the hints, the pipeline's ``guidance_scale``, Wan 2.2's
+        ``_guidance_scale_2`` and a guider component's ``guidance_scale`` (HunyuanVideo 1.5)."""
+        pipe = self._pipe
+        hints = [*self._hints, getattr(pipe, "guidance_scale", None), getattr(pipe, "_guidance_scale_2", None),
+                 getattr(getattr(pipe, "guider", None), "guidance_scale", None)]
+        out = []
+        for g in hints:
+            if isinstance(g, numbers.Real) and not isinstance(g, bool) and float(g) not in out:
+                out.append(float(g))
+        return out
 
-        Candidates in order: the hints, the pipeline's ``guidance_scale`` (and Wan 2.2's
+    def _read_guidance(self, velocity: Tensor, sample: Tensor | None = None) -> None:
+        """Called with the velocity [B, ...] the pipeline steps with (and the ``sample`` it steps):
+        record how this step's transformer outputs make that velocity, or why they do not.
+
+        SD3 / FLUX.1 / Wan 2.1 calls (keyword ``hidden_states``, outputs u + g (c - u)): the CFG
+        scale g from, in order, the hints, the pipeline's ``guidance_scale`` (and Wan 2.2's
         ``_guidance_scale_2``), then the least-squares g = <v - u, c - u> / |c - u|^2 (float64).
+        Any other call or scheme: a :class:`~flowgrpo.diffusers.general_replay.GeneralStep`.
         """
-        step, outputs, self._outputs = len(self.latents), self._outputs, []
+        step, raw = self._step_index(), self._raw
+        self._raw = []
+        # the plain replay swaps hidden_states for the latents: only where it is the sample itself
+        plain = all(not call.args and isinstance(call.kwargs.get("hidden_states"), Tensor)
+                    and isinstance(call.output, Tensor)
+                    and (sample is None or call.kwargs["hidden_states"].shape[1:] == sample.shape[1:])
+                    for _, call in raw)
+        if plain:
+            self._read_plain_guidance(step, velocity)
+        else:
+            self._outputs = []
+        if (not plain or step in self.unreplayable) and sample is not None and raw:
+            learnt = learn_step(raw, sample.detach(), velocity.detach(), self._scale_hints())
+            if isinstance(learnt, GeneralStep):
+                self.general[step] = learnt
+                self.guidance_scales[step] = learnt.guidance
+                self.unreplayable.pop(step, None)
+            elif not plain:
+                self.unreplayable[step] = learnt
+        elif not plain:
+            self.unreplayable[step] = "the scheduler's sample was not seen"
+        for _, call in raw:
+            call.output = None  # the outputs were needed only to read the scheme
+
+    def _read_plain_guidance(self, step: int, velocity: Tensor) -> None:
+        """The u + g (c - u) reading of :meth:`_read_guidance`."""
+        outputs, self._outputs = self._outputs, []
         v = velocity.detach()
         parts = cond_uncond(outputs, v.shape[0])
         if parts is None:
@@ -178,9 +263,7 @@ class StepRecorder:
             else:
                 self.unreplayable[step] = f"it stepped with a velocity {err:.3g} away from its transformer output"
             return
-        pipe = self._pipe
-        hints = [*self._hints, getattr(pipe, "guidance_scale", None), getattr(pipe, "_guidance_scale_2", None)]
-        hints = [float(g) for g in hints if isinstance(g, numbers.Real) and not isinstance(g, bool)]
+        hints = self._scale_hints()
         d = c - u
         denom = float((d * d).sum())
         fit = float(((v - u) * d).sum()) / denom if denom > 0 else (hints[0] if hints else 1.0)
@@ -196,7 +279,7 @@ class StepRecorder:
 
     def __call__(self, pipe, step_index: int, timestep, callback_kwargs: dict) -> dict:
         if step_index == 0:
-            self.conditioning = {k: _detach(v) for k, v in callback_kwargs.items() if k != "latents"}
+            self.conditioning = {k: _detach_tree(v) for k, v in callback_kwargs.items() if k != "latents"}
             if 0 in self.guidance_scales:
                 self.guidance_scale = self.guidance_scales[0]
                 self.cfg = self.guidance_scale is not None
@@ -221,6 +304,8 @@ class StepRecorder:
         """
         if step in self.unreplayable and guidance_scale is None:
             raise ValueError(f"StepRecorder cannot replay step {step}: {self.unreplayable[step]}")
+        if step in self.general:
+            return self.general[step].velocity(latents, guidance_scale)
         g = guidance_scale if guidance_scale is not None else self.guidance_scales.get(step, self.guidance_scale)
         outs = []
         for module, kwargs in self.calls[step]:

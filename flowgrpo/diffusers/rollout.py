@@ -144,8 +144,6 @@ def rollout(pipe, prompts: str | list[str], *, trees_per_prompt: int = 1, num_in
         raise ValueError(f"rollout(): trees_per_prompt={trees_per_prompt!r} is invalid; valid: an integer >= 1")
     scheduler = ensure_flowgrpo_scheduler(pipe, **(scheduler_options or {}))
     params = inspect.signature(pipe.__call__).parameters
-    if "callback_on_step_end" not in params:
-        raise ValueError(f"{type(pipe).__name__} takes no callback_on_step_end, which rollout() records steps with")
     per_prompt = next((a for a in _PER_PROMPT_ARGS if a in params), None)
     if per_prompt is None and trees_per_prompt != 1:
         raise ValueError(f"{type(pipe).__name__} takes no per-prompt sample count; use trees_per_prompt=1")
@@ -161,9 +159,12 @@ def rollout(pipe, prompts: str | list[str], *, trees_per_prompt: int = 1, num_in
     previous = scheduler.generator
     scheduler.set_generator(generator)
     try:
-        out = pipe(prompts, num_inference_steps=num_inference_steps, generator=generator, output_type=output_type,
-                   callback_on_step_end=recorder, callback_on_step_end_tensor_inputs=recorder.tensor_inputs(pipe),
-                   **pipe_kwargs)
+        if "callback_on_step_end" in params:  # else the recorder follows the steps through the scheduler
+            pipe_kwargs.update(callback_on_step_end=recorder,
+                               callback_on_step_end_tensor_inputs=recorder.tensor_inputs(pipe))
+        # by keyword: some pipelines take another input first (Flux2Pipeline's reference image)
+        out = pipe(prompt=prompts, num_inference_steps=num_inference_steps, generator=generator,
+                   output_type=output_type, **pipe_kwargs)
     finally:
         recorder.detach()
         scheduler.set_generator(previous)
