@@ -91,6 +91,7 @@ class FlowgrpoSide:
               f"train.max_grad_norm={s.max_grad_norm}", "train.lr=3e-4", "train.ema=false", "train.threads=1",
               f"data.prompts={prompts_file}", f"data.prompts_per_iteration={prompts_per_iteration}",
               f"data.trees_per_prompt={group}", "reward.weights={jpeg_compressibility: 1.0}", "log.progress=false",
+              "loss.cfg_uncond_grad=false",  # the reference's update detaches noise_pred_uncond: the same gradient
               *overrides]
         own = [o for o in ov if o.startswith(BENCH_SWITCH)]
         self.cfg = load_config("flow-grpo", None, [o for o in ov if not o.startswith(BENCH_SWITCH)])

@@ -61,6 +61,11 @@ class Policy(nn.Module, ABC):
     #: prompts when ``eval.evaluator=auto``; None: the model has none and evaluation is skipped
     evaluator: str | None = None
 
+    #: whether gradients flow through the unconditional pass of classifier-free guidance (``loss.cfg_uncond_grad``)
+    uncond_grad: bool = True
+    #: whether :meth:`velocity` honours ``uncond_grad = False`` (adapters with their own guidance do not)
+    can_detach_uncond: bool = True
+
     def __init__(self, guidance_scale: float = 1.0):
         super().__init__()
         self.guidance_scale = guidance_scale
@@ -160,7 +165,15 @@ class Policy(nn.Module, ABC):
         if g == 1.0 or cond.uncond is None:
             return self._forward(x, sigma, cond.tensors)
         b = x.shape[0]
-        enc = {k: torch.cat([v, cond.uncond[k].expand(b, *v.shape[1:])]) for k, v in cond.tensors.items()}
+        uncond = {k: cond.uncond[k].expand(b, *v.shape[1:]) for k, v in cond.tensors.items()}
+        if not self.uncond_grad and torch.is_grad_enabled():
+            # Flow-GRPO's update: the unconditional pass carries no gradient (its noise_pred_uncond.detach());
+            # run without a graph it costs no backward, which halves the update's backward under CFG
+            with torch.no_grad():
+                v_u = self._forward(x, sigma, uncond)
+            v_c = self._forward(x, sigma, cond.tensors)
+            return v_u + g * (v_c - v_u)
+        enc = {k: torch.cat([v, uncond[k]]) for k, v in cond.tensors.items()}
         out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), enc)
         v_c, v_u = out[:b], out[b:]
         return v_u + g * (v_c - v_u)

@@ -74,6 +74,9 @@ class PipelinePolicy(DiffusersPolicy):
     Euler at its ``flow_shift`` (the SDE steps need a one-step grid), as the ``wan`` adapter does.
     """
 
+    # its calls are replayed as the pipeline batched them (cond and uncond in one call where it did so)
+    can_detach_uncond = False
+
     def __init__(self, pipeline, family: PipelineFamily, *, resolution: int | None = None,
                  guidance_scale: float = 1.0, train_mode: str = "lora", lora_rank: int = 32, lora_alpha: float = 64.0,
                  lora_targets=None, max_sequence_length: int | None = None, num_frames: int | None = None,

@@ -98,6 +98,11 @@ class Trainer:
         self.rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
         check_rewards_fit_model(self.rewards, cfg.model)
         self.policy = build_policy(cfg.model).to(self.accelerator.device)
+        if not cfg.loss.cfg_uncond_grad:
+            if not self.policy.can_detach_uncond:
+                raise ConfigError(f"loss.cfg_uncond_grad=false is not supported by {type(self.policy).__name__} "
+                                  "(it replays the pipeline's guidance calls as recorded); use loss.cfg_uncond_grad=true")
+            self.policy.uncond_grad = False
         self.objective = objective if objective is not None else build_objective(cfg, self.accelerator.device)
         if self.objective.needs_reference:
             self.policy.snapshot_reference()
