@@ -3,7 +3,7 @@
 ``python -m flowgrpo.benchmarks.memory_probe DIR ARGS...`` runs ``python -m flowgrpo ARGS...`` in this
 process (through ``runpy``, so that this module does not import the CLI that imports the benchmarks)
 and writes ``DIR/rank<RANK>.json`` = ``{"rank", "peak_rss_mb", "peak_cuda_mb", "exit_code"}``: the
-peak resident set size of this process (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on Linux) and, with CUDA,
+peak resident set size of this process (:func:`peak_rss_mb`: ``VmHWM``, or ``ru_maxrss``) and, with CUDA,
 ``torch.cuda.max_memory_allocated()`` (None without CUDA). Under a distributed launcher every
 process writes its own file (``RANK`` from the environment). ``--imports-only`` instead of the
 arguments only imports what a training run imports (the trainer, the SD3 adapter, diffusers'
@@ -19,9 +19,22 @@ import sys
 from pathlib import Path
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB: ``VmHWM`` of ``/proc/self/status`` on Linux, else
+    ``ru_maxrss``. Linux keeps ``ru_maxrss`` across ``execve``, so a process started by a large parent
+    (a test runner of 1 GB) would report the parent's size at the fork; ``VmHWM`` belongs to the
+    process's own address space and starts again at ``execve``."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux, bytes on macOS
+
+
 def peak_memory() -> dict:
     """``{"peak_rss_mb", "peak_cuda_mb"}`` of this process so far (MiB; CUDA None where unavailable)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    rss = peak_rss_mb()
     cuda = None
     if "torch" in sys.modules:
         import torch
