@@ -39,13 +39,24 @@ def write_csv(path: str | Path, rows: list[dict], columns: list[str] | tuple[str
         w.writerows(rows)
 
 
-def print_table(rows: list[dict], columns: list[str] | tuple[str, ...], first_width: int = 20) -> None:
-    """Print ``rows`` as an aligned table: the first column left-aligned, numbers with 3 decimals."""
-    def cell(v, width, left=False):
-        text = f"{v:.3f}" if isinstance(v, float) else str(v)
-        return text.ljust(width) if left else text.rjust(width)
-
-    widths = [first_width] + [max(len(c), 8) for c in columns[1:]]
-    print(" ".join(cell(c, w, i == 0) for i, (c, w) in enumerate(zip(columns, widths))))
-    for r in rows:
-        print(" ".join(cell(r[c], w, i == 0) for i, (c, w) in enumerate(zip(columns, widths))))
+def print_table(columns: list[str] | tuple[str, ...], cells: list[list[str]], *, title: str = "", caption: str = "",
+                left: tuple[str, ...] = (), styles: list[str | None] | None = None, width: int = 160) -> None:
+    """Print a benchmark's table: ``cells`` (rows of strings under ``columns``) as a rich table with
+    ``title`` and ``caption``, the ``left`` columns (default: the first) left-aligned and the others
+    right-aligned, row ``i`` in ``styles[i]`` (e.g. "red"); plain text where rich is missing."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover
+        print(title)
+        for row in [list(columns), *cells]:
+            print(" | ".join(row))
+        print(caption)
+        return
+    left = left or (columns[0],)
+    table = Table(title=title or None, caption=caption or None)
+    for c in columns:
+        table.add_column(c, justify="left" if c in left else "right", no_wrap=True)
+    for i, row in enumerate(cells):
+        table.add_row(*row, style=styles[i] if styles else None)
+    Console(width=width).print(table)

@@ -75,25 +75,15 @@ def _server_process(delay: float):
     """A reward server in its own process (so that its Python work does not hold this process's GIL)."""
     import multiprocessing
 
-    import httpx
-
-    from flowgrpo.serve.server import bind_socket
+    from flowgrpo.serve.server import bind_socket, poll_health
 
     sock = bind_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     proc = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, delay), daemon=True)
     proc.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or not proc.is_alive():
-                raise RuntimeError("the benchmark's reward server did not start")
-            time.sleep(0.1)
+        if not poll_health(url, proc.is_alive):
+            raise RuntimeError("the benchmark's reward server did not start")
         yield url
     finally:
         proc.terminate()
@@ -131,9 +121,9 @@ def run_bench_overlap(json_path=None, out_dir=None, delay: float = 0.2, iteratio
                      "bound_s": round(bound, 4),
                      "collect_vs_serial": round(med[name]["collect"] / med["serial"]["collect"], 3),
                      "collect_vs_bound": round(med[name]["collect"] / bound, 3)})
-    print(f"collect stage of {preset}, served shapes reward with {delay * 1000:.0f} ms per call, medians of "
-          f"{iterations} iterations")
-    print_table(rows, COLUMNS)
+    print_table(COLUMNS, [[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS] for r in rows],
+                title=f"collect stage of {preset} (bench overlap)",
+                caption=f"served shapes reward, {delay * 1000:.0f} ms per call; medians of {iterations} iterations")
     write_csv(out / "overlap.csv", rows, COLUMNS)
     _plot(rows, out / "overlap.png", delay)
     data = {"preset": preset, "overrides": list(overrides), "delay_s": delay, "iterations": iterations, "rows": rows}

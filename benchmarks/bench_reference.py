@@ -50,7 +50,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from . import output_dir, write_json  # noqa: E402
+from . import output_dir, print_table, write_json  # noqa: E402
 from .reference_flow_grpo import (ReferenceSettings, ReplayNoise, encode, load_reference,  # noqa: E402
                                   reference_pipeline, reference_rollout, reference_update)
 
@@ -296,20 +296,7 @@ def _print_table(rows: list[dict], result: dict) -> None:
     cols = ("side", "rollout s", "update s", "iteration s", "x rollout", "x update", "x iteration")
     cells = [[r["side"], f"{r['rollout_s']:.3f}", f"{r['update_s']:.3f}", f"{r['iteration_s']:.3f}",
               f"{r['rollout_ratio']:.2f}", f"{r['update_ratio']:.2f}", f"{r['iteration_ratio']:.2f}"] for r in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except Exception:  # pragma: no cover
-        print(caption(result))
-        for c in [list(cols)] + cells:
-            print(" | ".join(c))
-        return
-    t = Table(title="flowgrpo vs Flow-GRPO's own code (bench reference)", caption=caption(result))
-    for c in cols:
-        t.add_column(c, justify="left" if c == "side" else "right", no_wrap=True)
-    for c in cells:
-        t.add_row(*c)
-    Console(width=160).print(t)
+    print_table(cols, cells, title="flowgrpo vs Flow-GRPO's own code (bench reference)", caption=caption(result))
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:

@@ -68,7 +68,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from . import output_dir, write_json  # noqa: E402
+from . import output_dir, print_table, write_json  # noqa: E402
 
 BASELINE = "flow-grpo"
 #: presets left out: ``shapes`` is the flow-grpo setup on the shapes world (recipes for real models,
@@ -308,21 +308,8 @@ def _print_table(rows: list[dict], settings: dict) -> None:
               str(r["nfe_rollout"]), str(r["nfe_grad"]), str(r["nfe_ref"]), f"{r['rollout_s']:.3f}",
               f"{r['train_s']:.3f}", f"{r['iter_s']:.3f}", f"{r['ratio_vs_flow_grpo']:.3f}",
               f"{r['ratio_vs_dance_grpo']:.3f}", fmt_bound(r)] for r in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except Exception:  # pragma: no cover
-        print(caption(settings))
-        for c in [list(cols)] + cells:
-            print(" | ".join(c))
-        return
-    t = Table(title="GRPO iteration cost per preset (bench samplers)", caption=caption(settings))
-    for c in cols:
-        t.add_column(c, justify="left" if c in ("preset", "bound") else "right", no_wrap=True)
-    for r, c in zip(rows, cells):
-        style = "red" if r["bound_ok"] is False else None
-        t.add_row(*c, style=style)
-    Console(width=180).print(t)
+    print_table(cols, cells, title="GRPO iteration cost per preset (bench samplers)", caption=caption(settings),
+                left=("preset", "bound"), styles=["red" if r["bound_ok"] is False else None for r in rows], width=180)
 
 
 def main(argv=None) -> int:

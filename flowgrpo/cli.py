@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+from .bench_command import add_bench_parser
 from .errors import UserError
 
 
@@ -224,58 +225,6 @@ def _cmd_config(args) -> int:
     return explain_config(args.section)
 
 
-def _cmd_bench(args) -> int:
-    """Run one benchmark; its CSV/PNG go into ``--out`` (None: the current directory)."""
-    if args.what == "ops":
-        from .benchmarks.bench_ops import run_bench_ops
-
-        kw = {"repeats": args.repeats} if args.repeats else {}
-        run_bench_ops(args.json, out_dir=args.out, **kw)
-    elif args.what == "samplers":
-        from .benchmarks.bench_samplers import run_bench_samplers
-
-        run_bench_samplers(args.json, out_dir=args.out)
-    elif args.what == "e2e":
-        from .benchmarks.bench_e2e import run_bench_e2e
-
-        kw = {"minutes": args.minutes} if args.minutes else {}
-        run_bench_e2e(args.json, out_dir=args.out, **kw)
-    elif args.what == "profile":
-        from .benchmarks.bench_profile import run_bench_profile
-
-        run_bench_profile(args.json, out_dir=args.out)
-    elif args.what == "reward-server":
-        from .benchmarks.bench_reward_server import run_bench_reward_server
-
-        run_bench_reward_server(args.json, out_dir=args.out)
-    elif args.what == "plugin":
-        from .benchmarks.bench_plugin import run_bench_plugin
-
-        run_bench_plugin(args.json, args.out)
-    elif args.what == "scaling":
-        from .benchmarks.bench_scaling import run_bench_scaling
-
-        run_bench_scaling(args.json, out_dir=args.out)
-    elif args.what == "overlap":
-        from .benchmarks.bench_overlap import run_bench_overlap
-
-        run_bench_overlap(args.json, out_dir=args.out)
-    elif args.what == "reference":
-        if not args.flow_grpo:
-            print("flowgrpo: bench reference needs --flow-grpo PATH (a checkout of github.com/yifan123/flow_grpo)",
-                  file=sys.stderr)
-            return 2
-        from .benchmarks.bench_reference import run_bench_reference
-
-        kw = {"repeats": args.repeats} if args.repeats else {}
-        run_bench_reference(args.flow_grpo, args.json, out_dir=args.out, **kw)
-    elif args.what == "memory":
-        from .benchmarks.bench_memory import run_bench_memory
-
-        run_bench_memory(args.json, out_dir=args.out)
-    return 0
-
-
 def _cmd_serve_reward(args) -> int:
     from .serve import serve_reward
 
@@ -338,19 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("section", nargs="?", default=None, metavar="SECTION",
                     help="a section (model, sampler, loss, ...) or one key (loss.beta); default: all")
     ce.set_defaults(fn=_cmd_config)
-    b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
-    b.add_argument("what", choices=["ops", "samplers", "e2e", "profile", "reward-server", "plugin", "scaling", "overlap",
-                                      "reference", "memory"])
-    b.add_argument("--out", default=None, metavar="DIR",
-                   help="folder for the CSV and PNG (created; default: the current directory)")
-    b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
-    b.add_argument("--repeats", type=int, default=0,
-                   help="timed repetitions (ops, reference; 0 = the benchmark's default)")
-    b.add_argument("--flow-grpo", default=None, metavar="PATH",
-                   help="reference: a checkout of github.com/yifan123/flow_grpo whose SD3 functions are timed")
-    b.add_argument("--minutes", type=float, default=0.0,
-                   help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
-    b.set_defaults(fn=_cmd_bench)
+    add_bench_parser(sub)
     s = sub.add_parser("serve-reward", help="serve a reward over HTTP (JSON; for the `remote` reward)")
     s.add_argument("--reward", required=True, help="reward name (as in reward.weights)")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

@@ -113,7 +113,6 @@ class StepRecorder:
         self._stepped_latents: list[Tensor] = []
         self._stepped_timesteps: list[float] = []
         self._hooks: list = []
-        self._outputs: list[Tensor] = []  # the running step's transformer outputs, until the scheduler steps
         self._pipe = None
         self._scheduler = None
         self._unwrap = None  # (our wrapper, the instance's own step before it or None)
@@ -175,7 +174,7 @@ class StepRecorder:
                 else:
                     self._scheduler.step = previous
         self._pipe = self._scheduler = None
-        self._outputs, self._raw = [], []
+        self._raw = []
 
     def _pre_hook(self, module, args, kwargs):
         step = self._step_index()
@@ -191,8 +190,6 @@ class StepRecorder:
 
     def _post_hook(self, module, args, output):
         first = output[0] if isinstance(output, (tuple, list)) else output.sample
-        if isinstance(first, Tensor):
-            self._outputs.append(first.detach())
         if self._raw:
             self._raw[-1][1].output = _detach_tree(first)
 
@@ -225,9 +222,7 @@ class StepRecorder:
                     and (sample is None or call.kwargs["hidden_states"].shape[1:] == sample.shape[1:])
                     for _, call in raw)
         if plain:
-            self._read_plain_guidance(step, velocity)
-        else:
-            self._outputs = []
+            self._read_plain_guidance(step, velocity, [call.output for _, call in raw])
         if (not plain or step in self.unreplayable) and sample is not None and raw:
             learnt = learn_step(raw, sample.detach(), velocity.detach(), self._scale_hints())
             if isinstance(learnt, GeneralStep):
@@ -241,9 +236,8 @@ class StepRecorder:
         for _, call in raw:
             call.output = None  # the outputs were needed only to read the scheme
 
-    def _read_plain_guidance(self, step: int, velocity: Tensor) -> None:
-        """The u + g (c - u) reading of :meth:`_read_guidance`."""
-        outputs, self._outputs = self._outputs, []
+    def _read_plain_guidance(self, step: int, velocity: Tensor, outputs: list[Tensor]) -> None:
+        """The u + g (c - u) reading of :meth:`_read_guidance` over the step's transformer ``outputs``."""
         v = velocity.detach()
         parts = cond_uncond(outputs, v.shape[0])
         if parts is None:

@@ -163,8 +163,6 @@ def record_pipeline(pipeline, call_kwargs: dict, *, max_steps: int, run_transfor
                                                             sample_shape)))
         stack.enter_context(_patched(scheduler, "step", step))
         stack.enter_context(_patched(scheduler, "set_timesteps", set_timesteps))
-        try:
+        with contextlib.suppress(_Stop):  # raised once enough steps are recorded
             record.output = pipeline(**call_kwargs)
-        except _Stop:
-            pass
     return record

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 from ..errors import UserError
 from .codec import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_MB, DEFAULT_MAX_DECODED_MB, DEFAULT_MAX_IMAGE_PIXELS,
@@ -181,23 +182,29 @@ def start_server_process(reward: str, port: int, options: list[str] = (), extra:
     return wait_healthy(cmd, f"http://127.0.0.1:{port}", env, timeout)
 
 
+def poll_health(url: str, alive: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """Poll ``url``/health until it answers (any status): True then; False once ``alive()`` turns
+    False (the server process exited) or ``timeout`` seconds have passed."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() <= deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=1.0)
+            return True
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    return False
+
+
 def wait_healthy(cmd: list[str], url: str, env: dict | None = None, timeout: float = 60.0) -> subprocess.Popen:
     """Start ``cmd`` (a server), poll ``url``/health until it answers (any status) and return the
     process; raise with the server's stderr if it exits first or does not answer within ``timeout``."""
-    import httpx
-
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            log.seek(0)
-            raise RuntimeError(f"the reward server at {url} did not start (exit code {proc.returncode}): "
-                               f"{log.read()[-2000:]}")
-        try:
-            httpx.get(f"{url}/health", timeout=1.0)
-            return proc
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    if poll_health(url, lambda: proc.poll() is None, timeout):
+        return proc
+    proc.kill()
+    proc.wait()
+    log.seek(0)
+    raise RuntimeError(f"the reward server at {url} did not start (exit code {proc.returncode}): {log.read()[-2000:]}")

@@ -1,0 +1,71 @@
+"""``flowgrpo bench WHAT``: the benchmark subcommand (its arguments and which benchmark runs).
+
+Every benchmark lives in ``flowgrpo.benchmarks`` (the repository's ``benchmarks/`` folder) and is
+imported only when it runs. Each is called as ``run(json_path, out_dir=..., **options)``, where the
+options are the subcommand's flags that this benchmark takes and the user set (0 / None: the
+benchmark's own default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchEntry:
+    """One benchmark: its module in ``flowgrpo.benchmarks``, its run function, the output-folder
+    keyword of that function and the optional flags (``repeats``, ``minutes``) it accepts."""
+
+    module: str
+    function: str
+    out_keyword: str = "out_dir"
+    options: tuple[str, ...] = ()
+
+
+BENCHMARKS: dict[str, BenchEntry] = {
+    "ops": BenchEntry("bench_ops", "run_bench_ops", options=("repeats",)),
+    "samplers": BenchEntry("bench_samplers", "run_bench_samplers"),
+    "e2e": BenchEntry("bench_e2e", "run_bench_e2e", options=("minutes",)),
+    "profile": BenchEntry("bench_profile", "run_bench_profile"),
+    "reward-server": BenchEntry("bench_reward_server", "run_bench_reward_server"),
+    "plugin": BenchEntry("bench_plugin", "run_bench_plugin", out_keyword="out"),
+    "scaling": BenchEntry("bench_scaling", "run_bench_scaling"),
+    "overlap": BenchEntry("bench_overlap", "run_bench_overlap"),
+    "reference": BenchEntry("bench_reference", "run_bench_reference", options=("repeats",)),
+    "memory": BenchEntry("bench_memory", "run_bench_memory"),
+}
+
+
+def add_bench_parser(sub) -> None:
+    """Add ``bench`` to the CLI's subparsers ``sub``."""
+    b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
+    b.add_argument("what", choices=list(BENCHMARKS))
+    b.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for the CSV and PNG (created; default: the current directory)")
+    b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
+    b.add_argument("--repeats", type=int, default=0,
+                   help="timed repetitions (ops, reference; 0 = the benchmark's default)")
+    b.add_argument("--flow-grpo", default=None, metavar="PATH",
+                   help="reference: a checkout of github.com/yifan123/flow_grpo whose SD3 functions are timed")
+    b.add_argument("--minutes", type=float, default=0.0,
+                   help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
+    b.set_defaults(fn=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """Run the benchmark ``args.what``; its CSV/PNG go into ``--out`` (None: the current directory)."""
+    entry = BENCHMARKS[args.what]
+    leading = []
+    if args.what == "reference":
+        if not args.flow_grpo:
+            print("flowgrpo: bench reference needs --flow-grpo PATH (a checkout of github.com/yifan123/flow_grpo)",
+                  file=sys.stderr)
+            return 2
+        leading = [args.flow_grpo]
+    run = getattr(importlib.import_module(f"flowgrpo.benchmarks.{entry.module}"), entry.function)
+    options = {name: getattr(args, name) for name in entry.options if getattr(args, name)}
+    run(*leading, args.json, **{entry.out_keyword: args.out}, **options)
+    return 0
