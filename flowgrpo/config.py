@@ -379,10 +379,11 @@ def validate(cfg: RunConfig) -> None:
                                  ("loss.objective", OBJECTIVES, [cfg.loss.objective]),
                                  ("advantage.estimator", ESTIMATORS, [cfg.advantage.estimator]),
                                  ("reward.weights", REWARDS, list(cfg.reward.weights))):
-        for name in names:
-            if name not in registry:
-                raise ConfigError(f"config key '{key}': unknown {registry.kind} {name!r}; "
-                                  f"valid choices: {', '.join(registry.names())}")
+        for name in names:  # a registered name, or an import path 'package.module:attr' fitting the contract
+            try:
+                registry.check(name)
+            except UserError as exc:
+                raise ConfigError(f"config key '{key}': {exc}") from None
     if cfg.eval.evaluator not in ("auto", "none"):
         from .evaluation import EVALUATORS
 

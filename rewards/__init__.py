@@ -1,9 +1,18 @@
 """Rewards (installed as ``flowgrpo.rewards``): score the decoded leaves of a rollout.
 
-Built-in names are registered lazily, so heavy reward models load only when used.
+Built-in names are registered lazily, so heavy reward models load only when used. User code adds
+its own with ``@REWARDS.register("mine")`` (a class whose instances follow :class:`Reward`), or a
+config names any callable ``(images, prompts, **metadata) -> scores`` or class with that
+``__call__`` by import path, ``reward.weights={"my_pkg.rewards:sharpness": 1.0}``
+(:mod:`.callable`, docs/api.md).
 """
 
-from .base import REWARDS, Reward, RewardOutput, check_options
+from flowgrpo.registry import Registry
+
+from .base import Reward, RewardOutput, check_options
+from .callable import CallableReward, as_reward, reward_plugin
+
+REWARDS: Registry = Registry("reward", plugin=reward_plugin)
 
 #: name -> "module:attr" of its factory; a module is imported only when its reward is built
 _BUILT_IN = {
@@ -31,11 +40,14 @@ for _name, _target in _BUILT_IN.items():
 def build_reward(name: str, **options) -> Reward:
     """Instantiate the reward registered as ``name`` with ``options`` (its factory's keyword
     arguments; ``reward.options.<name>.<key>=...`` in a config). Unknown names and unknown options
-    raise a :class:`~flowgrpo.errors.ConfigError` listing the valid ones. Videos are scored frame by
-    frame with :func:`flowgrpo.rewards.video.score_frames` (``reward.frame_stride``)."""
+    raise a :class:`~flowgrpo.errors.ConfigError` listing the valid ones. A reward registered by user
+    code or named by import path is a :class:`CallableReward` (it may return plain scores). Videos are
+    scored frame by frame with :func:`flowgrpo.rewards.video.score_frames` (``reward.frame_stride``)."""
     factory = REWARDS.get(name)
     check_options(name, factory, options)
-    return factory(**options)
+    reward = factory(**options)
+    # a reward added by user code may return plain scores (the callable contract, :mod:`.callable`)
+    return reward if name in _BUILT_IN else as_reward(reward, name)
 
 
 def check_rewards_fit_model(rewards: dict[str, Reward], model_cfg) -> None:
@@ -57,4 +69,4 @@ def check_rewards_fit_model(rewards: dict[str, Reward], model_cfg) -> None:
                             f"(e.g. reward.weights={{pickscore: 1.0}}; valid: {', '.join(REWARDS.names())})")
 
 
-__all__ = ["REWARDS", "Reward", "RewardOutput", "build_reward", "check_rewards_fit_model"]
+__all__ = ["REWARDS", "CallableReward", "Reward", "RewardOutput", "build_reward", "check_rewards_fit_model"]

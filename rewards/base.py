@@ -1,4 +1,4 @@
-"""The reward protocol and registry (rewards score the leaves of a rollout)."""
+"""The reward protocol (rewards score the leaves of a rollout); the registry is ``flowgrpo.rewards.REWARDS``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Protocol
 from torch import Tensor
 
 from flowgrpo.errors import ConfigError
-from flowgrpo.registry import Registry
 
 
 @dataclass
@@ -35,9 +34,6 @@ class Reward(Protocol):
     name: str
 
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput: ...
-
-
-REWARDS: Registry = Registry("reward")
 
 
 def check_options(name: str, factory, options: dict) -> None:

@@ -24,6 +24,10 @@ def score_frames(reward: Reward, images: Tensor, prompts: list[str], groups: Ten
     the videos of a group frame by frame); scores and components are the mean over those frames per
     video ([B]). A NaN frame score makes that video's score NaN (a failed sample).
 
+    A reward with ``takes_videos`` (e.g. a :class:`~flowgrpo.rewards.callable.CallableReward` of a
+    video-aware callable) is called once with the list of the B videos, each [F', 3, H, W] holding the
+    same frames 0, stride, 2 * stride, ...
+
     A reward with ``wants_references`` also gets ``references=`` (images [B, 3, H, W] in [0, 1], or
     None); any other reward is called without the keyword.
     """
@@ -35,7 +39,10 @@ def score_frames(reward: Reward, images: Tensor, prompts: list[str], groups: Ten
     if images.ndim != 5:
         raise ValueError(f"{getattr(reward, 'name', type(reward).__name__)}: expected images [B, 3, H, W] "
                          f"or videos [B, F, 3, H, W], got {tuple(images.shape)}")
-    outs = [call(images[:, f], prompts, groups=groups) for f in frame_indices(images.shape[1], int(stride))]
+    frames = frame_indices(images.shape[1], int(stride))
+    if getattr(reward, "takes_videos", False):
+        return call(list(images[:, frames]), prompts, groups=groups)
+    outs = [call(images[:, f], prompts, groups=groups) for f in frames]
     scores = torch.stack([o.scores.float() for o in outs]).mean(0)
     components = {k: torch.stack([o.components[k].float() for o in outs]).mean(0)
                   for k in outs[0].components if all(k in o.components for o in outs)}

@@ -11,10 +11,36 @@ leaves that carry signal. ``advantage.estimator`` names one of :data:`ESTIMATORS
 
 from __future__ import annotations
 
-from ..registry import Registry
+import inspect
+
+from ..errors import UserError
+from ..registry import PluginError, Registry, describe, signature_problem
 from .group import AdvantageResult, combine_rewards, group_zscore, valid_reward_mask
 
-ESTIMATORS: Registry = Registry("advantage estimator")
+CONTRACT = "an estimator is a function (rollout, rewards, cfg_adv, cfg_reward) -> AdvantageResult"
+
+
+def estimator_plugin(path: str, obj):
+    """The ``ESTIMATORS`` hook for ``advantage.estimator=package.module:attr``: a function (or callable
+    object, not a class) ``(rollout, rewards, cfg_adv, cfg_reward) -> AdvantageResult`` whose result
+    type is checked on every call."""
+    if inspect.isclass(obj) or not callable(obj):
+        raise PluginError(f"{describe(obj)} is not a function; {CONTRACT}")
+    bad = signature_problem(obj, None, None, None, None)
+    if bad:
+        raise PluginError(f"{describe(obj)} {bad}; {CONTRACT}")
+
+    def estimate(rollout, rewards, cfg_adv, cfg_reward) -> AdvantageResult:
+        out = obj(rollout, rewards, cfg_adv, cfg_reward)
+        if not isinstance(out, AdvantageResult):
+            raise UserError(f"advantage estimator {path!r} returned {describe(out)}, not an AdvantageResult")
+        return out
+
+    return estimate
+
+
+#: name -> ``(rollout, rewards, cfg_adv, cfg_reward) -> AdvantageResult``; also an import path
+ESTIMATORS: Registry = Registry("advantage estimator", plugin=estimator_plugin)
 ESTIMATORS.register_lazy("group_zscore", "flowgrpo.advantages.group:group_zscore_estimator")
 ESTIMATORS.register_lazy("branch_grpo", "flowgrpo.advantages.trees:branch_grpo_estimator")
 ESTIMATORS.register_lazy("tempflow", "flowgrpo.advantages.trees:tempflow_estimator")

@@ -6,17 +6,57 @@
 * ``dgpo`` -- Direct Group Preference Optimization, a group-level DPO (:mod:`.dgpo`).
 
 :mod:`.base` defines the protocol every objective implements; :mod:`flowgrpo.trainer.update_loop`
-runs it. Options of the forward-process objectives are typed dataclasses in :mod:`.options`
+runs it. A config may name an objective of user code by import path,
+``loss.objective=my_pkg.obj:MyObjective`` (:func:`objective_plugin`). Options of the forward-process objectives are typed dataclasses in :mod:`.options`
 (``loss.nft.*``, ``loss.awm.*``, ``loss.dgpo.*``).
 """
 
 from __future__ import annotations
 
-from ..registry import Registry
+import inspect
+
+from ..errors import UserError
+from ..registry import PluginError, Registry, describe, signature_problem
 from .base import Collected, Credit, MicroLoss, Objective, UpdateContext
 
-#: name -> factory ``(run_cfg, device) -> Objective``
-OBJECTIVES: Registry = Registry("objective")
+CONTRACT = ("an objective is an Objective subclass (flowgrpo.objectives.Objective) built as cls(cfg, device), "
+            "cls(cfg) or cls(), or a function (cfg, device) -> Objective")
+
+
+def objective_plugin(path: str, obj):
+    """The ``OBJECTIVES`` hook for ``loss.objective=package.module:attr``: an :class:`Objective`
+    subclass implementing :meth:`~Objective.rows` and :meth:`~Objective.micro_loss`, constructed as
+    ``cls(cfg, device)`` (or ``cls(cfg)``, or ``cls()`` where it takes no arguments), or a factory function
+    ``(cfg, device) -> Objective`` whose result is checked when it is built."""
+    if inspect.isclass(obj):
+        if not issubclass(obj, Objective):
+            raise PluginError(f"{describe(obj)} is not a subclass of flowgrpo.objectives.Objective; {CONTRACT}")
+        if inspect.isabstract(obj):
+            missing = ", ".join(sorted(obj.__abstractmethods__))
+            raise PluginError(f"{describe(obj)} does not implement {missing}; {CONTRACT}")
+        if signature_problem(obj, None, None) is None:
+            return obj
+        if signature_problem(obj, None) is None:
+            return lambda cfg, device=None: obj(cfg)
+        bad = signature_problem(obj)
+        if bad:
+            raise PluginError(f"{describe(obj)} {bad}; {CONTRACT}")
+        return lambda cfg, device=None: obj()
+    bad = signature_problem(obj, None, None) if callable(obj) else "is not callable"
+    if bad:
+        raise PluginError(f"{describe(obj)} {bad}; {CONTRACT}")
+
+    def build(cfg, device=None) -> Objective:
+        made = obj(cfg, device)
+        if not isinstance(made, Objective):
+            raise UserError(f"objective {path!r} returned {describe(made)}, not a flowgrpo.objectives.Objective")
+        return made
+
+    return build
+
+
+#: name -> factory ``(run_cfg, device) -> Objective``; ``loss.objective`` may also be an import path
+OBJECTIVES: Registry = Registry("objective", plugin=objective_plugin)
 OBJECTIVES.register_lazy("grpo", "flowgrpo.objectives.grpo:build_grpo")
 OBJECTIVES.register_lazy("nft", "flowgrpo.objectives.nft:build_nft")
 OBJECTIVES.register_lazy("awm", "flowgrpo.objectives.awm:build_awm")
