@@ -101,9 +101,14 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp) -> 
     return Path(path)
 
 
-def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> dict:
-    """Run (or resume) training. Returns the summary dict (also written to RUN_DIR/summary.json)."""
-    trainer = GRPOTrainer(cfg)  # first, so that bad input fails before a run directory exists
+def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, trainer: GRPOTrainer | None = None) -> dict:
+    """Run (or resume) training. Returns the summary dict (also written to RUN_DIR/summary.json).
+    ``trainer``: one assembled from parts (:class:`~flowgrpo.trainer.trainer.Trainer`; default: the one
+    ``cfg`` describes); its callbacks see every iteration, evaluation and checkpoint (:mod:`.callbacks`)."""
+    if trainer is None:
+        trainer = GRPOTrainer(cfg)  # first, so that bad input fails before a run directory exists
+    cfg = trainer.cfg  # the parts' config (a rewards part may have set reward.weights)
+    events = trainer.callbacks
     dp = trainer.dp
     main = dp.is_main
     lockstep = trainer.engine.lockstep  # every rank takes part in evaluations (sharded weights)
@@ -145,6 +150,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
             _write_json(before_path, eval_before)
             before_images = _grid_subset(res, cfg.eval.seeds_per_prompt)
             torch.save(before_images, run_dir / "eval_before_grid.pt")
+            events.evaluation(trainer, res, "before")
     curve = []
     if eval_before is not None:
         say(f"held-out accuracy before: {eval_before['accuracy']:.3f}")
@@ -196,14 +202,18 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
                               "accuracy_unseen": res.accuracy_unseen, "fidelity": res.fidelity})
                 while train_seconds >= next_eval_s:
                     next_eval_s += eval_every_s
+                if main:
+                    events.evaluation(trainer, res, "during")
             if main:
                 logger.log(m)
+                events.iteration_end(trainer, m)
             done = trainer.iteration
             if (main or gathers) and (done % cfg.log.checkpoint_every == 0 or done == total):
                 t1 = clock()
                 state = trainer.state_dict()  # with sharded weights a collective (whole tensors)
                 if main:
-                    save_checkpoint(run_dir, done, {"trainer": state, "train_seconds": train_seconds})
+                    path = save_checkpoint(run_dir, done, {"trainer": state, "train_seconds": train_seconds})
+                    events.checkpoint(trainer, path, done)
                 train_seconds += clock() - t1
             recent.append(train_seconds - spent_before)
             bar.update(task, **bar_fields(objective, done, total, train_seconds, cfg.train.max_minutes, m, ref_kl))
@@ -216,7 +226,8 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     if (main or gathers) and (dp.broadcast(stale) if gathers else stale):
         state = trainer.state_dict()
         if main:
-            save_checkpoint(run_dir, trainer.iteration, {"trainer": state, "train_seconds": train_seconds})
+            path = save_checkpoint(run_dir, trainer.iteration, {"trainer": state, "train_seconds": train_seconds})
+            events.checkpoint(trainer, path, trainer.iteration)
     if cfg.model.train_mode == "lora" and trainer.policy.exports_lora:  # diffusers' format, EMA weights (flowgrpo.export)
         weights = trainer.engine.full(trainer.ema if trainer.ema is not None else trainer.policy.trainable_state_dict())
         if main:
@@ -232,6 +243,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> 
     if evaluator is not None:
         summary.update(_final_evaluation(trainer, final, run_dir, eval_before, before_images, curve, records,
                                          train_seconds))
+        events.evaluation(trainer, final[0], "after")
     else:
         save_reward_curve(run_dir / "reward_curve.png", records, [])
     summary.update({

@@ -16,7 +16,9 @@ One outer iteration n (:meth:`Trainer.iteration_step`):
 
 Each stage is a method with typed inputs and outputs (:class:`~flowgrpo.objectives.Collected`,
 :class:`~flowgrpo.objectives.Credit`), so a benchmark or a new objective can call one stage
-without re-implementing the others.
+without re-implementing the others. The trainer runs seven parts (policy, rewards, strategy,
+sampler, estimator, objective, prompts: :mod:`.parts`); :meth:`Trainer.from_config` builds them all
+from a config, and any of them may be handed in instead (docs/api.md).
 """
 
 from __future__ import annotations
@@ -28,24 +30,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..advantages import AdvantageResult, estimate_advantages
+from ..advantages import ESTIMATORS, AdvantageResult
 from ..config import RunConfig
-from ..curriculum import SignalCurriculum, groups_with_signal
-from ..data import PromptSource
+from ..curriculum import groups_with_signal
 from ..objectives import Collected, Credit, UpdateContext, build_objective
 from ..policies import build_policy
 from ..references import resize_references
 from ..errors import ConfigError, UserError
-from ..rewards import REWARDS, build_reward, check_rewards_fit_model
-from ..rewards.base import wants_references
+from ..rewards import REWARDS, check_rewards_fit_model
 from ..rewards.video import score_frames
 from ..samplers.forest import Rollout
 from ..samplers.forest_sampler import ForestSampler
-from ..samplers.schedule import sigma_grid
 from ..samplers.strategies import build_strategy
 from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
 from ..sharded_tensors import like_param
+from .callbacks import CallbackList
 from .data_parallel import DataParallel
+from .parts import build_prompts, build_rewards, check_references, model_grid, reward_parts
 from .update_loop import run_update, update_rng
 from .waves import collect_in_waves, wave_ranges
 
@@ -70,12 +71,19 @@ class Trainer:
     directory, logging, evaluation) lives in :mod:`flowgrpo.trainer.run`.
     """
 
-    def __init__(self, cfg: RunConfig, accelerator=None, objective=None):
-        """Args: cfg, the run's configuration; accelerator, an accelerate ``Accelerator`` (default: one
-        made from ``cfg``); objective, an :class:`~flowgrpo.objectives.Objective` instance to train with
-        instead of the one ``cfg.loss.objective`` names (a new objective needs no registry entry)."""
+    def __init__(self, cfg: RunConfig, accelerator=None, objective=None, *, policy=None, rewards=None,
+                 strategy=None, sampler=None, estimator=None, prompts=None, callbacks=()):
+        """Args: cfg, the run's configuration (every hyperparameter, and the parts not handed in);
+        accelerator, an accelerate ``Accelerator`` (default: one made from ``cfg``); objective, policy,
+        rewards, strategy, sampler, estimator, prompts: the parts (:mod:`.parts`), each replacing the one
+        its config key names (None: built from ``cfg``). ``rewards`` maps names to rewards or to any
+        callable ``(images, prompts, **metadata) -> scores`` (a name missing from ``reward.weights``
+        weighs 1.0); ``sampler`` must sample ``policy``. callbacks: :class:`~.callbacks.Callback` s or
+        functions ``(trainer, metrics)`` that the run loop calls (:mod:`.callbacks`)."""
         from .accelerator import make_accelerator, weight_engine
 
+        if rewards is not None:
+            rewards, cfg = reward_parts(rewards, cfg)
         self.cfg = cfg
         tc = cfg.train
         if tc.threads:
@@ -95,9 +103,10 @@ class Trainer:
         self.dp.tree_shard(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt)  # fail now if too few trees
         torch.manual_seed(tc.seed)  # adapter initialisation
         # rewards first: a reward that cannot read this model's images fails before the model loads
-        self.rewards = {name: build_reward(name, **cfg.reward.options.get(name, {})) for name in cfg.reward.weights}
-        check_rewards_fit_model(self.rewards, cfg.model)
-        self.policy = build_policy(cfg.model).to(self.accelerator.device)
+        self.rewards = rewards if rewards is not None else build_rewards(cfg)
+        if policy is None:
+            check_rewards_fit_model(self.rewards, cfg.model)
+        self.policy = (policy if policy is not None else build_policy(cfg.model)).to(self.accelerator.device)
         if not cfg.loss.cfg_uncond_grad:
             if not self.policy.can_detach_uncond:
                 raise ConfigError(f"loss.cfg_uncond_grad=false is not supported by {type(self.policy).__name__} "
@@ -113,46 +122,31 @@ class Trainer:
         # The policy stays unwrapped (its methods, not only forward, are called); the engine takes the optimizer.
         self.engine.attach_optimizer(torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), eps=tc.adam_eps,
                                                        weight_decay=tc.weight_decay), self.policy, tc.max_grad_norm)
-        self.strategy = build_strategy(cfg.sampler, cfg.strategy, grid=self._model_grid())
-        self.sampler = ForestSampler(self.policy, cfg.sampler.max_micro_batch)
-        dc = cfg.data
-        self.curriculum = (SignalCurriculum(dc.curriculum_floor, dc.curriculum_rate)
-                           if dc.curriculum == "signal" else None)
-        self.prompts = PromptSource(dc.prompts, tc.seed, self.curriculum, dc.curriculum_key)
-        self._check_references()
+        self.strategy = strategy if strategy is not None else build_strategy(
+            cfg.sampler, cfg.strategy, grid=model_grid(self.policy, cfg.sampler))
+        self.sampler = sampler if sampler is not None else ForestSampler(self.policy, cfg.sampler.max_micro_batch)
+        if self.sampler.policy is not self.policy:
+            raise UserError("the sampler part samples another policy than the trainer's: build it as "
+                            "ForestSampler(policy, ...) over the policy part")
+        self.estimator = estimator if estimator is not None else ESTIMATORS.get(cfg.advantage.estimator)
+        self.prompts = prompts if prompts is not None else build_prompts(cfg)
+        self.curriculum = getattr(self.prompts, "curriculum", None)
+        check_references(cfg, self.prompts, self.policy, self.rewards)
         self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
         self.objective.setup(self.policy)
+        self.callbacks = CallbackList(callbacks)
         self.iteration = 0
 
-    def _check_references(self) -> None:
-        """Image editing, checked before the first rollout: reference images (a prompt file's ``image``
-        column) need an edit model, an edit model needs them, and so does a reward that wants them."""
-        has, takes = self.prompts.has_references, bool(getattr(self.policy, "takes_references", False))
-        prompts, model = self.cfg.data.prompts, self.cfg.model.name
-        column = 'use a .jsonl prompt file with an "image" column'
-        if has and not takes:
-            raise UserError(f"data.prompts={prompts!r} gives reference images but model.name={model!r} takes none "
-                            "(not an image-editing model)")
-        if takes and not has:
-            raise UserError(f"model.name={model!r} edits a reference image per prompt and data.prompts={prompts!r} "
-                            f"gives none: {column}")
-        wanting = [name for name, fn in self.rewards.items() if wants_references(fn)]
-        if wanting and not has:
-            raise UserError(f"reward {wanting[0]!r} compares each image with its prompt's reference image, and "
-                            f"data.prompts={prompts!r} gives none: {column}")
+    @classmethod
+    def from_config(cls, cfg: RunConfig, accelerator=None, callbacks=(), **parts) -> "Trainer":
+        """The trainer ``cfg`` describes, every part built from it (the CLI's trainer, bit for bit);
+        ``parts`` (keywords of :class:`Trainer`) replace single parts."""
+        return cls(cfg, accelerator, callbacks=callbacks, **parts)
 
     @property
     def optimizer(self):
         """The AdamW the engine steps (accelerate's wrapper, or DeepSpeed's partitioned optimizer)."""
         return self.engine.optimizer
-
-    def _model_grid(self):
-        """The policy's sigma grid as a function of T, or None where it is the sampler's default one."""
-        cfg = self.cfg.sampler
-        own = self.policy.sigma_grid(cfg.num_steps, cfg.shift)
-        if torch.equal(own.cpu().float(), sigma_grid(cfg.num_steps, cfg.shift)):
-            return None
-        return lambda n: self.policy.sigma_grid(n, cfg.shift)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -278,7 +272,7 @@ class Trainer:
         """Advantages over the whole iteration's forest, the edges that may train (a leaf with
         signal below them, minus strategy pruning) and the trained plan steps."""
         cfg, whole = self.cfg, col.view.whole
-        adv = estimate_advantages(cfg.advantage.estimator, whole, col.rewards, cfg.advantage, cfg.reward)
+        adv = self.estimator(whole, col.rewards, cfg.advantage, cfg.reward)
         edge_masks = [None] + [whole.mean_over_descendants(adv.leaf_mask.float(), d) > 0
                                for d in range(1, len(whole.levels))]
         pruned = self.strategy.edge_train_masks(whole, adv, col.iteration)

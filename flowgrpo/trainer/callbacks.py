@@ -1,0 +1,76 @@
+"""Callbacks: user code run at the events of a training run (:func:`flowgrpo.trainer.run.train`).
+
+Subclass :class:`Callback` and override the events you need, or pass a plain function
+``fn(trainer, metrics)``, which is called at the end of every iteration. Callbacks run on the main
+process only, in the order given, after the run loop has finished the event (metrics logged, the
+evaluation recorded, the checkpoint written). :meth:`Trainer.iteration_step
+<flowgrpo.trainer.trainer.Trainer.iteration_step>` alone fires none: the run loop does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable, Literal
+
+#: when an evaluation ran: before training, during it (``eval.every`` / ``eval.every_minutes``), after it
+EvalStage = Literal["before", "during", "after"]
+
+
+class Callback:
+    """The events of a run; every method is a no-op here.
+
+    * :meth:`on_iteration_end` -- an iteration's metrics (the ``metrics.jsonl`` line: ``iteration``
+      (0-based), ``reward.<name>`` (mean over scorable samples), ``reward_mean``,
+      ``nan_rewards_dropped``, ``loss``, ``train_seconds``, ``eval_accuracy`` when an evaluation ran, ...);
+    * :meth:`on_evaluation` -- a held-out evaluation's :class:`~flowgrpo.evaluation.EvalResult`;
+    * :meth:`on_checkpoint` -- a checkpoint written at ``path`` after ``iteration`` iterations.
+    """
+
+    def on_iteration_end(self, trainer, metrics: dict) -> None:
+        """After iteration ``metrics["iteration"]`` was logged."""
+
+    def on_evaluation(self, trainer, result, stage: EvalStage) -> None:
+        """After a held-out evaluation (``result``: :class:`~flowgrpo.evaluation.EvalResult`)."""
+
+    def on_checkpoint(self, trainer, path: Path, iteration: int) -> None:
+        """After the checkpoint of ``iteration`` completed iterations was written at ``path``."""
+
+
+class _IterationFunction(Callback):
+    """A plain function ``fn(trainer, metrics)`` as the iteration-end event."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def on_iteration_end(self, trainer, metrics: dict) -> None:
+        self.fn(trainer, metrics)
+
+
+class CallbackList:
+    """The callbacks of one trainer, dispatched in order (what :class:`Trainer` holds as ``callbacks``)."""
+
+    def __init__(self, callbacks: Iterable[Callback | Callable] = ()):
+        self.items: list[Callback] = []
+        self.extend(callbacks)
+
+    def extend(self, callbacks: Iterable[Callback | Callable]) -> None:
+        for cb in callbacks:
+            if isinstance(cb, Callback):
+                self.items.append(cb)
+            elif callable(cb):
+                self.items.append(_IterationFunction(cb))
+            else:
+                raise TypeError(f"a callback is a flowgrpo.Callback or a function (trainer, metrics), got "
+                                f"{type(cb).__name__}")
+
+    def iteration_end(self, trainer, metrics: dict) -> None:
+        for cb in self.items:
+            cb.on_iteration_end(trainer, metrics)
+
+    def evaluation(self, trainer, result, stage: EvalStage) -> None:
+        for cb in self.items:
+            cb.on_evaluation(trainer, result, stage)
+
+    def checkpoint(self, trainer, path: Path, iteration: int) -> None:
+        for cb in self.items:
+            cb.on_checkpoint(trainer, path, iteration)
