@@ -19,6 +19,11 @@ the CUDA context are not in it). The table gives the largest value over a run's 
 Run ``flowgrpo bench memory [--out DIR] [--json PATH]``; prints a table, writes ``memory.csv`` and
 ``memory.png`` into ``--out`` and the JSON ``{"device", "iterations", "rows": [{"run", "processes",
 "peak_rss_mb", "peak_cuda_mb", "wall_s"}]}``.
+
+``flowgrpo bench memory --recipe NAME [--gpus N] [--json PATH]`` (or ``--all [--markdown FILE]``)
+sizes a real-size recipe without weights instead (:func:`run_recipe_memory`, :mod:`flowgrpo.realsize`):
+parameter and LoRA counts, per-GPU weights, LoRA training state and activations on 1 and N GPUs, with
+and without FSDP.
 """
 
 from __future__ import annotations
@@ -98,8 +103,16 @@ def measure(name: str, processes: int, args: list[str], iterations: int, work: P
 
 
 def run_bench_memory(json_path=None, *, iterations: int = 3, only: list[str] | None = None, out_dir=None,
-                     quiet: bool = False) -> dict:
-    """Measure every run of :func:`runs` (or those named in ``only``); table, CSV, PNG and JSON."""
+                     quiet: bool = False, recipe: str | None = None, all_recipes: bool = False, gpus: int = 0,
+                     markdown: str | None = None, resolution: int = 0, frames: int = 0, micro_batch: int = 0) -> dict:
+    """Measure every run of :func:`runs` (or those named in ``only``); table, CSV, PNG and JSON.
+
+    With ``recipe`` (or ``all_recipes``) it instead sizes real models without weights
+    (:func:`run_recipe_memory`)."""
+    if recipe or all_recipes:
+        return run_recipe_memory(json_path, recipes=None if all_recipes else [recipe], gpus=gpus or 8,
+                                 markdown=markdown, resolution=resolution, frames=frames, micro_batch=micro_batch,
+                                 quiet=quiet)
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -128,6 +141,28 @@ def run_bench_memory(json_path=None, *, iterations: int = 3, only: list[str] | N
         for r in rows:
             cuda = "n/a" if r["peak_cuda_mb"] is None else f"{r['peak_cuda_mb']:.1f}"
             print(f"{r['run']:24s} {r['processes']:5d} {r['peak_rss_mb']:12.1f} {cuda:>13s} {r['wall_s']:8.1f}")
+    return result
+
+
+def run_recipe_memory(json_path=None, *, recipes: list[str] | None = None, gpus: int = 8, markdown: str | None = None,
+                      resolution: int = 0, frames: int = 0, micro_batch: int = 0, quiet: bool = False) -> dict:
+    """Per-GPU training memory of real-size recipes, counted on the meta device (no weights, no GPU):
+    :func:`flowgrpo.realsize.table.memory_rows` for ``recipes`` (None: all) on 1 and ``gpus`` GPUs, with
+    and without FSDP. Prints the rich table; writes the JSON ``{"gpus", "rows": [...]}`` (every row has
+    ``transformer_params``, ``lora_params`` and ``per_gpu`` bytes); ``markdown``: a file whose
+    ``memory-table`` markers get the markdown table in between (the file is left alone without them)."""
+    from flowgrpo.realsize.table import markdown_table, memory_rows, print_table, replace_marked
+
+    rows = memory_rows(recipes, gpus, resolution=resolution or None, frames=frames or None,
+                       micro_batch=micro_batch or None)
+    result = {"gpus": gpus, "rows": rows}
+    write_json(json_path, result)
+    if not quiet:
+        print_table(rows)
+    if markdown:
+        done = replace_marked(markdown, markdown_table(rows))
+        print(f"{markdown}: table {'written between the memory-table markers' if done else 'NOT written (no markers)'}")
+        result["markdown_written"] = done
     return result
 
 

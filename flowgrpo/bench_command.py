@@ -35,7 +35,8 @@ BENCHMARKS: dict[str, BenchEntry] = {
     "scaling": BenchEntry("bench_scaling", "run_bench_scaling"),
     "overlap": BenchEntry("bench_overlap", "run_bench_overlap"),
     "reference": BenchEntry("bench_reference", "run_bench_reference", options=("repeats",)),
-    "memory": BenchEntry("bench_memory", "run_bench_memory"),
+    "memory": BenchEntry("bench_memory", "run_bench_memory", options=(
+        "recipe", "all_recipes", "gpus", "markdown", "resolution", "frames", "micro_batch")),
 }
 
 
@@ -52,6 +53,14 @@ def add_bench_parser(sub) -> None:
                    help="reference: a checkout of github.com/yifan123/flow_grpo whose SD3 functions are timed")
     b.add_argument("--minutes", type=float, default=0.0,
                    help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
+    # memory: real-size recipes without weights (flowgrpo.realsize); none of these = the measured runs
+    b.add_argument("--recipe", default=None, help="memory: size this recipe's real model on the meta device")
+    b.add_argument("--all", dest="all_recipes", action="store_true", help="memory: every recipe")
+    b.add_argument("--gpus", type=int, default=0, help="memory: GPUs of the data-parallel / FSDP layouts (default 8)")
+    b.add_argument("--markdown", default=None, metavar="FILE",
+                   help="memory: put the table between FILE's memory-table markers")
+    for flag in ("resolution", "frames", "micro-batch"):
+        b.add_argument(f"--{flag}", type=int, default=0, help=f"memory: {flag} instead of the recipe's")
     b.set_defaults(fn=run_bench_command)
 
 

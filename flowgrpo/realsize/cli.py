@@ -1,0 +1,60 @@
+"""``flowgrpo realsize write-pipeline | lora-layers`` (registered by :func:`register`).
+
+    flowgrpo realsize write-pipeline --recipe sd35-medium --out DIR [--seed N]
+    flowgrpo realsize lora-layers --recipe sd35-medium [--json PATH]
+
+The memory table itself is ``flowgrpo bench memory --recipe NAME --gpus N`` (``flowgrpo bench``).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def _cmd_write_pipeline(args) -> int:
+    from ..errors import UserError
+    from .pipeline_folder import write_pipeline
+
+    overrides = {"num_layers": args.num_layers} if args.num_layers else {}
+    try:
+        out = write_pipeline(args.recipe, args.out, seed=args.seed, **overrides)
+    except (KeyError, ValueError) as exc:
+        raise UserError(str(exc).strip("'\"")) from None
+    print(f"{out}: {args.recipe} pipeline, real transformer configuration with random weights (bf16); "
+          f"train it with model.name={out}")
+    return 0
+
+
+def _cmd_lora_layers(args) -> int:
+    from .memory import lora_layer_counts
+
+    counts = lora_layer_counts(args.recipe, rank=args.rank)
+    for block, n in counts["wrapped_by_block"].items():
+        print(f"{block:40s} {n:6d}")
+    print(f"{'total wrapped linear layers':40s} {counts['wrapped']:6d}   LoRA parameters {counts['lora_params']:,} "
+          f"(rank {counts['rank']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(counts, f, indent=2)
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``realsize`` and its subcommands to the ``flowgrpo`` parser's ``subparsers``."""
+    from .configs import recipe_names
+
+    r = subparsers.add_parser("realsize", help="real-size models without weights: random-weight pipeline folders, "
+                                               "LoRA layers of a recipe")
+    rsub = r.add_subparsers(dest="realsize_command", required=True)
+    w = rsub.add_parser("write-pipeline", help="write a pipeline folder with the recipe's real transformer "
+                                               "(random weights, shrunk text encoders of real output width)")
+    w.add_argument("--recipe", required=True, choices=recipe_names())
+    w.add_argument("--out", required=True, metavar="DIR")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--num-layers", type=int, default=0, help="fewer transformer blocks (0: the real depth)")
+    w.set_defaults(fn=_cmd_write_pipeline)
+    ll = rsub.add_parser("lora-layers", help="the linear layers the recipe's LoRA wraps, per block type (meta device)")
+    ll.add_argument("--recipe", required=True, choices=recipe_names())
+    ll.add_argument("--rank", type=int, default=0, help="LoRA rank (0: the recipe's)")
+    ll.add_argument("--json", default=None, metavar="PATH")
+    ll.set_defaults(fn=_cmd_lora_layers)

@@ -1,0 +1,153 @@
+"""A diffusers pipeline folder with the real transformer and random weights: dry-run a recipe before downloading.
+
+:func:`write_pipeline` saves a folder that ``model.name=<folder>`` loads like the real one:
+
+* the transformer (every expert of it) at the recipe's published configuration
+  (:mod:`flowgrpo.realsize.configs`), random weights;
+* text encoders of the real classes shrunk to one or two layers and a few dozen hidden units
+  inside, but with the real **output** widths, so the transformer's text inputs have their real
+  sizes: SD3: CLIP-L 768 and CLIP-G 1280 (pooled 768 + 1280 = ``pooled_projection_dim`` 2048,
+  hidden states zero-padded to T5's 4096 = ``joint_attention_dim``), T5 4096; Wan: UMT5 4096
+  (``text_dim``);
+* tokenizers built offline (:mod:`flowgrpo.policies.sd3_tiny`'s CLIP BPE and T5 Unigram ones, CLIP
+  at its real 77 tokens);
+* a small VAE with the real latent channels and compression (SD3: 16 channels, 8x; Wan 2.1: 16
+  channels, 8x spatial / 4x temporal; Wan 2.2 TI2V-5B: 48 channels, 16x / 4x), the stock scheduler.
+
+Everything is saved in bfloat16 (2 bytes per weight: the SD3.5-Medium folder is 4.5 GB, Wan 2.1
+1.3B 2.9 GB); building needs about as much RAM as that (the transformer is built in bf16). Families
+whose text encoders are multimodal LLMs (FLUX, Qwen-Image, Z-Image, HunyuanVideo) are not written
+yet: :data:`WRITERS` lists those that are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .configs import RealTransformer, build_transformer, transformer_config
+
+CLIP_TOKENS = 77
+#: inside widths of the shrunk text encoders (their output widths are the real ones)
+_SMALL = dict(layers=2, heads=4, ffn=64)
+
+
+def _clip(tokenizer, width: int):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    return CLIPTextModelWithProjection(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=_SMALL["ffn"], projection_dim=width,
+        num_hidden_layers=_SMALL["layers"], num_attention_heads=_SMALL["heads"], max_position_embeddings=CLIP_TOKENS,
+        hidden_act="quick_gelu", bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)).eval()
+
+
+def _t5_config(tokenizer, width: int) -> dict:
+    """A T5 / UMT5 encoder config ``width`` wide at its output, small inside (16-wide heads, 64-wide FF)."""
+    return dict(vocab_size=len(tokenizer), d_model=width, d_kv=16, d_ff=_SMALL["ffn"], num_layers=_SMALL["layers"],
+                num_heads=_SMALL["heads"], relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                dropout_rate=0.0, feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def sd3_components(entry: RealTransformer) -> dict:
+    """``StableDiffusion3Pipeline`` components around the real transformer of ``entry``."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from transformers import T5Config, T5EncoderModel
+
+    from ..policies.sd3_tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+
+    cfg = entry.config
+    clip_l, clip_g, t5_width = 768, 1280, cfg["joint_attention_dim"]
+    if clip_l + clip_g != cfg["pooled_projection_dim"]:
+        raise ValueError(f"{entry.recipe}: pooled width {cfg['pooled_projection_dim']} is not CLIP-L + CLIP-G")
+    tokenizer, tokenizer_2 = tiny_clip_tokenizer(max_length=CLIP_TOKENS), tiny_clip_tokenizer(max_length=CLIP_TOKENS)
+    tokenizer_3 = tiny_t5_tokenizer()
+    return {
+        "transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+        "text_encoder": _clip(tokenizer, clip_l), "tokenizer": tokenizer,
+        "text_encoder_2": _clip(tokenizer_2, clip_g), "tokenizer_2": tokenizer_2,
+        "text_encoder_3": T5EncoderModel(T5Config(**_t5_config(tokenizer_3, t5_width))).eval(),
+        "tokenizer_3": tokenizer_3,
+        # SD3's VAE: 16 latent channels, 4 levels (8x), its scaling and shift factors; 8-16 channels wide
+        "vae": AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=cfg["in_channels"],
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4, sample_size=1024,
+            scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False).eval(),
+        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+    }
+
+
+def wan_components(entry: RealTransformer) -> dict:
+    """``WanPipeline`` components around the real transformer(s) of ``entry`` (Wan 2.1, Wan 2.2 A14B's
+    two experts split at boundary 0.875, Wan 2.2 TI2V-5B's 48-channel 16x VAE with per-token timesteps)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from ..policies.families_tiny_video import WAN22_BOUNDARY
+    from ..policies.sd3_tiny import tiny_t5_tokenizer
+
+    cfg = entry.config
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    channels = cfg["in_channels"]
+    if channels == 48:  # Wan 2.2 VAE: residual, 2x2-patchified input, 16x spatial
+        vae = AutoencoderKLWan(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                               latents_mean=[0.0] * 48, latents_std=[1.0] * 48, dim_mult=[1, 1, 1, 1],
+                               num_res_blocks=1, scale_factor_spatial=16, scale_factor_temporal=4,
+                               temperal_downsample=[False, True, True]).eval()
+    else:
+        vae = AutoencoderKLWan(base_dim=3, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True]).eval()
+    components = {
+        "transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16), "vae": vae,
+        "text_encoder": UMT5EncoderModel(UMT5Config(**_t5_config(tokenizer, cfg["text_dim"]))).eval(),
+        "tokenizer": tokenizer,
+        "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                             num_train_timesteps=1000, flow_shift=5.0 if channels == 48 else 3.0),
+    }
+    if len(entry.experts) == 2:
+        components["transformer_2"] = build_transformer(entry, device="cpu", dtype=torch.bfloat16)
+        components["boundary_ratio"] = WAN22_BOUNDARY
+    elif channels == 48:
+        components.update(transformer_2=None, boundary_ratio=None, expand_timesteps=True)
+    return components
+
+
+#: pipeline class -> components builder of the families this module writes
+WRITERS = {"StableDiffusion3Pipeline": sd3_components, "WanPipeline": wan_components}
+
+
+def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write ``recipe``'s random-weight pipeline folder into ``out`` (bf16 safetensors); returns ``out``.
+
+    ``overrides`` replace transformer config keys (tests: ``num_layers=1``). ValueError for a recipe
+    whose family has no writer (:data:`WRITERS`)."""
+    import dataclasses
+
+    import diffusers
+
+    from ..policies.diffusers_common import cast_module
+
+    entry = transformer_config(recipe)
+    entry = dataclasses.replace(entry, config={**entry.config, **overrides})
+    if entry.pipeline not in WRITERS:
+        raise ValueError(f"{recipe}: writing a {entry.pipeline} folder is not supported yet "
+                         f"(supported: {', '.join(r for r, e in _entries() if e.pipeline in WRITERS)})")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        components = WRITERS[entry.pipeline](entry)
+    pipe = getattr(diffusers, entry.pipeline)(**components)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            cast_module(module, torch.bfloat16)  # the classes' float32 submodules stay float32
+    out = Path(out)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def _entries():
+    from .configs import REAL_TRANSFORMERS
+
+    return REAL_TRANSFORMERS.items()

@@ -1,0 +1,164 @@
+"""The per-GPU memory table of the recipes: rows, rich / markdown rendering, the docs' marked section.
+
+A row is one recipe: :func:`~flowgrpo.realsize.memory.training_state` (weights and LoRA training
+state per layout) plus :func:`~flowgrpo.realsize.activations.activation_bytes` (one training
+forward of the recipe's micro-batch). The sample size comes from the recipe YAML
+(``flowgrpo/recipes/<name>.yaml`` through ``flowgrpo.config.load_config(recipe=...)``) where it
+exists, else from the adapter's defaults (:func:`recipe_geometry`); explicit values override both.
+All sizes are GiB (2**30 bytes).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .activations import Geometry, activation_bytes
+from .configs import recipe_model_config, recipe_names, transformer_config
+from .memory import training_state
+
+GIB = 2**30
+BEGIN, END = "<!-- memory-table:begin -->", "<!-- memory-table:end -->"
+#: adapters' own defaults (``resolution``, ``max_sequence_length`` / text tokens) where model.* leaves them unset
+_ADAPTER_DEFAULTS = {"sd3": (512, 256), "wan": (480, 512), "flux": (1024, 512)}
+#: text tokens in front of the T5 ones (SD3: CLIP's 77) and fixed text lengths (HunyuanVideo 1.5's MLLM: 1000)
+_TEXT_PREFIX = {"StableDiffusion3Pipeline": 77}
+_FIXED_TEXT = {"HunyuanVideo15Pipeline": 1000}
+
+
+def recipe_geometry(recipe: str, resolution: int | None = None, frames: int | None = None,
+                    micro_batch: int | None = None) -> tuple[Geometry, dict]:
+    """The training micro-batch of ``recipe`` and where its numbers came from.
+
+    From the recipe YAML when it loads (``model.resolution``, ``model.num_frames``,
+    ``model.max_sequence_length``, ``train.micro_batch``, CFG in the update when ``model.guidance_scale``
+    > 1 and ``loss.cfg_uncond_grad``, ``model.gradient_checkpointing``, ``model.lora_rank``), else the
+    adapter's defaults with micro-batch 1, checkpointing on and no CFG. Explicit arguments win.
+    Returns ``(geometry, info)``; ``info`` holds ``source``, ``checkpointing``, ``cfg`` and ``rank``.
+    """
+    from ..policies.families import family_of
+
+    entry = transformer_config(recipe)
+    family = family_of(entry.pipeline)
+    res_default, text_default = _ADAPTER_DEFAULTS.get(entry.adapter, (family.resolution, family.max_sequence_length))
+    video = entry.class_name.endswith("3DModel")
+    cfg = _recipe_config(recipe)
+    info = {"source": "recipe" if cfg is not None else "defaults", "checkpointing": True, "cfg": False,
+            "rank": entry.lora_rank()}
+    res, nframes, text, batch = res_default, (family.num_frames if video else 1), text_default, 1
+    if cfg is not None:
+        m = cfg.model
+        res = m.resolution or res
+        nframes = (m.num_frames or nframes) if video else 1
+        text = m.max_sequence_length or text
+        batch = cfg.train.micro_batch
+        info.update(checkpointing=bool(m.gradient_checkpointing),
+                    cfg=m.guidance_scale > 1 and bool(getattr(cfg.loss, "cfg_uncond_grad", True)),
+                    rank=int(m.lora_rank))
+    res = resolution or res
+    nframes = (frames or nframes) if video else 1
+    batch = micro_batch or batch
+    text = _FIXED_TEXT.get(entry.pipeline, _TEXT_PREFIX.get(entry.pipeline, 0) + text)
+    reference = family.reference_kwarg is not None
+    return Geometry(res, nframes, text, batch * (2 if info["cfg"] else 1), reference), info
+
+
+def _recipe_config(recipe: str):
+    if recipe_model_config(recipe) is None:
+        return None
+    from ..config import load_config
+
+    return load_config(recipe=recipe)
+
+
+def memory_row(recipe: str, gpus: int = 8, resolution: int | None = None, frames: int | None = None,
+               micro_batch: int | None = None, rank: int = 0) -> dict:
+    """One recipe's row: counts, per-layout bytes and activations (see the module docstring).
+
+    Keys: ``recipe``, ``class_name``, ``experts``, ``transformer_params``, ``lora_params``,
+    ``lora_rank``, ``wrapped_layers``, ``wrapped_by_block``, ``geometry`` (resolution, frames, text
+    tokens, batch), ``image_tokens``, ``activations`` (``checkpointing`` / ``no_checkpointing`` bytes
+    of one expert's forward), ``checkpointing`` (the recipe's setting), ``per_gpu`` ({layout: bytes
+    by kind, ``activations`` and ``total`` included}) and ``source``.
+    """
+    geo, info = recipe_geometry(recipe, resolution, frames, micro_batch)
+    rank = rank or info["rank"]
+    state = training_state(recipe, gpus_list=sorted({1, gpus}), rank=rank)
+    act = activation_bytes(recipe, geo, rank=rank)
+    used = act.checkpointing if info["checkpointing"] else act.no_checkpointing
+    per_gpu = {}
+    for name, kinds in state.per_gpu.items():
+        per_gpu[name] = {**kinds, "activations": used, "total": kinds["total"] + used}
+    row = state.as_dict()
+    row.update(per_gpu=per_gpu, geometry=geo.__dict__, image_tokens=act.image_tokens, source=info["source"],
+               checkpointing=info["checkpointing"], cfg_in_update=info["cfg"],
+               activations={"checkpointing": act.checkpointing, "no_checkpointing": act.no_checkpointing,
+                            "outside": act.outside, "block_inputs": act.block_inputs,
+                            "largest_block": max(act.blocks, default=0), "blocks": len(act.blocks)})
+    return row
+
+
+def memory_rows(recipes=None, gpus: int = 8, **kwargs) -> list[dict]:
+    """:func:`memory_row` of every recipe in ``recipes`` (default: all)."""
+    return [memory_row(r, gpus, **kwargs) for r in (recipes or recipe_names())]
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:.1f}"
+
+
+def table_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells shared by the rich and markdown renderings."""
+    head = ["recipe", "params", "LoRA (rank)", "wrapped", "sample", "layout", "weights", "LoRA+grad+Adam+EMA",
+            "activations", "total GiB"]
+    cells = []
+    for r in rows:
+        g = r["geometry"]
+        sample = f"{g['resolution']}px" + (f" x{g['frames']}f" if g["frames"] > 1 else "") + f" b{g['batch']}"
+        for i, (layout, b) in enumerate(r["per_gpu"].items()):
+            lora_state = b["lora_weights"] + b["gradients"] + b["adamw"] + b["ema"]
+            act = _gib(b["activations"]) + (" (ckpt)" if r["checkpointing"] else "")
+            first = i == 0
+            cells.append([r["recipe"] if first else "",
+                          f"{r['transformer_params'] / 1e9:.2f}B" + (f" ({r['experts']} experts)" if r["experts"] > 1
+                                                                      else "") if first else "",
+                          f"{r['lora_params'] / 1e6:.1f}M (r{r['lora_rank']})" if first else "",
+                          str(r["wrapped_layers"]) if first else "", sample if first else "", layout,
+                          _gib(b["base_weights"] + b["fsdp_gathered"]), _gib(lora_state), act, _gib(b["total"])])
+    return head, cells
+
+
+def print_table(rows: list[dict], title: str = "per-GPU training memory (transformer only)") -> None:
+    """The rows as a rich table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    head, cells = table_cells(rows)
+    table = Table(title=title)
+    for i, h in enumerate(head):
+        table.add_column(h, justify="left" if i in (0, 4, 5) else "right")
+    for c in cells:
+        table.add_row(*c)
+    Console(width=200).print(table)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as a GitHub markdown table (one line per recipe and layout)."""
+    head, cells = table_cells(rows)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i in (0, 4, 5) else "---:" for i in range(len(head))) + "|"]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    return "\n".join(lines) + "\n"
+
+
+def replace_marked(path: str | Path, content: str) -> bool:
+    """Replace what lies between the ``memory-table`` markers of ``path`` by ``content``; False (file
+    untouched) when the file or either marker is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    text = path.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        return False
+    path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{content.rstrip()}\n{END}", text, count=1), encoding="utf-8")
+    return True
