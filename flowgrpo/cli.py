@@ -320,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .unigenbench.cli import register as register_unigenbench
 
     register_unigenbench(sub)
+    __import__("flowgrpo.realsize.cli", fromlist=["register"]).register(sub)  # flowgrpo realsize ...
     return ap
 
 
