@@ -273,3 +273,15 @@ def test_train_with_a_reward_by_path_nan_scores_and_callbacks(shapes_model_dir, 
 def test_train_refuses_a_config_and_a_trainer_together(tiny_config):
     with pytest.raises(UserError, match="not both"):
         flowgrpo.train(["train.iterations=1"], trainer=object())
+
+
+def test_import_flowgrpo_stays_light_and_exports_the_api():
+    import subprocess
+
+    code = ("import sys, flowgrpo; assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert {'train', 'Trainer', 'Callback', 'load_config', 'CallableReward'} <= set(dir(flowgrpo)); "
+            "assert flowgrpo.Trainer.__name__ == 'Trainer'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        flowgrpo.nope  # noqa: B018
