@@ -34,7 +34,14 @@ DIMS = (16 * 64 * 64, 16 * 128 * 128)
 IMPLS = ("fused", "eager", "compiled")
 
 
-def _inputs(n: int, d: int, seed: int = 0):
+def _inputs(n: int, d: int, seed: int = 0, device: str | torch.device = "cpu"):
+    """The loss's inputs for N = ``n`` rows of ``d`` latent elements (float32, drawn on the CPU, moved to ``device``)."""
+    args, kwargs = _cpu_inputs(n, d, seed)
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tuple(move(t) for t in args), {k: move(v) for k, v in kwargs.items()}
+
+
+def _cpu_inputs(n: int, d: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     mo = torch.randn(n, d, generator=g)
     s = 0.1 + 0.5 * torch.rand(n, generator=g)
@@ -48,17 +55,25 @@ def _inputs(n: int, d: int, seed: int = 0):
     return (x, mu, mo, s, logp_old, adv, w), kwargs
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time_interleaved(impls: dict, args, kwargs, repeats: int, warmup: int = 2) -> dict[str, float]:
     """Median seconds of one forward+backward per implementation. The implementations take turns
-    within every repetition, so a load change on a shared machine hits all of them alike."""
+    within every repetition, so a load change on a shared machine hits all of them alike. On a GPU
+    the device is synchronised before and after each timed call."""
     x, mu0, *rest = args
     state = {name: mu0.clone().requires_grad_(True) for name in impls}
 
     def step(name):
         mu = state[name]
         mu.grad = None
+        _sync(x.device)
         t0 = time.perf_counter()
         impls[name](x, mu, *rest, **kwargs).loss.backward()  # a GRPOLossOutput
+        _sync(x.device)
         return time.perf_counter() - t0
 
     for name in impls:  # warm-up (torch.compile compiles here)
@@ -71,18 +86,53 @@ def _time_interleaved(impls: dict, args, kwargs, repeats: int, warmup: int = 2) 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def copy_bandwidth(numel: int, repeats: int = 10) -> float:
-    """GB/s of ``dst.copy_(src)`` (bytes read + written) on ``numel`` float32 elements."""
-    src = torch.randn(numel)
+def copy_bandwidth(numel: int, repeats: int = 10, device: str | torch.device = "cpu") -> float:
+    """GB/s of ``dst.copy_(src)`` (bytes read + written) on ``numel`` float32 elements on ``device``."""
+    device = torch.device(device)
+    src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
     times = []
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
+
+
+def measure(device: str | torch.device = "cpu", repeats: int = 10, dims=DIMS, n: int = N_ROWS,
+            impls=IMPLS) -> dict:
+    """Seconds and achieved GB/s of the ``impls`` (of :data:`IMPLS`) at each D on ``device``, and the
+    copy bandwidth there. Returns {"copy_gbps": x, "rows": [{"D", "impl", "seconds", "gbps"}, ...]}.
+    Raises RuntimeError when the fused op has no kernel for ``device``."""
+    from flowgrpo.ops import active_backend, grpo_loss, grpo_loss_ref
+
+    device = torch.device(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        backend = active_backend(device)  # builds the extension on first use
+    if backend != "compiled":
+        raise RuntimeError(f"the fused op has no {device.type} kernel on this machine (see `flowgrpo doctor`)")
+
+    def fused(*a, **k):
+        return grpo_loss(*a, **k, backend="fused")
+
+    table = {"fused": lambda: fused, "eager": lambda: grpo_loss_ref,
+             "compiled": lambda: torch.compile(grpo_loss_ref, dynamic=False)}
+    chosen = {name: table[name]() for name in impls}
+    copy_gbps = copy_bandwidth(n * max(dims), repeats=max(repeats, 5), device=device)
+    rows = []
+    for d in dims:
+        args, kwargs = _inputs(n, d, device=device)
+        nbytes = 7 * n * d * 4  # fwd: x', mu, mu_ref; bwd: x', mu, mu_ref + write dL/dmu
+        secs = _time_interleaved(chosen, args, kwargs, repeats)
+        for name in impls:
+            rows.append({"D": d, "impl": name, "seconds": secs[name], "gbps": nbytes / secs[name] / 1e9})
+        del args, kwargs
+    return {"copy_gbps": copy_gbps, "rows": rows}
 
 
 def run_bench_ops(json_path: str | None = None, repeats: int = 10, dims=DIMS, n: int = N_ROWS,
@@ -92,29 +142,8 @@ def run_bench_ops(json_path: str | None = None, repeats: int = 10, dims=DIMS, n:
 
     Returns {"copy_gbps": x, "rows": [{"D", "impl", "seconds", "gbps"}, ...], ...}.
     """
-    from flowgrpo.ops import active_backend, grpo_loss, grpo_loss_ref
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        backend = active_backend("cpu")  # builds the extension on first use
-    if backend != "compiled":
-        raise RuntimeError("the fused op is not available on this machine (see `flowgrpo doctor`)")
-
-    def fused(*a, **k):
-        return grpo_loss(*a, **k, backend="fused")
-
-    compiled = torch.compile(grpo_loss_ref, dynamic=False)
-    impls = {"fused": fused, "eager": grpo_loss_ref, "compiled": compiled}
-
-    copy_gbps = copy_bandwidth(n * max(dims), repeats=max(repeats, 5))
-    rows = []
-    for d in dims:
-        args, kwargs = _inputs(n, d)
-        nbytes = 7 * n * d * 4  # fwd: x', mu, mu_ref; bwd: x', mu, mu_ref + write dL/dmu
-        secs = _time_interleaved(impls, args, kwargs, repeats)
-        for name in IMPLS:
-            rows.append({"D": d, "impl": name, "seconds": secs[name], "gbps": nbytes / secs[name] / 1e9})
-        del args, kwargs
+    measured = measure("cpu", repeats, dims, n)
+    copy_gbps, rows = measured["copy_gbps"], measured["rows"]
     result = {
         "copy_gbps": copy_gbps,
         "rows": rows,

@@ -76,14 +76,15 @@ def settings_for(num_steps: int = 10, resolution: int = 64, guidance_scale: floa
 
 
 class FlowgrpoSide:
-    """flowgrpo's trainer stages on ``model.name=sd3-tiny`` with the shared settings plus ``overrides``."""
+    """flowgrpo's trainer stages on ``model.name=model`` (default the tiny SD3) with the shared settings
+    plus ``overrides``."""
 
     def __init__(self, s: ReferenceSettings, prompts_per_iteration: int, group: int, prompts_file: str,
-                 overrides: list[str] = ()):
+                 overrides: list[str] = (), model: str = "sd3-tiny"):
         from flowgrpo.config import load_config
         from flowgrpo.trainer.trainer import Trainer
 
-        ov = ["model.name=sd3-tiny", "model.train_mode=lora", "model.lora_rank=32", "model.lora_alpha=64",
+        ov = [f"model.name={model}", "model.train_mode=lora", "model.lora_rank=32", "model.lora_alpha=64",
               f"model.resolution={s.resolution}", f"model.guidance_scale={s.guidance_scale}",
               f"model.max_sequence_length={s.max_sequence_length}",
               f"sampler.num_steps={s.num_steps}", f"sampler.noise_level={s.noise_level}", f"loss.beta={s.beta}",
@@ -127,13 +128,13 @@ class FlowgrpoSide:
 
 
 class ReferenceSide:
-    """Flow-GRPO's functions on a stock SD3 pipeline over the same tiny components."""
+    """Flow-GRPO's functions on a stock SD3 pipeline over the same components (default: the tiny SD3's)."""
 
-    def __init__(self, code, s: ReferenceSettings, group: int, lora_targets: list[str]):
+    def __init__(self, code, s: ReferenceSettings, group: int, lora_targets: list[str], components: dict | None = None):
         from flowgrpo.policies.sd3_tiny import tiny_sd3_components
 
         self.code, self.s, self.group = code, s, group
-        self.pipe = reference_pipeline(tiny_sd3_components(seed=0), 32, 64.0, lora_targets)
+        self.pipe = reference_pipeline(components or tiny_sd3_components(seed=0), 32, 64.0, lora_targets)
         params = [p for p in self.pipe.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4)
         self.neg = encode(self.pipe, [""], s.max_sequence_length)  # once, as its training script does
@@ -144,7 +145,7 @@ class ReferenceSide:
 
     def update(self, out, rewards: torch.Tensor, iteration: int) -> dict[str, float]:
         """Per-prompt z-score of ``rewards`` (population std + 1e-4, as its stat tracker), then its update."""
-        r = rewards.view(-1, self.group)
+        r = rewards.to(out["log_probs"].device).view(-1, self.group)
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-4)).reshape(-1)
         return reference_update(self.code, self.pipe, self.optimizer, out, adv, self.neg, self.s)
 
@@ -153,6 +154,12 @@ def check_equal(flow: FlowgrpoSide, ref: ReferenceSide, prompts: list[str]) -> t
     """Both sides roll out the same chains (the reference replays flowgrpo's initial latents and step
     noise); returns (max |latent difference| over every state, max |log-prob difference| over every step)."""
     _, _, rollout, _ = flow.rollout(prompts, 0)
+    return compare_chains(ref, prompts, rollout)
+
+
+def compare_chains(ref: ReferenceSide, prompts: list[str], rollout) -> tuple[float, float]:
+    """The reference replays a flowgrpo ``rollout`` of ``prompts`` (its initial latents and step noise);
+    returns (max |latent difference| over every state, max |log-prob difference| over every step)."""
     levels = rollout.levels
     noise = [(lv.x - lv.mean) / lv.std.view(-1, *([1] * (lv.x.ndim - 1))) for lv in levels[1:]]
     with ReplayNoise(ref.code, noise):

@@ -153,9 +153,11 @@ def reference_rollout(code: ReferenceCode, pipe, prompts: list[str], per_prompt:
 
 
 def _log_prob(code: ReferenceCode, pipe, sample: dict, j: int, embeds: Tensor, pooled: Tensor, s: ReferenceSettings):
-    """Flow-GRPO's per-timestep recomputation (its ``compute_log_prob`` with ``train.cfg``)."""
+    """Flow-GRPO's per-timestep recomputation (its ``compute_log_prob`` with ``train.cfg``). The latents
+    enter the transformer in the prompt embeddings' dtype, as in its pipeline (a bf16 model's stored
+    float32 states included; a no-op in float32)."""
     x, t = sample["latents"][:, j], sample["timesteps"][:, j]
-    pred = pipe.transformer(hidden_states=torch.cat([x, x]), timestep=torch.cat([t, t]), encoder_hidden_states=embeds,
+    pred = pipe.transformer(hidden_states=torch.cat([x, x]).to(embeds.dtype), timestep=torch.cat([t, t]), encoder_hidden_states=embeds,
                             pooled_projections=pooled, return_dict=False)[0]
     uncond, text = pred.chunk(2)
     uncond = uncond.detach()

@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, BenchEntry] = {
     "scaling": BenchEntry("bench_scaling", "run_bench_scaling"),
     "overlap": BenchEntry("bench_overlap", "run_bench_overlap"),
     "reference": BenchEntry("bench_reference", "run_bench_reference", options=("repeats",)),
+    "gpu": BenchEntry("bench_gpu", "run_bench_gpu", options=("repeats", "device", "tiny", "flow_grpo")),
     "memory": BenchEntry("bench_memory", "run_bench_memory", options=(
         "recipe", "all_recipes", "gpus", "markdown", "resolution", "frames", "micro_batch")),
 }
@@ -48,11 +49,13 @@ def add_bench_parser(sub) -> None:
                    help="folder for the CSV and PNG (created; default: the current directory)")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
     b.add_argument("--repeats", type=int, default=0,
-                   help="timed repetitions (ops, reference; 0 = the benchmark's default)")
+                   help="timed repetitions (ops, reference, gpu; 0 = the benchmark's default)")
     b.add_argument("--flow-grpo", default=None, metavar="PATH",
-                   help="reference: a checkout of github.com/yifan123/flow_grpo whose SD3 functions are timed")
+                   help="reference, gpu: a checkout of github.com/yifan123/flow_grpo whose SD3 functions are timed")
     b.add_argument("--minutes", type=float, default=0.0,
                    help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
+    b.add_argument("--device", default=None, choices=("cuda", "cpu"), help="gpu: where to run (default: CUDA if any)")
+    b.add_argument("--tiny", action="store_true", help="gpu: a tiny SD3 and small op sizes (the test suite's CPU form)")
     # memory: real-size recipes without weights (flowgrpo.realsize); none of these = the measured runs
     b.add_argument("--recipe", default=None, help="memory: size this recipe's real model on the meta device")
     b.add_argument("--all", dest="all_recipes", action="store_true", help="memory: every recipe")

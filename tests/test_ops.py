@@ -276,21 +276,26 @@ def test_no_grad_forward(ext):
 # ----------------------------------------------------------------------------- torch.library
 
 
-def _op_args(guard, kl, dtype=torch.float32, n=3, d=(2, 5)):
+def _op_args(guard, kl, dtype=torch.float32, n=3, d=(2, 5), device="cpu"):
     args, kwargs = make_case(n=n, shape=d, guard=guard, kl=kl, dtype=dtype, seed=12)
-    x, mu, mo, s, lpo, a, w = args
+    x, mu, mo, s, lpo, a, w = (t.to(device) for t in args)
     mu = mu.clone().requires_grad_(True)
-    mr = kwargs.get("mean_ref")
-    ks = kwargs.get("kl_sigma")
+    mr = kwargs["mean_ref"].to(device) if "mean_ref" in kwargs else None
+    ks = kwargs["kl_sigma"].to(device) if "kl_sigma" in kwargs else None
     return (x, mu, mo, s, lpo, a, w, mr, ks, 0.2, kwargs.get("beta", 0.0), guard)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("guard,kl", [(False, False), (True, True)], ids=["plain", "guard_kl"])
-def test_opcheck(ext, guard, kl):
-    args = _op_args(guard, kl)
+def test_opcheck(ext, guard, kl, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if device == "cuda" and active_backend("cuda") != "compiled":
+        pytest.skip(f"CUDA kernels not built: {build.STATE.notes or build.STATE.error}")
+    args = _op_args(guard, kl, device=device)
     torch.library.opcheck(torch.ops.flowgrpo.grpo_loss_fwd.default, args)
     coef = torch.ops.flowgrpo.grpo_loss_fwd(*args)[4].detach()
-    bargs = (torch.tensor(1.5), args[0], args[1].detach(), args[2] if guard else None,
+    bargs = (torch.tensor(1.5, device=device), args[0], args[1].detach(), args[2] if guard else None,
              args[7] if kl else None, coef)
     torch.library.opcheck(torch.ops.flowgrpo.grpo_loss_bwd.default, bargs)
 
