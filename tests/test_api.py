@@ -285,3 +285,18 @@ def test_import_flowgrpo_stays_light_and_exports_the_api():
     assert proc.returncode == 0, proc.stderr
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         flowgrpo.nope  # noqa: B018
+
+
+def test_a_trainer_from_parts_resumes_its_run(tiny_config, tmp_path):
+    def dark(images, prompts):
+        return 1 - images.flatten(1).mean(1)
+
+    extra = {"log.trackers": "[]", "eval.evaluator": "none", "log.grid_every": 0, "log.checkpoint_every": 1}
+    flowgrpo.train(trainer=Trainer.from_config(tiny_config(**extra, **{"train.iterations": 1}), rewards={"dark": dark}),
+                   run_dir=tmp_path / "run")
+    seen = []
+    summary = flowgrpo.train(trainer=Trainer.from_config(tiny_config(**extra), rewards={"dark": dark}),
+                             resume=tmp_path / "run", callbacks=[lambda tr, m: seen.append(m["iteration"])])
+    assert seen == [1] and summary["iterations"] == 2
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in logged] == [0, 1] and all("reward.dark" in m for m in logged)
