@@ -46,6 +46,11 @@ def describe(obj: Any) -> str:
     return f"{type(obj).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def import_object(path: str) -> Any:
     """The object at ``"package.module:attr"`` (``attr`` may be dotted: ``module:Class.method``).
     Raises :class:`~flowgrpo.errors.UserError` with one line for a malformed path, a module that does not
@@ -56,10 +61,9 @@ def import_object(path: str) -> Any:
     try:
         obj = importlib.import_module(module)
     except ImportError as exc:
-        raise UserError(f"cannot import module {module!r}: {exc}") from None
+        raise UserError(f"cannot import module {module!r}: {_first_line(exc)}") from None
     except Exception as exc:  # the module raised while importing (a syntax error, a failing top level)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise UserError(f"importing module {module!r} failed: {type(exc).__name__}: {first}") from None
+        raise UserError(f"importing module {module!r} failed: {type(exc).__name__}: {_first_line(exc)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UserError(f"module {module!r} has no attribute {attr!r}")
@@ -76,8 +80,8 @@ class Registry(Generic[T]):
     importing it; the module is imported on first :meth:`get`. ``get`` of an unknown name raises
     :class:`~flowgrpo.errors.UserError` listing the valid names.
 
-    **Import paths.** A name containing ``':'`` (``"my_pkg.rewards:sharpness"``) is not looked up
-    but imported (:func:`import_object`) and passed to the registry's ``plugin`` hook, which checks it
+    **Import paths** (registries made with a ``plugin`` hook: rewards, objectives, strategies,
+    estimators). A name containing ``':'`` (``"my_pkg.rewards:sharpness"``) is not looked up but imported (:func:`import_object`) and passed to the registry's ``plugin`` hook, which checks it
     against the registry's contract and returns the factory to use (raising :class:`PluginError`
     saying what does not fit). ``in``, :meth:`get`, :meth:`build` and :meth:`check` accept such names;
     every failure is one line ``<kind> '<path>': <what is wrong>``. Resolved paths are cached and are
