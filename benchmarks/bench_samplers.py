@@ -71,8 +71,7 @@ import torch  # noqa: E402
 from . import output_dir, print_table, write_json  # noqa: E402
 
 BASELINE = "flow-grpo"
-#: presets left out: ``shapes`` is the flow-grpo setup on the shapes world (recipes for real models,
-#: e.g. ``sd35-pickscore``, are left out too: they name weights that are not here)
+#: presets left out: ``shapes`` is the flow-grpo setup on the shapes world
 EXCLUDED = ("shapes",)
 #: the issue's acceptance bounds on iter_s / iter_s(flow-grpo) (papers, vs DanceGRPO: 0.51, 0.29, 0.21)
 BOUNDS = {"mix-grpo": 0.55, "mix-grpo-flash-star": 0.35, "branch-grpo-mix": 0.30}
@@ -116,8 +115,8 @@ def bench_presets(presets=None) -> list[str]:
     """The presets to run, baseline first (added when missing)."""
     from flowgrpo.config import load_config, preset_names
 
-    if presets is None:  # the method presets (on the shapes world); presets for real models are recipes
-        names = [p for p in preset_names() if p not in EXCLUDED and load_config(p).model.name == "shapes"]
+    if presets is None:  # every method preset
+        names = [p for p in preset_names() if p not in EXCLUDED]
     else:
         names = list(presets)
     return [BASELINE] + [p for p in names if p != BASELINE]
@@ -144,10 +143,12 @@ def bench_config(preset: str, *, prompts_file: str, num_steps: int = NUM_STEPS, 
     from flowgrpo.config import load_config
     from flowgrpo.samplers.strategies import build_strategy
 
-    probe = load_config(preset, None, _overrides(model, prompts_file, num_steps, 1, prompts_per_iteration, resolution))
+    probe = load_config(preset, None, _overrides(model, prompts_file, num_steps, 1, prompts_per_iteration, resolution),
+                        recipe="shapes")
     leaves = build_strategy(probe.sampler, probe.strategy).plan(0).leaves_per_tree
     trees = max(1, round(group_size / leaves))
-    cfg = load_config(preset, None, _overrides(model, prompts_file, num_steps, trees, prompts_per_iteration, resolution))
+    cfg = load_config(preset, None, _overrides(model, prompts_file, num_steps, trees, prompts_per_iteration, resolution),
+                        recipe="shapes")
     return cfg, leaves, trees
 
 

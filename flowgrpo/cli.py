@@ -1,10 +1,11 @@
 """The ``flowgrpo`` command line.
 
-    flowgrpo train [--preset NAME] [--config FILE] [key.sub=value ...] [--resume RUN_DIR]
+    flowgrpo train [--preset NAME] [--recipe NAME] [--config FILE] [key.sub=value ...] [--resume RUN_DIR]
     flowgrpo eval RUN_DIR_OR_CHECKPOINT [--json PATH]
     flowgrpo export RUN_DIR --to DIR [--fuse] [--checkpoint N] [--raw]
-    flowgrpo presets
+    flowgrpo presets | recipes
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
+    flowgrpo config show [--preset NAME] [--recipe NAME] [--config FILE] [key.sub=value ...]
     flowgrpo bench ops|samplers|e2e|profile|reward-server|plugin|scaling|overlap [--out DIR] [--json PATH]
     flowgrpo bench reference --flow-grpo PATH [--out DIR] [--json PATH]
     flowgrpo bench memory [--out DIR] [--json PATH]
@@ -50,7 +51,6 @@ def _cmd_train(args) -> int:
 
 def _run_train(args) -> int:
     """Train (or resume) in this process and print the outcome (the main process's)."""
-    from .config import DEFAULT_PRESET, load_config
     from .trainer.checkpoint import read_run_config
     from .trainer.run import train
 
@@ -65,9 +65,7 @@ def _run_train(args) -> int:
             validate(cfg)
         summary = train(cfg, run_dir, resume=True)
     else:
-        if args.config:
-            _check_text_file(Path(args.config), "config file")
-        summary = _train_fresh(load_config(args.preset or DEFAULT_PRESET, args.config, args.overrides))
+        summary = _train_fresh(_fresh_config(args))
     if "rank" in summary:  # a non-main rank of a multi-process run: the main process reports
         return 0
     done = f"done: {summary['iterations']} iterations, {summary['train_seconds'] / 60:.1f} min of training"
@@ -77,6 +75,19 @@ def _run_train(args) -> int:
         b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
         print(f"{done}; held-out accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
     return 0
+
+
+def _fresh_config(args):
+    """The validated config of ``train``'s layers; a UserError when the recipe needs keys the run left unset."""
+    from .config import validate
+    from .config_layers import RECIPE_METHOD, check_needs, compose
+
+    if args.config:
+        _check_text_file(Path(args.config), "config file")
+    composed = compose(args.preset or RECIPE_METHOD, args.config, args.overrides, args.recipe)
+    validate(composed.config)
+    check_needs(composed)
+    return composed.config
 
 
 def _check_text_file(path: Path, what: str) -> None:
@@ -219,10 +230,27 @@ def _cmd_presets(args) -> int:
     return 0
 
 
+def _cmd_recipes(args) -> int:
+    from .recipes import recipe_meta, recipe_names
+
+    for name in recipe_names():
+        print(f"{name:20s} {recipe_meta(name, 'description', '')}")
+    return 0
+
+
 def _cmd_config(args) -> int:
     from .config_help import explain_config
 
     return explain_config(args.section)
+
+
+def _cmd_config_show(args) -> int:
+    from .config_layers import RECIPE_METHOD
+    from .config_show import show_config
+
+    if args.config:
+        _check_text_file(Path(args.config), "config file")
+    return show_config(args.preset or RECIPE_METHOD, args.recipe, args.config, args.overrides)
 
 
 def _cmd_serve_reward(args) -> int:
@@ -253,12 +281,22 @@ def _cmd_doctor(args) -> int:
     return 0
 
 
+def _add_layer_options(parser) -> None:
+    """``--preset``, ``--recipe``, ``--config`` and the overrides of ``train`` and ``config show``."""
+    parser.add_argument("--preset", default=None,
+                        help="method preset (see `flowgrpo presets`; default: the recipe's method, shapes-nft on shapes)")
+    parser.add_argument("--recipe", default=None,
+                        help="recipe: the world or model family (see `flowgrpo recipes`; default: shapes, or "
+                             "diffusers when model.name names another model)")
+    parser.add_argument("--config", default=None, help="YAML config file applied on top of the recipe and preset")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flowgrpo", description="GRPO for flow-matching generators")
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a policy (default: the embedded shapes world)")
-    t.add_argument("--preset", default=None, help="preset name (see `flowgrpo presets`; default: config.DEFAULT_PRESET, shapes-nft)")
-    t.add_argument("--config", default=None, help="YAML config file applied on top of the preset")
+    _add_layer_options(t)
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run")
     t.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
                    help="explain the config keys (of one section) and exit; same as `flowgrpo config explain`")
@@ -266,7 +304,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on N processes (one per GPU; gloo processes on a CPU-only machine) through accelerate launch")
     t.add_argument("--accelerate-config", default=None, metavar="FILE",
                    help="accelerate config for --num-processes (e.g. configs/accelerate/fsdp.yaml)")
-    t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     t.set_defaults(fn=_cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a run or checkpoint (deterministic)")
     e.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
@@ -279,14 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--checkpoint", type=int, default=None, metavar="N", help="checkpoint iteration (default: latest)")
     ex.add_argument("--raw", action="store_true", help="the raw trained weights instead of their EMA")
     ex.set_defaults(fn=_cmd_export)
-    p = sub.add_parser("presets", help="list the shipped presets")
+    p = sub.add_parser("presets", help="list the shipped method presets")
     p.set_defaults(fn=_cmd_presets)
+    r = sub.add_parser("recipes", help="list the shipped recipes (the world and each model family)")
+    r.set_defaults(fn=_cmd_recipes)
     c = sub.add_parser("config", help="explain the run configuration")
     csub = c.add_subparsers(dest="config_command", required=True)
     ce = csub.add_parser("explain", help="every config key: type, default, choices and help")
     ce.add_argument("section", nargs="?", default=None, metavar="SECTION",
                     help="a section (model, sampler, loss, ...) or one key (loss.beta); default: all")
     ce.set_defaults(fn=_cmd_config)
+    cs = csub.add_parser("show", help="the resolved configuration as YAML, each key annotated with the layer that set it")
+    _add_layer_options(cs)
+    cs.set_defaults(fn=_cmd_config_show)
     add_bench_parser(sub)
     s = sub.add_parser("serve-reward", help="serve a reward over HTTP (JSON; for the `remote` reward)")
     s.add_argument("--reward", required=True, help="reward name (as in reward.weights)")

@@ -1,7 +1,7 @@
-"""Typed run configuration: dataclasses with a help string on every field, YAML presets, overrides.
+"""Typed run configuration: dataclasses with a help string on every field, merging and validation.
 
-A run is configured by one :class:`RunConfig`; presets are YAML files shipped in
-``flowgrpo/presets`` holding a partial config (with an optional ``base:`` preset they extend).
+A run is configured by one :class:`RunConfig`, composed from a recipe (``flowgrpo/recipes``), a method
+preset (``flowgrpo/presets``), a config file and overrides by :mod:`flowgrpo.config_layers`.
 Overrides ``key.sub=value`` are parsed as YAML scalars and checked against the field's type.
 """
 
@@ -10,16 +10,17 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from .config_layers import RECIPE_METHOD
 from .errors import ConfigError, UserError
 from .fields import check_choices, check_ranges, field_ranges, help_field as _f, merge_into
 from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
 from .policies.base import TrainMode
 from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_dir, preset_names, read_preset  # noqa: F401 (re-exported)
+from .recipes import recipe_names, read_recipe  # noqa: F401 (re-exported)
 from .samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
 
 
@@ -172,7 +173,8 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     strategy: dict = _f({}, "options of sampler.strategy (window, splits, ...; `flowgrpo config explain strategy` lists them per strategy); a preset, config file or set of overrides that selects another sampler.strategy starts from that strategy's defaults")
-    preset: str = _f("", "name of the preset this config came from")
+    preset: str = _f("", "name of the method preset this config came from")
+    recipe: str = _f("", "name of the recipe (the world or model family, `flowgrpo recipes`) this config was composed on")
     description: str = _f("", "one line saying what this configuration is (shown by `flowgrpo presets`)")
 
 
@@ -237,7 +239,7 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
         if reward_options is not None:  # per-reward options merge key by key, like the strategy's
             if not isinstance(reward_options, dict):
                 raise ConfigError("config key 'reward.options' must be a mapping of reward name -> options")
-            _deep_merge(cfg.reward.options, reward_options)
+            deep_merge(cfg.reward.options, reward_options)
         if options is not None:
             if not isinstance(options, dict):
                 raise ConfigError(f"config section 'strategy' must be a mapping, got {type(options).__name__}")
@@ -266,10 +268,11 @@ def parse_override(text: str) -> dict:
     return out
 
 
-def _deep_merge(into: dict, data: dict) -> None:
+def deep_merge(into: dict, data: dict) -> None:
+    """Merge nested mapping ``data`` into ``into`` in place (mappings key by key, anything else replaced)."""
     for k, v in data.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _deep_merge(into[k], v)
+            deep_merge(into[k], v)
         else:
             into[k] = v
 
@@ -282,34 +285,20 @@ def _looks_float(raw: str) -> bool:
         return False
 
 
-# --------------------------------------------------------------------------- presets
+# --------------------------------------------------------------------------- composing
 
 
-def _apply_with_bases(cfg: RunConfig, data: dict, seen: tuple[str, ...] = ()) -> None:
-    base = data.pop("base", None)
-    if base:
-        if base in seen:
-            raise ConfigError(f"preset inheritance loops: {' -> '.join(seen + (base,))}")
-        _apply_with_bases(cfg, read_preset(base), seen + (base,))
-    apply_dict(cfg, data)
+def load_config(preset: str | None = RECIPE_METHOD, config_file: str | None = None, overrides: list[str] = (),
+                recipe: str | None = None) -> RunConfig:
+    """Build a validated :class:`RunConfig`: defaults <- recipe <- method preset <- the recipe's settings
+    for that preset <- config file <- overrides (:func:`flowgrpo.config_layers.compose`).
 
+    ``preset``: a method preset, None for none, or (the default) the recipe's own method
+    (``DEFAULT_PRESET`` on the shapes world). ``recipe``: a recipe name; None picks the shapes world,
+    or the ``diffusers`` recipe when the file or overrides name another model."""
+    from .config_layers import compose
 
-def load_config(preset: str | None = DEFAULT_PRESET, config_file: str | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Build a :class:`RunConfig`: defaults <- preset (with its bases) <- config file <- overrides."""
-    cfg = RunConfig()
-    if preset:
-        _apply_with_bases(cfg, read_preset(preset), (preset,))
-        cfg.preset = preset
-    if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        _apply_with_bases(cfg, load_yaml_mapping(path.read_text(), f"config file {path}"))
-    if overrides:  # the overrides form one layer, whatever their order
-        merged: dict = {}
-        for ov in overrides:
-            _deep_merge(merged, parse_override(ov))
-        apply_dict(cfg, merged)
+    cfg = compose(preset, config_file, overrides, recipe).config
     validate(cfg)
     return cfg
 

@@ -19,7 +19,8 @@ def _config(tmp_path, *extra, model="sd3-tiny"):
         f"model.name={model}", "model.train_mode=lora", "model.resolution=64", "model.max_sequence_length=16",
         "model.lora_rank=8", "model.lora_alpha=16", "model.guidance_scale=4.5",
         "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={f}", "data.prompts_per_iteration=2",
-        "data.trees_per_prompt=2", "sampler.num_steps=3", "train.threads=1", "log.progress=false", *extra])
+        "data.trees_per_prompt=2", "sampler.num_steps=3", "train.threads=1", "log.progress=false", *extra],
+        recipe="shapes")
 
 
 def _lora_grads(policy, x, sigma, cond, target):

@@ -129,7 +129,7 @@ def run_two(cfg):
 @pytest.mark.parametrize("world", ["shapes", "sd3"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_two_iterations(preset, world, shapes_model_dir, prompt_file):
-    cfg = load_config(preset, None, overrides(shapes_model_dir, preset, world, prompt_file))
+    cfg = load_config(preset, None, overrides(shapes_model_dir, preset, world, prompt_file), recipe="shapes")
     trainer, results = run_two(cfg)
     assert trainer.iteration == 2
     grid = expected_grid(trainer.policy, cfg)
@@ -205,7 +205,7 @@ def test_preset_two_iterations(preset, world, shapes_model_dir, prompt_file):
 
 def test_train_run_directory(shapes_model_dir, tmp_path):
     cfg = load_config("mix-grpo-flash", None, overrides(shapes_model_dir, "mix-grpo-flash", "shapes") +
-                      ["train.iterations=2", "log.checkpoint_every=1", "log.grid_every=0"])
+                      ["train.iterations=2", "log.checkpoint_every=1", "log.grid_every=0"], recipe="shapes")
     summary = train(cfg, tmp_path / "run")
     assert summary["iterations"] == 2
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

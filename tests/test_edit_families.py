@@ -227,7 +227,7 @@ def family(request, tmp_path_factory):
             super().__init__(*args, **kwargs)
             trainers.append(self)
 
-    argv = ["train", "--preset", "shapes", f"model.name={base}", "model.train_mode=lora",
+    argv = ["train", "--preset", "shapes", "--recipe", "shapes", f"model.name={base}", "model.train_mode=lora",
             f"model.resolution={case.resolution}", f"model.max_sequence_length={case.seq}", "model.lora_rank=4",
             "model.lora_alpha=8", f"model.guidance_scale={case.guidance}",
             "reward.weights={edit_consistency: 1.0}", f"data.prompts={prompts}", "data.prompts_per_iteration=2",

@@ -57,7 +57,7 @@ def test_a_model_without_an_evaluator_trains_and_the_summary_says_why(tmp_path):
         "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts}", "data.prompts_per_iteration=2",
         "data.trees_per_prompt=2", "sampler.num_steps=3", "train.iterations=1", "train.max_minutes=0",
         "train.threads=1", "log.progress=false", "log.trackers=[]", f"log.out_dir={tmp_path}",
-        "log.run_name=sd3", "eval.every_minutes=0"])
+        "log.run_name=sd3", "eval.every_minutes=0"], recipe="shapes")
     summary = train(cfg)
     assert summary["iterations"] == 1
     assert summary["eval_before"] is None and summary["eval_after"] is None and summary["accuracy_gain"] is None
@@ -71,7 +71,8 @@ def test_the_shapes_world_summary_names_its_evaluator(tmp_path, shapes_model_dir
     from flowgrpo.trainer.run import train
 
     cfg = load_config("shapes", None, tiny_overrides(shapes_model_dir, **{
-        "train.iterations": 1, "log.out_dir": str(tmp_path), "log.run_name": "s", "log.trackers": "[]"}))
+        "train.iterations": 1, "log.out_dir": str(tmp_path), "log.run_name": "s", "log.trackers": "[]"}),
+        recipe="shapes")
     summary = train(cfg)
     assert summary["evaluation"] == "shapes"
     assert summary["eval_after"]["num_samples"] == cfg.eval.num_prompts * cfg.eval.seeds_per_prompt

@@ -114,7 +114,7 @@ def test_unset_sizes_are_the_adapters_own_defaults(flux_dir):
     config used to pass 64 px and 32 T5 tokens to every adapter)."""
     import inspect
 
-    cfg = load_config("flow-grpo", None, [f"model.name={flux_dir}", "model.train_mode=lora"]).model
+    cfg = load_config("flow-grpo", None, [f"model.name={flux_dir}", "model.train_mode=lora"], recipe="shapes").model
     assert cfg.resolution is None and cfg.max_sequence_length is None
     policy = build_policy(cfg)
     own = inspect.signature(FluxPolicy.__init__).parameters
@@ -150,7 +150,7 @@ def test_tiny_flux_trains_two_iterations(flux_dir, tmp_path):
         "model.lora_alpha=8", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts}", "data.prompts_per_iteration=2",
         "data.trees_per_prompt=2", "sampler.num_steps=3", "train.iterations=2", "train.threads=1", "train.lr=1e-3",
         "eval.evaluator=none", "log.progress=false", f"log.out_dir={tmp_path / 'runs'}",
-    ])
+    ], recipe="shapes")
     trainer = GRPOTrainer(cfg)
     policy = trainer.policy
     assert isinstance(policy, FluxPolicy)

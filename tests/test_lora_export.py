@@ -38,7 +38,7 @@ def run(tmp_path_factory):
         "data.trees_per_prompt=2", f"sampler.num_steps={STEPS}", "sampler.strategy=flow_grpo", "train.iterations=2", "train.threads=1",
         "train.lr=3e-2", "train.ema_decay=0.5", "log.progress=false", "log.trackers=[]",
         "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run",
-    ])
+    ], recipe="shapes")
     train(cfg)
     return base, root / "run", cfg
 
@@ -119,7 +119,7 @@ def test_run_lora_reproduces_policy_images_and_export(run, tmp_path, capsys):
 
 
 def test_models_without_diffusers_lora_format(shapes_model_dir, tmp_path, capsys):
-    cfg = load_config("shapes", None, [f"model.path={shapes_model_dir}", "model.train_mode=lora"])
+    cfg = load_config("shapes", None, [f"model.path={shapes_model_dir}", "model.train_mode=lora"], recipe="shapes")
     policy = build_policy(cfg.model)
     with pytest.raises(UserError, match="has no diffusers LoRA format"):
         policy.save_lora(tmp_path / "x")

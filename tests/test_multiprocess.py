@@ -400,7 +400,8 @@ def test_fsdp_lora_export_equals_the_1_process_one(tmp_path):
 
     tiny_sd3_pipeline(seed=0).save_pretrained(tmp_path / "base")
     (tmp_path / "prompts.txt").write_text("a photo of a cat\na mountain lake at dawn\n")
-    ov = ["model.name=sd3", f"model.path={tmp_path / 'base'}", "model.train_mode=lora", "model.resolution=64",
+    ov = ["--recipe", "shapes", "model.name=sd3", f"model.path={tmp_path / 'base'}", "model.train_mode=lora",
+          "model.resolution=64",
           "model.max_sequence_length=16", "model.lora_rank=4", "model.lora_alpha=8", "model.guidance_scale=2.0",
           "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={tmp_path / 'prompts.txt'}",
           "data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3", "sampler.strategy=flow_grpo",

@@ -48,7 +48,7 @@ def _model_overrides(model: str, dirs) -> list[str]:
 @pytest.mark.parametrize("model", ["sd3", "flux", "wan"])
 def test_preset_trains_lora_on_tiny_pipelines(preset, model, model_dirs, prompt_file):
     cfg = load_config(preset, None, [*_model_overrides(model, model_dirs), "model.train_mode=lora", "model.lora_rank=4",
-                                     "model.lora_alpha=8", f"data.prompts={prompt_file}", *SMALL])
+                                     "model.lora_alpha=8", f"data.prompts={prompt_file}", *SMALL], recipe="shapes")
     trainer = Trainer(cfg)
     policy = trainer.policy
     before = policy.trainable_state_dict()
@@ -67,7 +67,7 @@ def test_preset_trains_lora_on_tiny_pipelines(preset, model, model_dirs, prompt_
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_trains_the_shapes_world(preset, shapes_model_dir):
     cfg = load_config(preset, None, [f"model.path={shapes_model_dir}", *SMALL[:-1],
-                                     "reward.weights={test_brightness: 1.0}"])
+                                     "reward.weights={test_brightness: 1.0}"], recipe="shapes")
     trainer = Trainer(cfg)
     before = trainer.policy.trainable_state_dict()
     m = trainer.iteration_step().metrics

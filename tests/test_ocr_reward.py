@@ -215,7 +215,7 @@ def test_built_from_the_registry_with_options():
         build_reward("ocr", confidence=0.3)
 
 
-def test_sd35_ocr_preset_loads_without_weights():
-    cfg = load_config("sd35-ocr")
+def test_sd35_ocr_recipe_loads_without_weights():
+    cfg = load_config(recipe="sd35-ocr")  # validated: the adapter name stands in for the folder the run passes
     assert cfg.model.name == "sd3" and cfg.reward.weights == {"ocr": 1.0} and cfg.eval.evaluator == "none"
-    assert cfg.model.path  # a placeholder path: loading and validating never opens it
+    assert cfg.model.path is None and cfg.preset == "flow-grpo"

@@ -108,7 +108,7 @@ def run_config(base, case: Case, root, *overrides: str):
         "sampler.strategy=flow_grpo", "train.iterations=2", "train.threads=1", "train.lr=3e-2", "eval.evaluator=none",
         "log.progress=false", "log.trackers=[]", "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run",
         *overrides,
-    ])
+    ], recipe="shapes")
 
 
 def moved_lora(run_dir) -> list[str]:

@@ -16,7 +16,7 @@ from flowgrpo.trainer.trainer import Trainer
 @pytest.mark.parametrize("reward", ["shapes", "shapes_correct", "shapes_pairwise"])
 def test_shapes_reward_on_another_model_is_refused_up_front(reward):
     cfg = load_config("shapes", None, ["model.name=sd3-tiny", "model.train_mode=lora", f"reward.weights={{{reward}: 1.0}}",
-                                       "data.prompts=shapes", "log.progress=false"])
+                                       "data.prompts=shapes", "log.progress=false"], recipe="shapes")
     with pytest.raises(UserError) as err:
         Trainer(cfg)
     msg = str(err.value)

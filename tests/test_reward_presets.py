@@ -1,8 +1,8 @@
-"""Reward scales in the shipped presets, and the default of ``clipscore``.
+"""Reward scales in the shipped presets and recipes, and the default of ``clipscore``.
 
 ``sum_then_normalize`` adds the weighted raw rewards before the z-score, so a reward whose scores
 are 100 times smaller than another's barely moves the advantage: ``sd35-pickscore`` summed raw
-PickScore (18-24) and HPS (0.2-0.35) one to one. Every preset that sums several rewards must weigh
+PickScore (18-24) and HPS (0.2-0.35) one to one. Every preset or recipe that sums several rewards must weigh
 them onto one order of magnitude (or z-score each first: ``normalize_then_sum``).
 """
 
@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from flowgrpo.config import load_config, preset_names
+from flowgrpo.config import load_config, preset_names, recipe_names
 from flowgrpo.rewards import build_reward
 
 #: typical magnitude of a reward's score (the middle of its usual range), by reward name
@@ -35,9 +35,11 @@ TYPICAL_SCALE = {
 MAX_RATIO = 10.0
 
 
-@pytest.mark.parametrize("preset", preset_names())
-def test_summed_rewards_share_a_scale(preset):
-    cfg = load_config(preset)
+@pytest.mark.parametrize("preset,recipe", [(p, "shapes") for p in preset_names()] +
+                         [(None, r) for r in recipe_names()])
+def test_summed_rewards_share_a_scale(preset, recipe):
+    cfg = load_config(preset, recipe=recipe) if preset else load_config(recipe=recipe)  # else: the recipe's method
+    preset = preset or f"recipe {recipe}"
     weights = cfg.reward.weights
     if len(weights) < 2:
         return
@@ -55,11 +57,11 @@ def test_summed_rewards_share_a_scale(preset):
                                 f"scale the weights or use reward.combine: normalize_then_sum")
 
 
-@pytest.mark.parametrize("preset", [p for p in preset_names() if p.startswith("sd35-")])
-def test_flow_grpo_sd35_presets_use_the_global_std(preset):
+@pytest.mark.parametrize("recipe", [r for r in recipe_names() if r.startswith("sd35-")])
+def test_flow_grpo_on_sd35_recipes_uses_the_global_std(recipe):
     """Flow-GRPO's SD3.5 configs (general_ocr_sd3, pickscore_sd3, geneval_sd3) all set
     sample.global_std = True: per-prompt mean, std over the whole batch."""
-    assert load_config(preset).advantage.std == "global"
+    assert load_config("flow-grpo", recipe=recipe).advantage.std == "global"
 
 
 # --------------------------------------------------------------------------- clipscore's default

@@ -113,8 +113,8 @@ def test_recompute_matches_the_rollout_step():
 # --------------------------------------------------------------------------- every preset x every SDE kind
 
 def _shapes_presets() -> list[str]:
-    """Method presets on the embedded shapes world (presets for real models need their weights)."""
-    return [p for p in preset_names() if p != "shapes-world" and load_config(p).model.name == "shapes"]
+    """Every method preset (on the embedded shapes world, the recipe without a model named)."""
+    return [p for p in preset_names() if load_config(p).model.name == "shapes"]
 
 
 _METHOD_PRESETS = _shapes_presets()

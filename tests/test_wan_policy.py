@@ -41,7 +41,7 @@ def test_velocity_matches_stock_transformer(wan_dir, prompt_file):
 
     from flowgrpo.policies import build_policy
 
-    cfg = load_config("flow-grpo", None, _overrides(wan_dir, prompt_file))
+    cfg = load_config("flow-grpo", None, _overrides(wan_dir, prompt_file), recipe="shapes")
     policy = build_policy(cfg.model)
     assert type(policy).__name__ == "WanPolicy"
     assert tuple(policy.latent_shape) == (16, (FRAMES - 1) // 4 + 1, RES // 8, RES // 8)
@@ -83,7 +83,7 @@ def test_wan_trains_two_iterations_and_writes_mp4(wan_dir, prompt_file, tmp_path
     from flowgrpo.trainer import run as run_mod
 
     cfg = load_config("flow-grpo", None, _overrides(wan_dir, prompt_file, "train.iterations=2", "log.grid_every=1",
-                                                     "log.checkpoint_every=1"))
+                                                     "log.checkpoint_every=1"), recipe="shapes")
     captured = {}
     real_trainer = run_mod.GRPOTrainer
 

@@ -22,15 +22,40 @@ def preset_dir():
 
 def preset_names() -> list[str]:
     """The shipped presets' names, sorted."""
-    return sorted(p.name[:-5] for p in preset_dir().iterdir() if p.name.endswith(".yaml"))
+    return shipped_names("flowgrpo.presets")
 
 
 def read_preset(name: str) -> dict:
     """Preset ``name`` as a mapping (its ``base`` not applied); a ConfigError lists the valid names."""
-    path = preset_dir() / f"{name}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(preset_names())}")
-    return load_yaml_mapping(path.read_text(), f"preset {name}")
+    return read_shipped("flowgrpo.presets", name, "preset")
+
+
+def shipped_names(package: str) -> list[str]:
+    """The names of the ``*.yaml`` files shipped in ``package``, sorted."""
+    return sorted(p.name[:-5] for p in resources.files(package).iterdir() if p.name.endswith(".yaml"))
+
+
+def read_shipped(package: str, name: str, kind: str) -> dict:
+    """``package``'s ``name.yaml`` as a mapping; a ConfigError naming the valid ``kind`` names otherwise."""
+    path = resources.files(package) / f"{name}.yaml"
+    if not isinstance(name, str) or not name or not path.is_file():
+        raise ConfigError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(shipped_names(package))}")
+    return load_yaml_mapping(path.read_text(), f"{kind} {name}")
+
+
+def read_chain(name: str, read, kind: str) -> list[tuple[str, dict]]:
+    """``[(name, mapping), ...]`` of ``name`` (read by ``read``) and its ``base`` chain, the furthest
+    base first; a ConfigError when the chain loops."""
+    chain: list[tuple[str, dict]] = []
+    seen: list[str] = []
+    while name:
+        if name in seen:
+            raise ConfigError(f"{kind} inheritance loops: {' -> '.join(seen + [name])}")
+        seen.append(name)
+        data = read(name)
+        chain.insert(0, (name, data))
+        name = data.get("base")
+    return chain
 
 
 def load_yaml_mapping(text: str, what: str) -> dict:
