@@ -31,7 +31,7 @@ def test_row_keys_and_totals(fast_activations):
 def test_markdown_replaces_only_between_markers(tmp_path, fast_activations):
     rows = table_mod.memory_rows(["sd35-medium"], gpus=8)
     md = table_mod.markdown_table(rows)
-    assert md.count("\n") == 2 + 3 and "sd35-medium" in md and "8 GPUs FSDP" in md
+    assert md.count("| 8 GPUs FSDP |") == 1 and "sd35-medium" in md and "8 GPUs FSDP" in md
     doc = tmp_path / "recipes.md"
     doc.write_text(f"# Recipes\nbefore\n{table_mod.BEGIN}\nold table\n{table_mod.END}\nafter\n")
     assert table_mod.replace_marked(doc, md)

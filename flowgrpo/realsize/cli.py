@@ -31,6 +31,9 @@ def _cmd_lora_layers(args) -> int:
     counts = lora_layer_counts(args.recipe, rank=args.rank)
     for block, n in counts["wrapped_by_block"].items():
         print(f"{block:40s} {n:6d}")
+        for layer, m in counts["wrapped_by_layer"].items():
+            if layer.startswith(block + "."):
+                print(f"  {layer[len(block) + 1:]:38s} {m:6d}")
     print(f"{'total wrapped linear layers':40s} {counts['wrapped']:6d}   LoRA parameters {counts['lora_params']:,} "
           f"(rank {counts['rank']})")
     if args.json:

@@ -147,6 +147,10 @@ def markdown_table(rows: list[dict]) -> str:
     head, cells = table_cells(rows)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i in (0, 4, 5) else "---:" for i in range(len(head))) + "|"]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
+    lines += ["", "GiB per GPU for the transformer only (text encoders and VAE not included): frozen weights in "
+              "bf16 (FSDP: 1/N plus two gathered blocks), float32 LoRA + gradients + AdamW moments + EMA, and the "
+              "activations of one training micro-batch (`b`: samples per forward; `(ckpt)`: gradient "
+              "checkpointing, the recipe's setting). Method and laws: [results.md](results.md#real-size-without-weights)."]
     return "\n".join(lines) + "\n"
 
 
