@@ -151,7 +151,7 @@ def count_activations(model: torch.nn.Module, inputs: dict) -> ActivationCount:
 # ---------------------------------------------------------------------------- inputs
 def latent_grid(entry: RealTransformer, geo: Geometry) -> tuple[int, int, int]:
     """(latent frames, latent side, spatial VAE factor) of ``geo`` for ``entry``'s VAE."""
-    spatial = 16 if entry.recipe in ("wan22-ti2v-5b", "hunyuanvideo15") else 8
+    spatial = entry.vae_factor
     frames = (geo.frames - 1) // 4 + 1 if geo.frames > 1 else 1
     return frames, geo.resolution // spatial, spatial
 

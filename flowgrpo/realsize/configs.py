@@ -14,7 +14,7 @@ out the architecture numbers anyway so that a reader sees the model's size at a 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -86,6 +86,8 @@ class RealTransformer:
             ``transformer_2``, each a full 14B model).
         generic_layout: whether the pipeline goes through the generic adapter although its class has
             a dedicated one (Wan 2.2 layouts; :func:`flowgrpo.policies._generic_layout`).
+        vae_factor: the VAE's spatial compression (pixels per latent cell; 16 for the Wan 2.2 and
+            HunyuanVideo 1.5 VAEs, 8 otherwise).
     """
 
     recipe: str
@@ -96,7 +98,7 @@ class RealTransformer:
     source: str
     experts: tuple[str, ...] = ("transformer",)
     generic_layout: bool = False
-    notes: str = field(default="", compare=False)
+    vae_factor: int = 8
 
     @property
     def adapter(self) -> str:
@@ -156,10 +158,10 @@ REAL_TRANSFORMERS: dict[str, RealTransformer] = {t.recipe: t for t in (
                     _WAN_14B, _DIFFUSERS_WAN + " (Wan2.2-T2V-A14B; high- and low-noise experts share it)",
                     experts=("transformer", "transformer_2"), generic_layout=True),
     RealTransformer("wan22-ti2v-5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "WanPipeline", "WanTransformer3DModel",
-                    _WAN22_5B, _DIFFUSERS_WAN + " (Wan2.2-TI2V-5B)", generic_layout=True),
+                    _WAN22_5B, _DIFFUSERS_WAN + " (Wan2.2-TI2V-5B)", generic_layout=True, vae_factor=16),
     RealTransformer("hunyuanvideo15", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
                     "HunyuanVideo15Pipeline", "HunyuanVideo15Transformer3DModel", _HUNYUAN15,
-                    "github huggingface/diffusers scripts/convert_hunyuan_video1_5_to_diffusers.py (480p_t2v)"),
+                    "github huggingface/diffusers scripts/convert_hunyuan_video1_5_to_diffusers.py (480p_t2v)", vae_factor=16),
 )}
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .configs import RealTransformer, build_transformer, transformer_config
+from .configs import REAL_TRANSFORMERS, RealTransformer, build_transformer, transformer_config
 
 CLIP_TOKENS = 77
 #: inside widths of the shrunk text encoders (their output widths are the real ones)
@@ -133,8 +133,9 @@ def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> 
     entry = transformer_config(recipe)
     entry = dataclasses.replace(entry, config={**entry.config, **overrides})
     if entry.pipeline not in WRITERS:
+        supported = [r for r, e in REAL_TRANSFORMERS.items() if e.pipeline in WRITERS]
         raise ValueError(f"{recipe}: writing a {entry.pipeline} folder is not supported yet "
-                         f"(supported: {', '.join(r for r, e in _entries() if e.pipeline in WRITERS)})")
+                         f"(supported: {', '.join(supported)})")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components = WRITERS[entry.pipeline](entry)
@@ -145,9 +146,3 @@ def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> 
     out = Path(out)
     pipe.save_pretrained(str(out), safe_serialization=True)
     return out
-
-
-def _entries():
-    from .configs import REAL_TRANSFORMERS
-
-    return REAL_TRANSFORMERS.items()
