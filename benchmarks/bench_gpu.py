@@ -51,7 +51,8 @@ class GpuPlan:
     images); ``repeats``/``warmup``: timed / untimed interleaved rounds; ``models_budget_s``: timed
     rounds stop starting after it; ``op_dims``/``op_rows``/``op_repeats``/``op_impls``: the bandwidth
     measurement (latent elements D, rows N); ``test_select``: pytest ``-k`` of the op tests (None: all);
-    ``test_timeout_s``: their limit."""
+    ``test_timeout_s``: their limit; ``total_budget_s``: the whole command's target (the op tests' limit
+    and the timed rounds are cut to keep to it; builds and compilations are not)."""
 
     size: str
     dtype: torch.dtype
@@ -67,6 +68,7 @@ class GpuPlan:
     op_impls: tuple[str, ...]
     test_select: str | None
     test_timeout_s: float
+    total_budget_s: float = 450.0
 
 
 #: the GPU form (about 8 minutes on one H100 at most) and the CPU form of the test suite
@@ -102,6 +104,8 @@ def _guarded(name: str, fn, log) -> Stage:
     log(f"stage {name}: start")
     try:
         stage.data = fn()
+        stage.status = stage.data.pop("status", "ok")  # a stage may fail without raising (its checks failed)
+        stage.error = stage.data.pop("error", None)
     except Exception as exc:
         stage.status, stage.error = "failed", f"{type(exc).__name__}: {exc}"
         stage.data = {"traceback": traceback.format_exc()[-3000:]}
@@ -113,12 +117,23 @@ def _guarded(name: str, fn, log) -> Stage:
 
 
 def memory_stage(models: Stage, plan: GpuPlan, device: torch.device) -> dict:
-    """(c): flowgrpo's measured peak against the training state computed for ``sd35-medium``."""
+    """(c): flowgrpo's measured peak against the training state computed for ``sd35-medium`` (bf16,
+    LoRA r = 32, no EMA, 1 GPU) and the activations of one training forward of the full plan's
+    micro-batch (``P x G`` transitions at 512 px, 77 + 128 text tokens; no checkpointing)."""
+    from flowgrpo.realsize.activations import Geometry, activation_bytes
     from flowgrpo.realsize.memory import GIB, training_state
 
-    state = training_state("sd35-medium", gpus_list=(1,), rank=32, dtype=plan.dtype, ema=False)
+    from .gpu_setup import SIZES
+
+    state = training_state("sd35-medium", gpus_list=(1,), rank=32, dtype=torch.bfloat16, ema=False)
     per_gpu = state.per_gpu["1 GPU"]
+    full, medium = PLANS["full"], SIZES["sd35-medium"]
+    geo = Geometry(resolution=medium.resolution, text_tokens=medium.clip_max_length + medium.max_sequence_length,
+                   batch=full.prompts * full.group)
+    activations = activation_bytes("sd35-medium", geo, rank=32, dtype=torch.bfloat16).no_checkpointing
     out = {"estimate_recipe": "sd35-medium", "estimate_gib": {k: v / GIB for k, v in per_gpu.items()},
+           "estimate_activations_gib": activations / GIB, "estimate_geometry": geo.__dict__,
+           "estimate_with_activations_gib": (per_gpu["total"] + activations) / GIB,
            "estimate_transformer_params": state.transformer_params, "estimate_lora_params": state.lora_params}
     measured = models.data.get("memory_gib", {}).get("flowgrpo_alone_peak") if models.status == "ok" else None
     out["measured_peak_gib"] = measured
@@ -128,6 +143,7 @@ def memory_stage(models: Stage, plan: GpuPlan, device: torch.device) -> dict:
         return out
     total = per_gpu["total"] / GIB
     out.update(peak_over_estimate=measured / total, activations_and_rest_gib=measured - total,
+               peak_over_estimate_with_activations=measured / out["estimate_with_activations_gib"],
                resident_after_build_gib=models.data["model"]["resident_gib"])
     if plan.size != "sd35-medium":
         out["note"] = f"the measured model is {plan.size}, the estimate sd35-medium's: not comparable"
@@ -169,10 +185,14 @@ def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, ti
         from .gpu_ops import run_ops_stage
         from .gpu_models import run_models_stage
 
+        def left() -> float:  # seconds left of the whole command's budget
+            return plan.total_budget_s - (time.perf_counter() - began)
+
         stages["ops"] = _guarded("ops", lambda: run_ops_stage(
-            dev, out, tests_dir=tests, select=plan.test_select, test_timeout=plan.test_timeout_s,
-            peak_gbps=info["peak_gbps"], repeats=plan.op_repeats, dims=plan.op_dims, n=plan.op_rows,
-            impls=plan.op_impls, log=log), log)
+            dev, out, tests_dir=tests, select=plan.test_select, peak_gbps=info["peak_gbps"],
+            test_timeout=max(60.0, min(plan.test_timeout_s, left() - 240.0)),  # 240 s kept for (b) and (c)
+            repeats=plan.op_repeats, dims=plan.op_dims, n=plan.op_rows, impls=plan.op_impls, log=log,
+            compile_within_s=max(30.0, left() - 250.0)), log)
 
         def models():
             from .bench_reference import _quiet_libraries
@@ -182,7 +202,8 @@ def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, ti
             code = load_reference(flow_grpo) if flow_grpo else None
             return run_models_stage(dev, plan.dtype, SIZES[plan.size], code, num_steps=plan.num_steps,
                                     prompts=plan.prompts, group=plan.group, repeats=plan.repeats,
-                                    warmup=plan.warmup, budget_s=plan.models_budget_s, log=log)
+                                    warmup=plan.warmup, budget_s=max(30.0, min(plan.models_budget_s, left() - 30.0)),
+                                    log=log)
 
         stages["rollout_update"] = _guarded("rollout_update", models, log)
         stages["memory"] = _guarded("memory", lambda: memory_stage(stages["rollout_update"], plan, dev), log)
@@ -277,10 +298,13 @@ def print_tables(result: dict) -> None:
     if mem.get("estimate_gib"):
         print_table(("figure", "GiB"),
                     [["flowgrpo peak, alone (measured)", _f(mem.get("measured_peak_gib"), "{:.2f}")],
-                     *[[f"estimate: {k}", f"{v:.2f}"] for k, v in mem["estimate_gib"].items()]],
+                     *[[f"estimate: {k}", f"{v:.2f}"] for k, v in mem["estimate_gib"].items()],
+                     ["estimate: activations (one forward, no checkpointing)", f"{mem['estimate_activations_gib']:.2f}"],
+                     ["estimate: total with activations", f"{mem['estimate_with_activations_gib']:.2f}"]],
                     title="(c) peak memory against the computed per-GPU training state (sd35-medium, 1 GPU)",
                     caption=mem.get("measured") if isinstance(mem.get("measured"), str) else
-                    f"peak / estimate {_f(mem.get('peak_over_estimate'), '{:.2f}')}")
+                    f"peak / state estimate {_f(mem.get('peak_over_estimate'), '{:.2f}')}, peak / estimate with "
+                    f"activations {_f(mem.get('peak_over_estimate_with_activations'), '{:.2f}')}")
 
 
 def main(argv=None) -> int:

@@ -124,7 +124,8 @@ def run_models_stage(device: torch.device, dtype: torch.dtype, size: ModelSize, 
         prompts_file.write_text("\n".join(PROMPTS) + "\n")
         model = register_components(components)
         del components
-        overrides = [f"model.dtype={str(dtype).split('.')[-1]}", f"train.micro_batch={prompts * group}"]
+        overrides = [f"model.dtype={str(dtype).split('.')[-1]}", f"train.micro_batch={prompts * group}",
+                     "log.trackers=[]"]
         flow = FlowgrpoSide(s, prompts, group, str(prompts_file), overrides, model=model)
         from flowgrpo.ops import active_backend
 

@@ -66,7 +66,8 @@ def run_op_tests(test_file: Path, select: str | None, timeout: float, junit: Pat
     repository root there would shadow the installed flowgrpo (whose subpackages map other folders)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), f"--junitxml={junit}",
            "-rs"] + (["-k", select] if select else [])
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
+    # third-party pytest plugins of the machine are not loaded: the op's tests need none
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=junit.parent)
@@ -104,9 +105,13 @@ def measure_bandwidth(device: torch.device, peak_gbps: float | None, repeats: in
 
 
 def run_ops_stage(device: torch.device, out: Path, *, tests_dir: str | Path, select: str | None, test_timeout: float,
-                  peak_gbps: float | None, repeats: int, dims, n: int, impls: tuple[str, ...], log) -> dict:
+                  peak_gbps: float | None, repeats: int, dims, n: int, impls: tuple[str, ...], log,
+                  compile_within_s: float = float("inf")) -> dict:
     """Build, tests and bandwidth (module docstring); each part guarded, so one failing part is
-    recorded ("error") and the others still run. Returns the stage's JSON dict."""
+    recorded ("error") and the others still run; "compiled" is left out of the bandwidth when build
+    and tests took longer than ``compile_within_s``. Returns the stage's JSON dict, with ``status``
+    "failed" and the ``error`` when an op test failed or pytest did not run them."""
+    began = time.perf_counter()
     result: dict = {}
     log("ops: building the extension" + (" with CUDA kernels" if device.type == "cuda" else ""))
     try:
@@ -122,7 +127,10 @@ def run_ops_stage(device: torch.device, out: Path, *, tests_dir: str | Path, sel
         log(f"ops: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped in {t['seconds']:.0f} s")
     else:
         result["tests"] = {"skipped": f"{test_file} not found (run from the repository root or pass --tests DIR)"}
-    log("ops: bandwidth")
+    if "compiled" in impls and time.perf_counter() - began > compile_within_s:  # inductor's compile costs time
+        impls = tuple(i for i in impls if i != "compiled")
+        result["compiled_skipped"] = f"build and tests took over {compile_within_s:.0f} s: no time for torch.compile"
+    log(f"ops: bandwidth of {', '.join(impls)}")
     try:
         result["bandwidth"] = measure_bandwidth(device, peak_gbps, repeats, dims, n, impls)
     except Exception as exc:
@@ -133,4 +141,9 @@ def run_ops_stage(device: torch.device, out: Path, *, tests_dir: str | Path, sel
             result["bandwidth"]["compiled_error"] = f"{type(exc).__name__}: {exc}"
         else:
             raise
+    tests = result["tests"]
+    if "passed" in tests and (tests["failed"] or tests["returncode"] not in (0, 5) or not tests["passed"]):
+        result["status"] = "failed"
+        result["error"] = (f"op tests: {tests['failed']} failed, {tests['passed']} passed (pytest exit "
+                           f"{tests['returncode']}): {', '.join(tests['failures'][:5]) or tests['output_tail'][-300:]}")
     return result

@@ -54,6 +54,7 @@ def test_cpu_form_runs_every_stage(tmp_path, monkeypatch):
     mem = stages["memory"]
     assert mem["measured_peak_gib"] is None and "CUDA" in mem["measured"]
     assert mem["estimate_gib"]["total"] > mem["estimate_gib"]["base_weights"] > 0
+    assert mem["estimate_with_activations_gib"] > mem["estimate_gib"]["total"]
     assert data["summary"]["stages_failed"] == []
     rows = list(csv.DictReader((out / "gpu.csv").open()))
     assert {"device", "ops", "rollout_update", "memory", "summary"} <= {r["stage"] for r in rows}
