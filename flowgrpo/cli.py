@@ -79,12 +79,12 @@ def _run_train(args) -> int:
 
 def _fresh_config(args):
     """The validated config of ``train``'s layers; a UserError when the recipe needs keys the run left unset."""
-    from .config import validate
-    from .config_layers import RECIPE_METHOD, check_needs, compose
+    from .config import compose_config, validate
+    from .config_layers import RECIPE_METHOD, check_needs
 
     if args.config:
         _check_text_file(Path(args.config), "config file")
-    composed = compose(args.preset or RECIPE_METHOD, args.config, args.overrides, args.recipe)
+    composed = compose_config(args.preset or RECIPE_METHOD, args.config, args.overrides, args.recipe)
     validate(composed.config)
     check_needs(composed)
     return composed.config

@@ -12,9 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import yaml
-
-from .config_layers import RECIPE_METHOD
+from .config_layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override  # noqa: F401 (re-exported)
 from .errors import ConfigError, UserError
 from .fields import check_choices, check_ranges, field_ranges, help_field as _f, merge_into
 from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
@@ -248,57 +246,25 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
     merge_into(cfg, data, prefix)
 
 
-def parse_override(text: str) -> dict:
-    """``"train.lr=1e-4"`` -> ``{"train": {"lr": 1e-4}}`` (the value is parsed as YAML)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like key.sub=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, str) and _looks_float(raw):
-        value = float(raw)  # YAML 1.1 reads "1e-4" as a string
-    out: dict = {}
-    node = out
-    parts = key.strip().split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = value
-    return out
-
-
-def deep_merge(into: dict, data: dict) -> None:
-    """Merge nested mapping ``data`` into ``into`` in place (mappings key by key, anything else replaced)."""
-    for k, v in data.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            deep_merge(into[k], v)
-        else:
-            into[k] = v
-
-
-def _looks_float(raw: str) -> bool:
-    try:
-        float(raw)
-        return True
-    except ValueError:
-        return False
-
-
 # --------------------------------------------------------------------------- composing
+
+
+def compose_config(preset: str | None = RECIPE_METHOD, config_file: str | None = None, overrides: list[str] = (),
+                   recipe: str | None = None) -> Composed:
+    """The layers composed into a :class:`RunConfig` (unvalidated) with each key's source:
+    :func:`flowgrpo.config_layers.compose` over this module's dataclasses and merge rules."""
+    return compose(RunConfig, apply_dict, preset, config_file, overrides, recipe)
 
 
 def load_config(preset: str | None = RECIPE_METHOD, config_file: str | None = None, overrides: list[str] = (),
                 recipe: str | None = None) -> RunConfig:
     """Build a validated :class:`RunConfig`: defaults <- recipe <- method preset <- the recipe's settings
-    for that preset <- config file <- overrides (:func:`flowgrpo.config_layers.compose`).
+    for that preset <- config file <- overrides (:mod:`flowgrpo.config_layers`).
 
     ``preset``: a method preset, None for none, or (the default) the recipe's own method
     (``DEFAULT_PRESET`` on the shapes world). ``recipe``: a recipe name; None picks the shapes world,
     or the ``diffusers`` recipe when the file or overrides name another model."""
-    from .config_layers import compose
-
-    cfg = compose(preset, config_file, overrides, recipe).config
+    cfg = compose_config(preset, config_file, overrides, recipe).config
     validate(cfg)
     return cfg
 

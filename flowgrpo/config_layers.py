@@ -26,6 +26,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from .errors import ConfigError, UserError
 from .presets import DEFAULT_PRESET, load_yaml_mapping, read_chain, read_preset
 from .recipes import FALLBACK_RECIPE, META_KEYS, SHAPES_RECIPE, read_recipe, recipe_chain, recipe_meta, recipe_needs
@@ -94,6 +96,46 @@ def preset_chain(name: str) -> list[tuple[str, dict]]:
     return chain
 
 
+# --------------------------------------------------------------------------- overrides
+
+
+def parse_override(text: str) -> dict:
+    """``"train.lr=1e-4"`` -> ``{"train": {"lr": 1e-4}}`` (the value is parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _looks_float(raw):
+        value = float(raw)  # YAML 1.1 reads "1e-4" as a string
+    out: dict = {}
+    node = out
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def deep_merge(into: dict, data: dict) -> None:
+    """Merge nested mapping ``data`` into ``into`` in place (mappings key by key, anything else replaced)."""
+    for k, v in data.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            deep_merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def _looks_float(raw: str) -> bool:
+    try:
+        float(raw)
+        return True
+    except ValueError:
+        return False
+
+
 # --------------------------------------------------------------------------- provenance
 
 
@@ -130,12 +172,11 @@ class Composed:
         return self.sources.get(key, "default")
 
 
-def _apply_layer(composed: Composed, data: dict, label: str) -> None:
-    """Apply one layer's mapping and record ``label`` for every key it wrote or changed."""
-    from .config import apply_dict
-
+def _apply_layer(composed: Composed, apply, data: dict, label: str) -> None:
+    """Apply one layer's mapping with ``apply(config, mapping)`` and record ``label`` for every key it
+    wrote or changed."""
     before = flatten(composed.config)
-    apply_dict(composed.config, {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()})
+    apply(composed.config, {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()})
     after = flatten(composed.config)
     written = {_flat_key(k, after) for k in _leaf_keys(data)}
     for key in list(composed.sources):
@@ -155,8 +196,6 @@ def _flat_key(key: str, flat: dict) -> str | None:
 
 def named_model(config_file: str | None, overrides: list[str]) -> str | None:
     """The ``model.name`` the config file or the overrides set (the last one wins), else None."""
-    from .config import parse_override
-
     name = None
     if config_file and Path(config_file).is_file():
         data = load_yaml_mapping(Path(config_file).read_text(), f"config file {config_file}")
@@ -187,29 +226,30 @@ def default_preset(recipe: str) -> str:
 RECIPE_METHOD = "<recipe's method>"
 
 
-def compose(preset: str | None = RECIPE_METHOD, config_file: str | None = None, overrides: list[str] = (),
-            recipe: str | None = None) -> Composed:
-    """Compose the layers (module docstring) into a RunConfig, unvalidated, with each key's source."""
-    from .config import RunConfig, deep_merge, parse_override
+def compose(new_config, apply, preset: str | None = RECIPE_METHOD, config_file: str | None = None,
+            overrides: list[str] = (), recipe: str | None = None) -> Composed:
+    """Compose the layers (module docstring) into ``new_config()``, unvalidated, with each key's source.
 
+    ``apply(config, mapping)`` merges one layer (the run configuration's rules:
+    :func:`flowgrpo.config.apply_dict`); :func:`flowgrpo.config.compose_config` binds both."""
     recipe = pick_recipe(recipe, config_file, overrides)
-    composed = Composed(RunConfig(), recipe=recipe)
+    composed = Composed(new_config(), recipe=recipe)
     for name, data in recipe_chain(recipe):
         check_recipe(name, data)
-        _apply_layer(composed, {k: v for k, v in data.items() if k not in META_KEYS}, f"recipe:{name}")
+        _apply_layer(composed, apply, {k: v for k, v in data.items() if k not in META_KEYS}, f"recipe:{name}")
     composed.config.recipe = recipe
     if preset == RECIPE_METHOD:
         preset = default_preset(recipe)
     if preset:
         chain = preset_chain(preset)
         for name, data in chain:
-            _apply_layer(composed, {k: v for k, v in data.items() if k != "base"}, f"preset:{name}")
+            _apply_layer(composed, apply, {k: v for k, v in data.items() if k != "base"}, f"preset:{name}")
         methods: dict = {}
         for _, data in recipe_chain(recipe):
             deep_merge(methods, data.get("methods") or {})
         for name, _ in chain:
             if methods.get(name):
-                _apply_layer(composed, methods[name], f"recipe-method:{recipe}/{name}")
+                _apply_layer(composed, apply, methods[name], f"recipe-method:{recipe}/{name}")
         composed.config.preset = preset
     if config_file:
         path = Path(config_file)
@@ -217,13 +257,13 @@ def compose(preset: str | None = RECIPE_METHOD, config_file: str | None = None, 
             raise ConfigError(f"config file not found: {path}")
         data = load_yaml_mapping(path.read_text(), f"config file {path}")
         for name, base in preset_chain(data.pop("base")) if data.get("base") else ():
-            _apply_layer(composed, {k: v for k, v in base.items() if k != "base"}, f"preset:{name}")
-        _apply_layer(composed, data, f"file:{path.name}")
+            _apply_layer(composed, apply, {k: v for k, v in base.items() if k != "base"}, f"preset:{name}")
+        _apply_layer(composed, apply, data, f"file:{path.name}")
     if overrides:  # the overrides form one layer, whatever their order
         merged: dict = {}
         for ov in overrides:
             deep_merge(merged, parse_override(ov))
-        _apply_layer(composed, merged, "override")
+        _apply_layer(composed, apply, merged, "override")
     composed.sources.setdefault("recipe", f"recipe:{recipe}")  # what the run was composed of, unless a file
     if preset:                                                  # or an override wrote the field itself
         composed.sources.setdefault("preset", f"preset:{preset}")

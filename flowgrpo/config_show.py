@@ -54,10 +54,9 @@ def render(composed) -> str:
 
 def show_config(preset, recipe, config_file, overrides) -> int:
     """Print the resolved, validated configuration of these layers with each key's source."""
-    from .config import validate
-    from .config_layers import compose
+    from .config import compose_config, validate
 
-    composed = compose(preset, config_file, overrides, recipe)
+    composed = compose_config(preset, config_file, overrides, recipe)
     validate(composed.config)
     print(f"# recipe {composed.recipe}, preset {composed.config.preset or '(none)'}; "
           "each key's comment names the layer that set it")

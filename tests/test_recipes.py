@@ -12,9 +12,8 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from flowgrpo.config import load_config, preset_names, recipe_names, to_dict
-from flowgrpo.config_layers import (GROUP_KEYS, METHOD_KEYS, check_needs, compose, flatten, method_key_violations,
-                                    recipe_chain)
+from flowgrpo.config import compose_config, load_config, preset_names, recipe_names, to_dict
+from flowgrpo.config_layers import GROUP_KEYS, METHOD_KEYS, check_needs, flatten, method_key_violations, recipe_chain
 from flowgrpo.config_show import resolved_strategy_options
 from flowgrpo.errors import ConfigError, UserError
 from flowgrpo.presets import read_preset
@@ -49,7 +48,7 @@ def test_the_shapes_world_resolves_as_before_recipes(name):
 @pytest.mark.parametrize("preset", preset_names())
 def test_method_presets_set_only_method_keys(preset):
     assert method_key_violations(read_preset(preset)) == []
-    composed = compose(preset)
+    composed = compose_config(preset)
     set_by_preset = [k for k, src in composed.sources.items() if src.startswith("preset:") and k not in
                      ("description", "preset")]
     assert set_by_preset and all(_owned(k, METHOD_KEYS + GROUP_KEYS) for k in set_by_preset), set_by_preset
@@ -80,7 +79,7 @@ def test_every_method_on_every_recipe(recipe):
     """The walk: each preset x this recipe resolves and validates, with the recipe's world kept out of
     the method and the toy world's settings kept out of real recipes."""
     for preset in preset_names():
-        composed = compose(preset, recipe=recipe)
+        composed = compose_config(preset, recipe=recipe)
         cfg = load_config(preset, recipe=recipe)  # validated
         assert to_dict(cfg) == to_dict(composed.config) and cfg.recipe == recipe and cfg.preset == preset
         for key, src in composed.sources.items():
@@ -93,8 +92,10 @@ def test_every_method_on_every_recipe(recipe):
         assert not SHAPES_ONLY_REWARDS & set(cfg.reward.weights), f"{where}: {cfg.reward.weights}"
         assert cfg.eval.evaluator not in ("auto", "shapes"), f"{where}: evaluator {cfg.eval.evaluator}"
         assert cfg.data.prompts != "shapes" and cfg.model.name != "shapes", where
-        assert (cfg.model.train_mode, cfg.model.dtype, cfg.model.gradient_checkpointing) == ("lora", "bfloat16", True), where
-        assert composed.source("sampler.shift") == "default", f"{where}: sampler.shift set by {composed.source('sampler.shift')}"
+        memory = (cfg.model.train_mode, cfg.model.dtype, cfg.model.gradient_checkpointing)
+        assert memory == ("lora", "bfloat16", True), f"{where}: {memory}"
+        shift = composed.source("sampler.shift")
+        assert shift == "default", f"{where}: sampler.shift set by {shift} (the pipeline's scheduler owns the grid)"
 
 
 @pytest.mark.parametrize("recipe", REAL)
@@ -119,7 +120,7 @@ def test_a_method_without_a_recipe_on_another_model_gets_a_real_models_settings(
 
 def test_layer_order(tmp_path):
     """defaults <- recipe <- preset <- the recipe's settings for the preset <- file <- overrides."""
-    composed = compose("mix-grpo", recipe="flux1-dev")
+    composed = compose_config("mix-grpo", recipe="flux1-dev")
     cfg = composed.config
     assert cfg.sampler.num_steps == 25 and composed.source("sampler.num_steps") == "recipe-method:flux1-dev/mix-grpo"
     assert cfg.strategy["shift_every"] == 25 and cfg.strategy["window"] == 4  # recipe-method over preset, merged
@@ -129,7 +130,7 @@ def test_layer_order(tmp_path):
     assert load_config("dance-grpo", recipe="flux1-dev").sampler.num_steps == 16  # the recipe's own steps
     file = tmp_path / "run.yaml"
     file.write_text("sampler: {num_steps: 30}\ntrain: {lr: 1.0e-5}\n")
-    composed = compose("mix-grpo", str(file), ["train.lr=2e-5"], recipe="flux1-dev")
+    composed = compose_config("mix-grpo", str(file), ["train.lr=2e-5"], recipe="flux1-dev")
     assert composed.config.sampler.num_steps == 30 and composed.source("sampler.num_steps") == "file:run.yaml"
     assert composed.config.train.lr == 2e-5 and composed.source("train.lr") == "override"
 
@@ -145,7 +146,8 @@ def test_flow_grpo_on_sd35_is_flow_grpos_setting():
     cfg = load_config(recipe="sd35-ocr")  # the recipe's method: flow-grpo
     assert cfg.preset == "flow-grpo" and cfg.reward.weights == {"ocr": 1.0}
     assert (cfg.model.name, cfg.model.resolution, cfg.model.guidance_scale, cfg.sampler.num_steps) == ("sd3", 512, 4.5, 10)
-    assert (cfg.data.trees_per_prompt, cfg.advantage.std, cfg.loss.beta, cfg.train.timestep_fraction) == (24, "global", 0.04, 0.9)
+    method = (cfg.data.trees_per_prompt, cfg.advantage.std, cfg.loss.beta, cfg.train.timestep_fraction)
+    assert method == (24, "global", 0.04, 0.9)
     assert load_config(recipe="sd35-pickscore").loss.beta == 0.01
     nft = load_config("diffusion-nft", recipe="sd35-ocr")
     assert nft.model.guidance_scale == 1.0 and nft.loss.nft.beta == 0.1 and nft.advantage.std == "global"
@@ -154,24 +156,25 @@ def test_flow_grpo_on_sd35_is_flow_grpos_setting():
 def test_needs_name_what_the_run_must_supply():
     with pytest.raises(UserError, match=r"recipe sd35-medium needs model.name=<a local diffusers folder of "
                                         r"stabilityai/stable-diffusion-3.5-medium> data.prompts="):
-        check_needs(compose(recipe="sd35-medium"))
-    check_needs(compose(recipe="sd35-medium", overrides=["model.name=/models/sd35", "data.prompts=/p.txt"]))
-    check_needs(compose(recipe="sd35-medium", overrides=["model.path=/models/sd35", "data.prompts=/p.txt"]))
+        check_needs(compose_config(recipe="sd35-medium"))
+    check_needs(compose_config(recipe="sd35-medium", overrides=["model.name=/models/sd35", "data.prompts=/p.txt"]))
+    check_needs(compose_config(recipe="sd35-medium", overrides=["model.path=/models/sd35", "data.prompts=/p.txt"]))
     given = ["model.name=/models/flux", "data.prompts=/p.txt"]
     with pytest.raises(UserError, match=r"reward.options.hpsv2.checkpoint=<"):  # flux1-dev scores with HPSv2.1
-        check_needs(compose(recipe="flux1-dev", overrides=given))
-    check_needs(compose(recipe="flux1-dev", overrides=[*given, "reward.options.hpsv2.checkpoint=/hps.pt"]))
+        check_needs(compose_config(recipe="flux1-dev", overrides=given))
+    check_needs(compose_config(recipe="flux1-dev", overrides=[*given, "reward.options.hpsv2.checkpoint=/hps.pt"]))
     with pytest.raises(UserError, match=r"judge_pairwise.model=<") as err:  # Pref-GRPO's judge replaces HPS
-        check_needs(compose("pref-grpo", recipe="flux1-dev", overrides=given))
+        check_needs(compose_config("pref-grpo", recipe="flux1-dev", overrides=given))
     assert "hpsv2" not in str(err.value)
-    check_needs(compose())  # the shapes world needs nothing
+    check_needs(compose_config())  # the shapes world needs nothing
 
 
 def test_config_show_and_recipes_end_to_end(tmp_path):
     proc = run_cli(["config", "show", "--preset", "mix-grpo", "--recipe", "flux1-dev", "train.lr=2e-5"])
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert any(ln.strip().startswith("num_steps: 25") and ln.endswith("# recipe-method:flux1-dev/mix-grpo") for ln in lines)
+    assert any(ln.strip().startswith("num_steps: 25") and ln.endswith("# recipe-method:flux1-dev/mix-grpo")
+               for ln in lines)
     assert any(ln.strip().startswith("lr: 2.0e-05") and ln.endswith("# override") for ln in lines)
     assert any(ln.strip().startswith("dtype: bfloat16") and ln.endswith("# recipe:diffusers") for ln in lines)
     shown = tmp_path / "shown.yaml"  # the listing is a config file that gives the same configuration back
@@ -204,7 +207,7 @@ def test_the_readmes_real_model_commands_supply_what_their_recipes_need():
         args = shlex.split(command.split("-m flowgrpo train", 1)[1])
         options = {a: args[i + 1] for i, a in enumerate(args) if a in ("--preset", "--recipe")}
         overrides = [a for a in args if "=" in a and not a.startswith("--")]
-        composed = compose(options["--preset"], overrides=overrides, recipe=options["--recipe"])
+        composed = compose_config(options["--preset"], overrides=overrides, recipe=options["--recipe"])
         check_needs(composed)  # the pipeline folder, prompts and reward checkpoints are all given
         assert composed.config.recipe == options["--recipe"]
 
