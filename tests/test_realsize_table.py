@@ -95,3 +95,17 @@ def test_write_pipeline_refuses_unsupported_family(tmp_path):
 
     with pytest.raises(ValueError, match="not supported yet"):
         write_pipeline("qwen-image", tmp_path / "q")
+
+
+def test_realsize_write_pipeline_cli(tmp_path, capsys):
+    import json as _json
+
+    from flowgrpo.cli import main
+
+    out = tmp_path / "wan"
+    assert main(["realsize", "write-pipeline", "--recipe", "wan21-t2v-1.3b", "--out", str(out), "--num-layers", "1"]) == 0
+    assert "model.name=" in capsys.readouterr().out
+    config = _json.loads((out / "transformer" / "config.json").read_text())
+    assert (config["num_layers"], config["num_attention_heads"], config["text_dim"]) == (1, 12, 4096)
+    assert _json.loads((out / "text_encoder" / "config.json").read_text())["d_model"] == 4096
+    assert main(["realsize", "write-pipeline", "--recipe", "flux2-dev", "--out", str(tmp_path / "f")]) == 2
