@@ -16,8 +16,8 @@ A run's configuration is built, each layer over the one before:
   of trees (BranchGRPO, TempFlow-GRPO, ...) sets how many trees a prompt gets.
 
 Without a recipe, the recipe is :data:`~flowgrpo.recipes.SHAPES_RECIPE` unless the config file or
-the overrides name another model, which gets :data:`~flowgrpo.recipes.FALLBACK_RECIPE` (a real
-model's settings, never the toy world's).
+the overrides name a model outside its ``default_for`` (the shapes model and the tiny CPU test SD3),
+which gets :data:`~flowgrpo.recipes.FALLBACK_RECIPE` (a real model's settings, never the toy world's).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import yaml
 
 from .errors import ConfigError, UserError
 from .presets import DEFAULT_PRESET, load_yaml_mapping, read_chain, read_preset
-from .recipes import FALLBACK_RECIPE, META_KEYS, SHAPES_RECIPE, read_recipe, recipe_chain, recipe_meta, recipe_needs
+from .recipes import META_KEYS, recipe_chain, recipe_for_model, recipe_meta, recipe_needs
 
 #: the keys (or whole sections) a method preset may set; ``strategy`` is sampler.strategy's options.
 #: ``reward.combine`` / ``reward.renormalize`` are how several rewards make one advantage (MixGRPO and
@@ -209,12 +209,9 @@ def named_model(config_file: str | None, overrides: list[str]) -> str | None:
 
 
 def pick_recipe(recipe: str | None, config_file: str | None = None, overrides: list[str] = ()) -> str:
-    """``recipe``, or without one: the shapes world unless another model is named (then the fallback)."""
-    if recipe:
-        return recipe
-    shapes_model = (read_recipe(SHAPES_RECIPE).get("model") or {}).get("name")
-    model = named_model(config_file, list(overrides))
-    return SHAPES_RECIPE if model in (None, shapes_model) else FALLBACK_RECIPE
+    """``recipe``, or without one the recipe for the model the file or overrides name
+    (:func:`~flowgrpo.recipes.recipe_for_model`: the shapes world, or a real model's fallback)."""
+    return recipe or recipe_for_model(named_model(config_file, list(overrides)))
 
 
 def default_preset(recipe: str) -> str:

@@ -107,15 +107,20 @@ def test_real_recipes_leave_the_sigma_grid_to_the_pipeline(recipe):
         assert data.get("description") and data.get("source"), f"{name} needs a description and its sources"
 
 
-def test_a_method_without_a_recipe_on_another_model_gets_a_real_models_settings():
+def test_a_method_without_a_recipe_on_another_model_gets_a_real_models_settings(tmp_path):
+    from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+
+    folder = tmp_path / "sd3"
+    tiny_sd3_pipeline(seed=0).save_pretrained(folder)
     world = load_config("mix-grpo")
-    other = load_config("mix-grpo", None, ["model.name=sd3"])
+    other = load_config("mix-grpo", None, [f"model.name={folder}"])
     assert (world.recipe, world.train.max_minutes, world.model.train_mode) == ("shapes", 15, "full")
     assert other.recipe == "diffusers" and other.train.max_minutes == 0 and other.train.threads == 0
     assert other.eval.evaluator == "none" and "shapes" not in other.reward.weights and other.data.prompts != "shapes"
     assert (other.model.train_mode, other.model.dtype, other.model.gradient_checkpointing) == ("lora", "bfloat16", True)
     assert other.strategy == world.strategy and other.sampler.strategy == "mix_grpo"  # the method is the same
     assert load_config("mix-grpo", None, ["model.name=shapes"]).recipe == "shapes"
+    assert load_config("mix-grpo", None, ["model.name=sd3-tiny"]).recipe == "shapes"  # the CPU test model
 
 
 def test_layer_order(tmp_path):

@@ -9,6 +9,8 @@ and budget. Besides its config sections a recipe file has these keys:
 * ``base``: a recipe it extends (sections and ``methods`` merge key by key, ``needs`` per key);
 * ``method``: the method preset run when no ``--preset`` is given (without one anywhere in the
   chain: :data:`~flowgrpo.presets.DEFAULT_PRESET`);
+* ``default_for``: model names that get this recipe when a run names one and no recipe (the shapes
+  world's own model and the tiny CPU test SD3; any other model gets :data:`FALLBACK_RECIPE`);
 * ``needs``: ``{key: what the user must supply}``, keys a run must set itself (a model folder,
   a prompt file, a reward checkpoint), checked by ``flowgrpo train`` before anything loads;
 * ``methods``: ``{preset: partial config}``, settings the references used for one method on this
@@ -22,12 +24,12 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..presets import read_chain, read_shipped, shipped_names
 
-#: the recipe of the embedded shapes world, used when no recipe and no other model is named
+#: the recipe of the embedded shapes world, used when neither a recipe nor a model is named
 SHAPES_RECIPE = "shapes"
-#: the recipe used when no recipe is named and model.name names a model other than the shapes world's
+#: the recipe used when no recipe is named and model.name is in no recipe's ``default_for``
 FALLBACK_RECIPE = "diffusers"
 #: the keys of a recipe file that are not config sections
-META_KEYS = ("description", "source", "base", "method", "needs", "methods")
+META_KEYS = ("description", "source", "base", "method", "default_for", "needs", "methods")
 
 
 def recipe_names() -> list[str]:
@@ -47,6 +49,17 @@ def read_recipe(name: str) -> dict:
 def recipe_chain(name: str) -> list[tuple[str, dict]]:
     """``[(name, mapping), ...]`` of recipe ``name`` and its bases, the furthest base first."""
     return read_chain(name, read_recipe, "recipe")
+
+
+def recipe_for_model(model: str | None) -> str:
+    """The recipe a run gets without ``--recipe``: the shapes world when no model is named, the recipe
+    whose ``default_for`` lists ``model``, else the fallback (a real model's settings)."""
+    if model is None:
+        return SHAPES_RECIPE
+    for name in recipe_names():
+        if model in (read_recipe(name).get("default_for") or ()):
+            return name
+    return FALLBACK_RECIPE
 
 
 def recipe_meta(name: str, key: str, default=None):
