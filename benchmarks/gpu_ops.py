@@ -41,22 +41,31 @@ class OpTests:
 
 
 def build_op(device: torch.device) -> dict:
-    """Build (or load from the cache) the fused op with CUDA kernels when ``device`` is CUDA.
-    Returns {"seconds", "cuda_kernels", "library", "error", "backend"}; ``backend`` is
-    :func:`flowgrpo.ops.active_backend` on ``device`` ("compiled" = the fused kernel serves it)."""
+    """Build (or load from the cache) the fused op with CUDA kernels when ``device`` is CUDA; when that
+    fails, the CPU library (and ``FLOWGRPO_BUILD_CUDA=0`` for the op tests' subprocess). Returns
+    {"seconds", "cuda_kernels", "library", "error", "compiler_output", "backend", "nvcc"};
+    ``backend`` is :func:`flowgrpo.ops.active_backend` on ``device`` ("compiled" = the fused kernel
+    serves it)."""
     from flowgrpo.ops import active_backend, build
 
     t0 = time.perf_counter()
-    error = None
+    error, output = None, ""
     try:
         build.build_extension(cuda=device.type == "cuda", verbose=False)
-    except Exception as exc:  # nvcc missing, compile error: the CPU library still loads
-        lines = str(exc).strip().splitlines()
-        error = f"{type(exc).__name__}: {lines[-1] if lines else exc!r}"
+    except Exception as exc:  # nvcc missing, compile error: the CPU library is built instead (not CUDA twice)
+        text = str(exc).strip()
+        error, output = f"{type(exc).__name__}: {text.splitlines()[-1] if text else exc!r}", text[-3000:]
         build.STATE.notes.append(f"requested build failed: {error}")
-    backend = active_backend(device)  # loads the CPU build when the CUDA one failed
+        if device.type == "cuda":
+            os.environ["FLOWGRPO_BUILD_CUDA"] = "0"  # the op tests' subprocess does not retry it either
+            try:
+                build.build_extension(cuda=False, verbose=False)
+            except Exception as cpu_exc:
+                error += f"; CPU build: {type(cpu_exc).__name__}: {str(cpu_exc).strip()[-300:]}"
+    backend = active_backend(device)
     return {"seconds": time.perf_counter() - t0, "cuda_kernels": build.STATE.cuda, "library": build.STATE.path,
-            "error": error or build.STATE.error, "backend": backend, "nvcc": build.find_nvcc()}
+            "error": error or build.STATE.error, "compiler_output": output, "backend": backend,
+            "nvcc": build.find_nvcc(), "torch_cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST")}
 
 
 def run_op_tests(test_file: Path, select: str | None, timeout: float, junit: Path) -> OpTests:
@@ -118,7 +127,7 @@ def run_ops_stage(device: torch.device, out: Path, *, tests_dir: str | Path, sel
         result["build"] = build_op(device)
     except Exception as exc:
         result["build"] = {"error": f"{type(exc).__name__}: {exc}"}
-    log(f"ops: build {result['build']}")
+    log("ops: build " + ", ".join(f"{k} {v}" for k, v in result["build"].items() if k != "compiler_output"))
     test_file = Path(tests_dir).resolve() / "test_ops.py"
     if test_file.is_file():
         log(f"ops: pytest {test_file}" + (f" -k {select!r}" if select else ""))

@@ -76,3 +76,27 @@ def test_a_failing_stage_is_recorded_and_the_others_run(tmp_path, monkeypatch):
     assert "no measurement" in st["memory"]["measured"] or "CUDA" in st["memory"]["measured"]
     assert res["summary"]["stages_failed"] == ["rollout_update"]
     assert json.loads((tmp_path / "gpu.json").read_text())["stages"]["rollout_update"]["status"] == "failed"
+
+
+def test_a_failed_cuda_build_falls_back_to_the_cpu_library_once(monkeypatch):
+    """The CUDA build is tried once: its error (with the compiler's output) is recorded, the CPU
+    library is built instead and the op tests' subprocess is told not to try CUDA again."""
+    import flowgrpo.ops
+    from flowgrpo.benchmarks import gpu_ops
+    from flowgrpo.ops import build
+
+    calls = []
+
+    def fake_build(cuda=None, verbose=True, build_dir=None):
+        calls.append(cuda)
+        if cuda:
+            raise RuntimeError("Error building extension 'flowgrpo_ops_cuda':\nnvcc fatal: simulated")
+        return "cpu.so"
+
+    monkeypatch.setattr(build, "build_extension", fake_build)
+    monkeypatch.setattr(flowgrpo.ops, "active_backend", lambda device: "reference")
+    monkeypatch.setenv("FLOWGRPO_BUILD_CUDA", "")
+    res = gpu_ops.build_op(torch.device("cuda"))
+    assert calls == [True, False]
+    assert "simulated" in res["error"] and "nvcc fatal" in res["compiler_output"]
+    assert os.environ["FLOWGRPO_BUILD_CUDA"] == "0"
