@@ -74,8 +74,8 @@ class GpuPlan:
 #: the GPU form (about 8 minutes on one H100 at most) and the CPU form of the test suite
 PLANS = {
     "full": GpuPlan("sd35-medium", torch.bfloat16, num_steps=10, prompts=1, group=4, repeats=3, warmup=1,
-                    models_budget_s=200.0, op_dims=(16 * 64 * 64, 16 * 128 * 128), op_rows=64, op_repeats=20,
-                    op_impls=("fused", "eager", "compiled"), test_select=None, test_timeout_s=240.0),
+                    models_budget_s=200.0, op_dims=(16 * 64 * 64, 16 * 128 * 128, 16 * 256 * 256), op_rows=64,
+                    op_repeats=20, op_impls=("fused", "eager", "compiled"), test_select=None, test_timeout_s=240.0),
     "tiny": GpuPlan("tiny", torch.float32, num_steps=3, prompts=1, group=2, repeats=1, warmup=1, models_budget_s=60.0,
                     op_dims=(4096,), op_rows=8, op_repeats=3, op_impls=("fused", "eager"),
                     test_select="opcheck or (fp32_matches_float64_reference and mixed)", test_timeout_s=300.0),
