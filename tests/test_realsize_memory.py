@@ -36,9 +36,12 @@ def test_meta_counts_equal_a_real_model(recipe, config):
     wrap_lora(real, entry, rank=4)
     trainable = sum(p.numel() for p in real.parameters() if p.requires_grad)
     assert trainable == sum(p.numel() for p in meta.parameters() if p.requires_grad) > 0
-    peft_trainable, _ = real.get_nb_trainable_parameters() if hasattr(real, "get_nb_trainable_parameters") \
-        else (trainable, None)
-    assert peft_trainable == trainable
+    # and equals peft's own count of a PeftModel over the same targets
+    from peft import LoraConfig, get_peft_model
+
+    fresh = build_transformer(entry, device="cpu", dtype=torch.float32)
+    peft_model = get_peft_model(fresh, LoraConfig(r=4, lora_alpha=8, target_modules=entry.lora_targets))
+    assert peft_model.get_nb_trainable_parameters()[0] == trainable
 
 
 def test_lora_targets_are_the_adapters_own():
