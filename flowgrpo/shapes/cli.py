@@ -1,0 +1,163 @@
+"""``flowgrpo shapes probe`` (registered by :func:`register`): what a shapes model's conditioning
+can distinguish (:mod:`flowgrpo.shapes.probe`).
+
+    flowgrpo shapes probe [--weights PATH] [--out DIR] [--json PATH] [--prompts N] [--seeds N]
+                          [--passk-prompts N] [--n N] [--threads N]
+
+``--weights``: a weights folder (``model.safetensors`` + ``config.json``, default the shipped
+weights), a training run folder (its newest intact checkpoint, EMA weights when kept) or one
+checkpoint folder (``RUN/checkpoints/ckpt_N``). Writes ``probe.json`` and ``probe.csv`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def load_probe_policy(weights: str | None):
+    """(frozen :class:`~flowgrpo.shapes.policy.ShapesPolicy`, evaluation shift, description) for ``weights``."""
+    from .model import ShapesFlowModel
+    from .policy import ShapesPolicy
+
+    if weights is None:
+        return ShapesPolicy(train_mode="frozen"), 1.0, "shipped base weights"
+    from ..trainer.checkpoint import STATE_FILE, load_policy_weights, read_run_config
+
+    path = Path(weights)
+    if (path / "model.safetensors").is_file():
+        return ShapesPolicy(ShapesFlowModel.load(path), train_mode="frozen"), 1.0, f"weights {path}"
+    if (path / STATE_FILE).exists():
+        run_dir, checkpoint = path.resolve().parent.parent, path
+    elif (path / "config.yaml").exists():
+        run_dir, checkpoint = path, None
+    else:
+        raise UserError(f"{path} is neither a shapes weights folder (model.safetensors), a run directory "
+                        "nor a checkpoint folder")
+    import torch
+
+    from ..policies import build_policy
+
+    cfg = read_run_config(run_dir)
+    if cfg.model.name != "shapes":
+        raise UserError(f"{run_dir} trained model {cfg.model.name!r}; the probe reads shapes-world models only")
+    trained = load_policy_weights(run_dir, checkpoint=checkpoint)
+    torch.manual_seed(cfg.train.seed)
+    policy = build_policy(cfg.model)
+    policy.load_trainable_state_dict(trained.weights)
+    policy.eval()
+    return policy, cfg.sampler.shift, f"{trained.kind} weights of {trained.path}"
+
+
+def flat_rows(res: dict) -> list[tuple[str, str, str, float | int | None]]:
+    """(section, key, stat, value) rows of a probe result, for the CSV."""
+    rows = []
+    for kind, ms in res["sensitivity"].items():
+        for m, st in ms.items():
+            rows += [("sensitivity", f"{kind}.{m}", k, v) for k, v in st.items()]
+    for kind, st in res["same_seed_identity"].items():
+        rows += [("same_seed_identity", kind, k, v) for k, v in st.items()]
+    for tag, st in res["pass_at_k"].items():
+        rows += [("pass_at_k", tag, k, v) for k, v in st.items()]
+    c = res["ceiling"]
+    for which in ("conditioning", "swap_blind", "behavioural"):
+        rows += [("ceiling", f"{which}.{t}", "accuracy", v) for t, v in (c[which] or {}).items()]
+    rows += [("relation_holds", "position", k, v) for k, v in res["relation_holds"].items()]
+    return rows
+
+
+def print_tables(res: dict, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(v):
+        return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    con = Console(width=None if sys.stdout.isatty() else 120)
+    t = Table(title=f"conditioning sensitivity to swaps ({title})")
+    for col in ("swap", "pooled cos mean [min, max]", "matched-token cos min: mean [min]", "token change mean", "pairs"):
+        t.add_column(col)
+    for kind, ms in res["sensitivity"].items():
+        p, tk, ch = ms["pooled_cos"], ms["token_cos_min"], ms["token_change"]
+        t.add_row(kind, f"{f(p['mean'])} [{f(p['min'])}, {f(p['max'])}]", f"{f(tk['mean'])} [{f(tk['min'])}]",
+                  f(ch["mean"]), str(p["n"]))
+    con.print(t)
+    t = Table(title="pass@k per tag (held-out prompts), ceiling given the conditioning")
+    ks = [k for k in res["pass_at_k"]["overall"]]
+    for col in ["tag", *ks, "ceiling (cond.)", "ceiling (behav.)", "ceiling (swap-blind)"]:
+        t.add_column(col, justify="right")
+    c = res["ceiling"]
+    for tag, st in res["pass_at_k"].items():
+        t.add_row(tag, *[f(st[k]) for k in ks], f(c["conditioning"].get(tag)),
+                  f((c["behavioural"] or {}).get(tag)), f(c["swap_blind"].get(tag)))
+    con.print(t)
+    ids, rel = res["same_seed_identity"], res["relation_holds"]
+    con.print(f"same-seed identical scene: order swap of position prompts {f(ids['order_position']['identical'])} "
+              f"(n={ids['order_position']['n']}), colour swap {f(ids['colour']['identical'])} (n={ids['colour']['n']})")
+    con.print(f"relation holds given one A and one B: {f(rel['rate'])} ({rel['eligible']} of "
+              f"{rel['position_samples']} position samples eligible)")
+    con.print(f"held-out prompts with an indistinguishable swap twin (cos > {c['threshold']}): "
+              f"{c['prompts_with_indistinguishable_twin']} of {c['num_prompts']}")
+
+
+def _cmd_probe(args) -> int:
+    import torch
+
+    from ..images import to_uint8
+    from .evaluate import generate_ode
+    from .probe import THRESHOLD, run_probe
+
+    for name in ("prompts", "seeds", "passk_prompts", "n"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policy, shift, desc = load_probe_policy(args.weights)
+    policy.eval()
+
+    def sample(prompts, seeds):
+        return to_uint8(generate_ode(policy, prompts, seeds, num_steps=args.steps, shift=shift))
+
+    start = time.time()
+    res = run_probe(policy.model.encode, sample, num_prompts=args.prompts, seeds=args.seeds,
+                    passk_per_tag=args.passk_prompts, n=args.n, threshold=THRESHOLD if args.threshold is None else args.threshold)
+    res["model"], res["seconds"] = desc, round(time.time() - start, 1)
+    res["settings"].update({"num_steps": args.steps, "shift": shift})
+    print_tables(res, desc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe.json").write_text(json.dumps(res, indent=2))
+    with open(out / "probe.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["section", "key", "stat", "value"])
+        w.writerows(flat_rows(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print(f"wrote {out / 'probe.json'} and {out / 'probe.csv'} ({res['seconds']} s)")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``shapes`` and its subcommands to the ``flowgrpo`` parser's ``subparsers``."""
+    s = subparsers.add_parser("shapes", help="shapes-world diagnostics (probe: what the conditioning distinguishes)")
+    ssub = s.add_subparsers(dest="shapes_command", required=True)
+    p = ssub.add_parser("probe", help="order/binding sensitivity of the conditioning, same-seed identity of swapped "
+                                      "prompts, pass@k per tag, the ceiling, the relation-holds rate")
+    p.add_argument("--weights", default=None, metavar="PATH",
+                   help="weights folder, run directory or checkpoint folder (default: the shipped weights)")
+    p.add_argument("--out", default=".", metavar="DIR", help="folder for probe.json and probe.csv")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the JSON here")
+    p.add_argument("--prompts", type=int, default=64, help="held-out evaluation prompts (and swap pairs per kind)")
+    p.add_argument("--seeds", type=int, default=2, help="same-seed draws per swap pair")
+    p.add_argument("--passk-prompts", type=int, default=3, help="held-out prompts per tag for pass@k")
+    p.add_argument("--n", type=int, default=64, help="samples per prompt for pass@k (k = 1, 4, 16, 64 up to n)")
+    p.add_argument("--steps", type=int, default=20, help="Euler ODE steps (the evaluator's default)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="(default 0.99, see flowgrpo.shapes.probe.THRESHOLD) cosine (pooled and every matched token) above which two prompts count as indistinguishable")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave torch's default)")
+    p.set_defaults(fn=_cmd_probe)

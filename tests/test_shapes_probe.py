@@ -1,0 +1,158 @@
+"""``flowgrpo shapes probe``: pass@k, the swap construction, the sensitivity measure on toy encoders,
+the ceiling, and the command's output through the CLI (tiny sample counts)."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from flowgrpo.shapes.probe import (ceiling, class_ceiling, colour_swap, order_swap, pair_sensitivity, pass_at_k,
+                                   pass_at_k_brute, relation_outcome, scene_key, swap_group, words_of)
+from flowgrpo.shapes.prompts import parse_prompt
+from flowgrpo.shapes.verify import Detection, detect, verify
+from flowgrpo.shapes.world import FLIPPED, GRID, VOCAB, ObjectSpec, SceneSpec, relation_holds, render
+
+RED_CIRCLE, BLUE_SQUARE = ObjectSpec("circle", "red"), ObjectSpec("square", "blue")
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_matches_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            samples = [1] * c + [0] * (n - c)
+            subsets = list(itertools.combinations(range(n), k))
+            enumerated = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+            assert pass_at_k(n, c, k) == pytest.approx(enumerated, abs=1e-12)
+            assert pass_at_k_brute(n, c, k) == pytest.approx(enumerated, abs=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(n, 0, n + 1)
+
+
+def test_pass_at_k_large_n_is_stable():
+    assert pass_at_k(64, 1, 1) == pytest.approx(1 / 64)
+    assert pass_at_k(64, 1, 64) == 1.0
+    assert pass_at_k(64, 3, 16) == pytest.approx(pass_at_k_brute(64, 3, 16))
+
+
+@pytest.mark.parametrize("rel", list(FLIPPED))
+def test_order_swap_of_a_position_prompt_means_the_reversed_relation(rel):
+    spec = SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), rel)
+    twin = order_swap(spec)
+    parsed = parse_prompt(twin.prompt)
+    assert parsed.objects == (BLUE_SQUARE, RED_CIRCLE) and parsed.relation == rel
+    assert sorted(twin.prompt.split()) == sorted(spec.prompt.split())  # the same words
+    cells = [divmod(i, GRID) for i in range(GRID * GRID)]
+    for a, b in itertools.permutations(cells, 2):  # "B rel A" holds exactly where "A flipped(rel) B" holds
+        assert relation_holds(rel, b, a) == relation_holds(FLIPPED[rel], a, b)
+    for seed in range(5):  # a scene drawn for the twin never satisfies the prompt
+        assert verify(spec, render(twin, np.random.default_rng(seed)))["correct"] == 0.0
+
+
+def test_colour_swap_exchanges_colours():
+    spec = SceneSpec("color_attr", (RED_CIRCLE, BLUE_SQUARE))
+    twin = colour_swap(spec)
+    assert twin.prompt == "a blue circle and a red square"
+    assert parse_prompt(twin.prompt).objects == (ObjectSpec("circle", "blue"), ObjectSpec("square", "red"))
+    assert colour_swap(SceneSpec("color_attr", (RED_CIRCLE, ObjectSpec("square", "red")))) is None  # same colour
+    assert colour_swap(SceneSpec("color_attr", (RED_CIRCLE, ObjectSpec("circle", "blue")))) is None  # = order swap
+    assert colour_swap(SceneSpec("two_object", (ObjectSpec("circle"), ObjectSpec("square")))) is None
+    assert order_swap(SceneSpec("counting", (ObjectSpec("circle", "red", 2),))) is None
+    group = swap_group(SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), "above"))
+    assert [g.prompt for g in group] == ["a red circle above a blue square", "a blue square above a red circle",
+                                         "a blue circle above a red square", "a red square above a blue circle"]
+
+
+# --------------------------------------------------------------------------- toy encoders
+
+_EMB = torch.randn(len(VOCAB), 16, generator=torch.Generator().manual_seed(0))
+_POS = torch.randn(12, 16, generator=torch.Generator().manual_seed(1)) * 4.0
+
+
+def _ids(prompts):
+    index = {w: i for i, w in enumerate(VOCAB)}
+    return torch.tensor([[index[w] for w in words_of(p, 12)] for p in prompts])
+
+
+def bag_encoder(prompts):
+    """Order-blind: a token's state is its word's embedding, pooled = the mean."""
+    h = _EMB[_ids(prompts)]
+    return h, h.mean(1)
+
+
+def order_encoder(prompts):
+    """Sees order: position embeddings at the words' scale, pooled = the words' embeddings in order."""
+    e = _EMB[_ids(prompts)]
+    return e + _POS, e.flatten(1)
+
+
+def test_sensitivity_tells_an_order_aware_encoder_from_a_bag_of_words():
+    pairs = [("a red circle left of a blue square", "a blue square left of a red circle"),
+             ("a red circle and a blue square", "a blue circle and a red square")]
+    for row in pair_sensitivity(bag_encoder, pairs):
+        assert row["pooled_cos"] == pytest.approx(1.0, abs=1e-6)
+        assert row["token_cos_min"] == pytest.approx(1.0, abs=1e-6)
+        assert row["token_change"] == pytest.approx(0.0, abs=1e-6)
+    for row in pair_sensitivity(order_encoder, pairs):
+        assert row["pooled_cos"] < 0.99 and row["token_cos_min"] < 0.99 and row["token_change"] > 0.1
+    with pytest.raises(ValueError, match="same words"):
+        pair_sensitivity(bag_encoder, [("a red circle", "a blue circle")])
+
+
+def test_ceiling_merges_only_what_the_encoder_cannot_tell_apart():
+    specs = [SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), "left of"),
+             SceneSpec("color_attr", (RED_CIRCLE, BLUE_SQUARE)),
+             SceneSpec("counting", (ObjectSpec("triangle", "green", 3),))]
+    blind = ceiling(bag_encoder, specs)
+    assert blind["conditioning"] == blind["swap_blind"]
+    assert blind["conditioning"]["position"] == 0.25  # 4 contradictory prompts, one scene
+    assert blind["conditioning"]["color_attr"] == 0.5
+    assert blind["conditioning"]["counting"] == 1.0
+    sees = ceiling(order_encoder, specs, identity={"order_position": 0.0, "colour": 0.0})
+    assert sees["conditioning"]["overall"] == 1.0 and sees["behavioural"]["overall"] == 1.0
+    assert sees["swap_blind"]["position"] == 0.25
+    # "a circle and a square" and "a square and a circle" are one scene: merging them costs nothing
+    assert class_ceiling(swap_group(SceneSpec("two_object", (ObjectSpec("circle"), ObjectSpec("square"))))) == 1.0
+
+
+def test_relation_outcome_and_scene_key():
+    spec = SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), "left of")
+    a, b = Detection("circle", "red", 0, 0), Detection("square", "blue", 3, 2)
+    assert relation_outcome(spec, [a, b]) is True
+    assert relation_outcome(order_swap(spec), [a, b]) is False
+    assert relation_outcome(spec, [a]) is None and relation_outcome(spec, [a, a, b]) is None
+    img = render(spec, np.random.default_rng(0))
+    assert scene_key(detect(img)) == scene_key(list(reversed(detect(img))))
+
+
+def test_probe_command_writes_json_and_csv(tmp_path, monkeypatch):
+    from flowgrpo.cli import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "probe"
+    rc = main(["shapes", "probe", "--out", str(out), "--json", str(tmp_path / "p.json"), "--prompts", "6",
+               "--seeds", "1", "--passk-prompts", "1", "--n", "4", "--steps", "2"])
+    assert rc == 0
+    res = json.loads((out / "probe.json").read_text())
+    assert res == json.loads((tmp_path / "p.json").read_text())
+    assert set(res) >= {"sensitivity", "same_seed_identity", "pass_at_k", "pass_at_k_prompts", "ceiling",
+                        "relation_holds", "settings", "model"}
+    assert set(res["sensitivity"]) == {"order_position", "order_and", "colour"}
+    for st in res["sensitivity"]["order_position"].values():
+        assert set(st) == {"mean", "min", "max", "n"}
+    assert set(res["pass_at_k"]["overall"]) == {"pass@1", "pass@4"}
+    assert 0.0 <= res["same_seed_identity"]["order_position"]["identical"] <= 1.0
+    assert set(res["ceiling"]) >= {"conditioning", "swap_blind", "behavioural", "threshold"}
+    rows = list(csv.DictReader((out / "probe.csv").open()))
+    assert {r["section"] for r in rows} == {"sensitivity", "same_seed_identity", "pass_at_k", "ceiling",
+                                           "relation_holds"}
+
+
+def test_probe_command_rejects_a_folder_without_weights(tmp_path):
+    from flowgrpo.cli import main
+
+    assert main(["shapes", "probe", "--weights", str(tmp_path), "--out", str(tmp_path)]) == 2
