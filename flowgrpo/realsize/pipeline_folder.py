@@ -4,20 +4,21 @@
 
 * the transformer (every expert of it) at the recipe's published configuration
   (:mod:`flowgrpo.realsize.configs`), random weights;
-* text encoders of the real classes shrunk to one or two layers and a few dozen hidden units
-  inside, but with the real **output** widths, so the transformer's text inputs have their real
-  sizes: SD3: CLIP-L 768 and CLIP-G 1280 (pooled 768 + 1280 = ``pooled_projection_dim`` 2048,
-  hidden states zero-padded to T5's 4096 = ``joint_attention_dim``), T5 4096; Wan: UMT5 4096
-  (``text_dim``);
+* text encoders of the real classes shrunk to two layers and a few dozen hidden units inside, but
+  with the real **output** widths, so the transformer's text inputs have their real sizes: SD3:
+  CLIP-L 768 and CLIP-G 1280 (pooled 768 + 1280 = ``pooled_projection_dim`` 2048, hidden states
+  zero-padded to T5's 4096 = ``joint_attention_dim``), T5 4096; FLUX.1 / Kontext: CLIP-L 768
+  pooled, T5 4096; Z-Image: Qwen3 2560 (``cap_feat_dim``); Wan: UMT5 4096 (``text_dim``);
 * tokenizers built offline (:mod:`flowgrpo.policies.sd3_tiny`'s CLIP BPE and T5 Unigram ones, CLIP
-  at its real 77 tokens);
-* a small VAE with the real latent channels and compression (SD3: 16 channels, 8x; Wan 2.1: 16
-  channels, 8x spatial / 4x temporal; Wan 2.2 TI2V-5B: 48 channels, 16x / 4x), the stock scheduler.
+  at its real 77 tokens; the byte-level Qwen one of :mod:`flowgrpo.policies.families_tiny`);
+* a small VAE with the real latent channels and compression (SD3 / FLUX.1 / Z-Image: 16 channels,
+  8x; Wan 2.1: 16 channels, 8x spatial / 4x temporal; Wan 2.2 TI2V-5B: 48 channels, 16x / 4x), the
+  stock scheduler.
 
-Everything is saved in bfloat16 (2 bytes per weight: the SD3.5-Medium folder is 4.5 GB, Wan 2.1
-1.3B 2.9 GB); building needs about as much RAM as that (the transformer is built in bf16). Families
-whose text encoders are multimodal LLMs (FLUX, Qwen-Image, Z-Image, HunyuanVideo) are not written
-yet: :data:`WRITERS` lists those that are.
+Everything is saved in bfloat16 (2 bytes per weight: the SD3.5-Medium folder is 4.7 GB, Wan 2.1
+1.3B 2.7 GB); building needs about as much RAM as that (the transformer is built in bf16).
+:data:`WRITERS` lists the pipeline classes written; Qwen-Image (-Edit), FLUX.2 and HunyuanVideo 1.5,
+whose text encoders are multimodal LLMs with rotary layouts tied to their widths, are not yet.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _t5_config(tokenizer, width: int) -> dict:
 
 def sd3_components(entry: RealTransformer) -> dict:
     """``StableDiffusion3Pipeline`` components around the real transformer of ``entry``."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import T5Config, T5EncoderModel
 
     from ..policies.sd3_tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
@@ -70,14 +71,60 @@ def sd3_components(entry: RealTransformer) -> dict:
         "text_encoder_2": _clip(tokenizer_2, clip_g), "tokenizer_2": tokenizer_2,
         "text_encoder_3": T5EncoderModel(T5Config(**_t5_config(tokenizer_3, t5_width))).eval(),
         "tokenizer_3": tokenizer_3,
-        # SD3's VAE: 16 latent channels, 4 levels (8x), its scaling and shift factors; 8-16 channels wide
-        "vae": AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=cfg["in_channels"],
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4, sample_size=1024,
-            scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False).eval(),
+        "vae": _kl_vae(cfg["in_channels"], scaling=1.5305, shift=0.0609),
         "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
     }
+
+
+def _kl_vae(latent_channels: int, scaling: float, shift: float):
+    """SD3 / FLUX.1 / Z-Image's ``AutoencoderKL`` layout (4 levels: 8x) with their latent channels and
+    scaling / shift factors, 8-16 channels wide inside."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4, sample_size=1024,
+        scaling_factor=scaling, shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False).eval()
+
+
+def flux_components(entry: RealTransformer) -> dict:
+    """``FluxPipeline`` / ``FluxKontextPipeline`` components: CLIP-L's text tower (pooled 768 =
+    ``pooled_projection_dim``), T5 4096 (= ``joint_attention_dim``), FLUX.1's 16-channel VAE (its
+    transformer takes the 2x2-packed 64 channels) and dynamic-shift scheduler."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from ..policies.flux import default_flux_scheduler
+    from ..policies.sd3_tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+
+    cfg = entry.config
+    tokenizer, tokenizer_2 = tiny_clip_tokenizer(max_length=CLIP_TOKENS), tiny_t5_tokenizer(max_length=512)
+    clip = _clip(tokenizer, cfg["pooled_projection_dim"])
+    text_encoder = CLIPTextModel(CLIPTextConfig(**clip.config.to_dict())).eval()
+    return {"transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+            "text_encoder": text_encoder, "tokenizer": tokenizer,
+            "text_encoder_2": T5EncoderModel(T5Config(**_t5_config(tokenizer_2, cfg["joint_attention_dim"]))).eval(),
+            "tokenizer_2": tokenizer_2, "vae": _kl_vae(cfg["in_channels"] // 4, scaling=0.3611, shift=0.1159),
+            "scheduler": default_flux_scheduler()}
+
+
+def zimage_components(entry: RealTransformer) -> dict:
+    """``ZImagePipeline`` components: a 2-layer ``Qwen3Model`` 2560 wide (= ``cap_feat_dim``) with 2 heads
+    of 8 inside, the byte-level Qwen tokenizer with its chat template, a 16-channel KL VAE (8x)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen3Config, Qwen3Model
+
+    from ..policies.families_tiny import tiny_qwen_tokenizer
+
+    cfg = entry.config
+    tokenizer = tiny_qwen_tokenizer(max_length=512)
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=cfg["cap_feat_dim"], intermediate_size=_SMALL["ffn"],
+        num_hidden_layers=_SMALL["layers"], num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id)).eval()
+    return {"transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16), "text_encoder": text_encoder,
+            "tokenizer": tokenizer, "vae": _kl_vae(cfg["in_channels"], scaling=0.3611, shift=0.1159),
+            "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)}
 
 
 def wan_components(entry: RealTransformer) -> dict:
@@ -116,7 +163,9 @@ def wan_components(entry: RealTransformer) -> dict:
 
 
 #: pipeline class -> components builder of the families this module writes
-WRITERS = {"StableDiffusion3Pipeline": sd3_components, "WanPipeline": wan_components}
+WRITERS = {"StableDiffusion3Pipeline": sd3_components, "WanPipeline": wan_components,
+           "FluxPipeline": flux_components, "FluxKontextPipeline": flux_components,
+           "ZImagePipeline": zimage_components}
 
 
 def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> Path:
