@@ -29,8 +29,8 @@ from pathlib import Path
 import yaml
 
 from .errors import ConfigError, UserError
-from .presets import DEFAULT_PRESET, load_yaml_mapping, read_chain, read_preset
-from .recipes import META_KEYS, recipe_chain, recipe_for_model, recipe_meta, recipe_needs
+from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_names, read_chain, read_preset
+from .recipes import META_KEYS, recipe_chain, recipe_for_model, recipe_meta, recipe_names, recipe_needs
 
 #: the keys (or whole sections) a method preset may set; ``strategy`` is sampler.strategy's options.
 #: ``reward.combine`` / ``reward.renormalize`` are how several rewards make one advantage (MixGRPO and
@@ -90,6 +90,9 @@ def check_recipe(name: str, data: dict) -> None:
 def preset_chain(name: str) -> list[tuple[str, dict]]:
     """``[(name, mapping), ...]`` of method preset ``name`` and its bases, the furthest base first, each
     checked to set only method keys."""
+    if name not in preset_names() and name in recipe_names():
+        raise ConfigError(f"{name!r} is a recipe, not a method preset: pass it as --recipe {name} (recipe={name!r}); "
+                          f"valid presets: {', '.join(preset_names())}")
     chain = read_chain(name, read_preset, "preset")
     for preset, data in chain:
         check_method_preset(preset, data)
@@ -211,6 +214,9 @@ def named_model(config_file: str | None, overrides: list[str]) -> str | None:
 def pick_recipe(recipe: str | None, config_file: str | None = None, overrides: list[str] = ()) -> str:
     """``recipe``, or without one the recipe for the model the file or overrides name
     (:func:`~flowgrpo.recipes.recipe_for_model`: the shapes world, or a real model's fallback)."""
+    if recipe and recipe not in recipe_names() and recipe in preset_names():
+        raise ConfigError(f"{recipe!r} is a method preset, not a recipe: pass it as --preset {recipe}; "
+                          f"valid recipes: {', '.join(recipe_names())}")
     return recipe or recipe_for_model(named_model(config_file, list(overrides)))
 
 

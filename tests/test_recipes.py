@@ -196,7 +196,9 @@ def test_config_show_and_recipes_end_to_end(tmp_path):
     assert list(listed) == recipe_names() and all(listed.values())
     for args, needle in ((["config", "show", "--recipe", "nope"], "valid recipes: diffusers, flux1-dev"),
                          (["config", "show", "--preset", "nope"], "valid presets: awm"),
-                         (["train", "--recipe", "wan21-t2v-1.3b"], "recipe wan21-t2v-1.3b needs model.name=<")):
+                         (["train", "--recipe", "wan21-t2v-1.3b"], "recipe wan21-t2v-1.3b needs model.name=<"),
+                         (["train", "--preset", "sd35-pickscore"], "is a recipe, not a method preset: pass it as --recipe"),
+                         (["config", "show", "--recipe", "mix-grpo"], "is a method preset, not a recipe")):
         proc = run_cli(args)
         err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode == 2 and len(err) == 1 and needle in err[0], (args, proc.stderr)
