@@ -39,13 +39,16 @@ def transition_means(batch: TransitionBatch, velocity: Tensor, plan: SamplingPla
 
 
 def transition_sigma_t(batch: TransitionBatch, plan: SamplingPlan) -> Tensor:
-    """sigma_t [M] float32 of each transition (its SDE kind's diffusion coefficient)."""
+    """sigma_t [M] float32 of each transition (its SDE kind's diffusion coefficient), on the batch's device.
+
+    The per-step coefficients are computed on the CPU (a handful of scalars per step) and the result is
+    moved to where the transitions live: the loss combines it with the CUDA means of a GPU run."""
     out = torch.empty(len(batch))
     for s, rows in _rows_by_step(batch):
         spec = plan.steps[s]
         out[rows] = sde_kind(spec.sde_kind).sigma_t(batch.sigma[rows].cpu().float(), batch.sigma_next[rows].cpu().float(),
                                                     spec.noise_level, plan.sigmas[1].float().expand(len(rows)))
-    return out
+    return out.to(batch.std.device)
 
 
 def transition_log_prob_std(batch: TransitionBatch, plan: SamplingPlan) -> Tensor:

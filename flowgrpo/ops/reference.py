@@ -57,7 +57,13 @@ def grpo_loss_ref(
     ratio = torch.exp(log_ratio)
     adv = advantages.to(acc)
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    # torch.clamp's forward, with the gradient passed strictly inside (lo, hi) and none at a bound,
+    # written out: torch.clamp's own backward at r exactly on a bound differs between devices (the CPU
+    # passes none, CUDA passes it, seen with torch 2.11 on an H100), and this function is the contract
+    # the fused op's CPU and CUDA kernels both follow (only the on-policy tie r = 1 at clip_range = 0 hits it)
+    lo, hi = 1.0 - clip_range, 1.0 + clip_range
+    inside = (ratio > lo) & (ratio < hi)
+    clipped = -adv * torch.where(inside, ratio, torch.clamp(ratio, lo, hi).detach())
     policy_loss = (weights.to(acc) * torch.maximum(unclipped, clipped)).mean()
     if mean_ref is not None and beta != 0.0:
         if kl_sigma is None:
