@@ -101,9 +101,13 @@ class GRPOObjective(Objective):
             else:
                 mean_ref = self._reference_means(ctx, mb)
             kl_sigma = mb.std if cfg.kl_sigma == "transition_std" else transition_sigma_t(mb, plan)
-        out = self.loss_fn(mb.prev_sample, mean, mb.mean_old, it["logp_std"][mb.row], mb.log_prob_old,
-                           mb.advantages, it["weights"][mb.row], clip_range=it["clip"], guard=cfg.guard,
-                           mean_ref=mean_ref, kl_sigma=kl_sigma, beta=cfg.beta)
+        # a TransitionBatch keeps its latents on the rollout's device and its per-row metadata
+        # (advantages, steps, sigmas) on the CPU; the loss takes every operand where the means are
+        dev = mean.device
+        out = self.loss_fn(mb.prev_sample.to(dev), mean, mb.mean_old.to(dev), it["logp_std"][mb.row].to(dev),
+                           mb.log_prob_old.to(dev), mb.advantages.to(dev), it["weights"][mb.row].to(dev),
+                           clip_range=it["clip"], guard=cfg.guard, mean_ref=mean_ref,
+                           kl_sigma=None if kl_sigma is None else kl_sigma.to(dev), beta=cfg.beta)
         loss = out.loss
         if it["best"] is not None:
             sft = best_path_sft_loss(mb, mean, it["best"], cfg.sft_weight)
