@@ -94,7 +94,7 @@ def test_write_pipeline_refuses_unsupported_family(tmp_path):
     from flowgrpo.realsize.pipeline_folder import write_pipeline
 
     with pytest.raises(ValueError, match="not supported yet"):
-        write_pipeline("qwen-image", tmp_path / "q")
+        write_pipeline("hunyuanvideo15", tmp_path / "h")
 
 
 def test_realsize_write_pipeline_cli(tmp_path, capsys):

@@ -8,17 +8,18 @@
   with the real **output** widths, so the transformer's text inputs have their real sizes: SD3:
   CLIP-L 768 and CLIP-G 1280 (pooled 768 + 1280 = ``pooled_projection_dim`` 2048, hidden states
   zero-padded to T5's 4096 = ``joint_attention_dim``), T5 4096; FLUX.1 / Kontext: CLIP-L 768
-  pooled, T5 4096; Z-Image: Qwen3 2560 (``cap_feat_dim``); Wan: UMT5 4096 (``text_dim``);
+  pooled, T5 4096; Z-Image: Qwen3 2560 (``cap_feat_dim``); Qwen-Image (-Edit): Qwen2.5-VL 3584;
+  Wan: UMT5 4096 (``text_dim``);
 * tokenizers built offline (:mod:`flowgrpo.policies.sd3_tiny`'s CLIP BPE and T5 Unigram ones, CLIP
   at its real 77 tokens; the byte-level Qwen one of :mod:`flowgrpo.policies.families_tiny`);
-* a small VAE with the real latent channels and compression (SD3 / FLUX.1 / Z-Image: 16 channels,
-  8x; Wan 2.1: 16 channels, 8x spatial / 4x temporal; Wan 2.2 TI2V-5B: 48 channels, 16x / 4x), the
-  stock scheduler.
+* a small VAE with the real latent channels and compression (SD3 / FLUX.1 / Z-Image / Qwen-Image:
+  16 channels, 8x; Wan 2.1: 16 channels, 8x spatial / 4x temporal; Wan 2.2 TI2V-5B: 48 channels,
+  16x / 4x), the stock scheduler.
 
 Everything is saved in bfloat16 (2 bytes per weight: the SD3.5-Medium folder is 4.7 GB, Wan 2.1
 1.3B 2.7 GB); building needs about as much RAM as that (the transformer is built in bf16).
-:data:`WRITERS` lists the pipeline classes written; Qwen-Image (-Edit), FLUX.2 and HunyuanVideo 1.5,
-whose text encoders are multimodal LLMs with rotary layouts tied to their widths, are not yet.
+:data:`WRITERS` lists the pipeline classes written; FLUX.2 (a 40-layer Mistral-3 text encoder whose
+layers 10 / 20 / 30 are stacked) and HunyuanVideo 1.5 (MLLM, ByT5 and a 16x video VAE) are not yet.
 """
 
 from __future__ import annotations
@@ -162,10 +163,56 @@ def wan_components(entry: RealTransformer) -> dict:
     return components
 
 
+def qwen_image_components(entry: RealTransformer) -> dict:
+    """``QwenImagePipeline`` / ``QwenImageEditPipeline`` components: a ``Qwen2_5_VLForConditionalGeneration``
+    with the real text width 3584 (= ``joint_attention_dim``; 28 heads of 128 and 4 key-value heads as
+    Qwen2.5-VL-7B, so its multimodal rotary sections are the real 16/24/24) but two layers and a
+    64-wide MLP, a one-block vision tower projecting to 3584, the byte-level tokenizer with Qwen's
+    vision markers, Qwen-Image's 16-channel video VAE (8x) 4 channels wide; the edit pipeline also
+    gets a ``Qwen2VLProcessor`` whose VL view of a reference is at most 56 x 56 pixels."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+
+    from ..policies.families_tiny import tiny_qwen_tokenizer
+
+    cfg, channels = entry.config, entry.config["out_channels"]
+    tokenizer = tiny_qwen_tokenizer(max_length=2048)
+    markers = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": markers}, replace_extra_special_tokens=False)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(markers)
+    width = cfg["joint_attention_dim"]
+    text = dict(hidden_size=width, intermediate_size=_SMALL["ffn"], num_hidden_layers=_SMALL["layers"],
+                num_attention_heads=width // 128, num_key_value_heads=4, vocab_size=len(tokenizer), bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id, max_position_embeddings=4096, rope_theta=1e6,
+                rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"})
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                             out_hidden_size=width, fullatt_block_indexes=[0]),
+        vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    components = {
+        "transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+        "text_encoder": Qwen2_5_VLForConditionalGeneration(config).eval(), "tokenizer": tokenizer,
+        "vae": AutoencoderKLQwenImage(base_dim=4, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                      temperal_downsample=[False, True, True], latents_mean=[0.0] * channels,
+                                      latents_std=[1.0] * channels).eval(),
+        "scheduler": FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential"),
+    }
+    if entry.pipeline == "QwenImageEditPipeline":
+        components["processor"] = Qwen2VLProcessor(
+            image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=56 * 56), tokenizer=tokenizer,
+            video_processor=Qwen2VLVideoProcessor())
+    return components
+
+
 #: pipeline class -> components builder of the families this module writes
 WRITERS = {"StableDiffusion3Pipeline": sd3_components, "WanPipeline": wan_components,
            "FluxPipeline": flux_components, "FluxKontextPipeline": flux_components,
-           "ZImagePipeline": zimage_components}
+           "ZImagePipeline": zimage_components, "QwenImagePipeline": qwen_image_components,
+           "QwenImageEditPipeline": qwen_image_components}
 
 
 def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> Path:
