@@ -90,14 +90,17 @@ def test_write_pipeline_folder_loads_with_real_widths(tmp_path):
     assert next(pipe.transformer.parameters()).dtype == torch.bfloat16
 
 
-def test_write_pipeline_refuses_unsupported_family(tmp_path):
-    from flowgrpo.realsize.pipeline_folder import write_pipeline
+def test_write_pipeline_covers_every_recipe_and_refuses_others(tmp_path, monkeypatch):
+    from flowgrpo.realsize import pipeline_folder
+    from flowgrpo.realsize.configs import REAL_TRANSFORMERS
 
+    assert {e.pipeline for e in REAL_TRANSFORMERS.values()} <= set(pipeline_folder.WRITERS)
+    monkeypatch.delitem(pipeline_folder.WRITERS, "HunyuanVideo15Pipeline")
     with pytest.raises(ValueError, match="not supported yet"):
-        write_pipeline("hunyuanvideo15", tmp_path / "h")
+        pipeline_folder.write_pipeline("hunyuanvideo15", tmp_path / "h")
 
 
-def test_realsize_write_pipeline_cli(tmp_path, capsys):
+def test_realsize_write_pipeline_cli(tmp_path, capsys, monkeypatch):
     import json as _json
 
     from flowgrpo.cli import main
@@ -108,4 +111,7 @@ def test_realsize_write_pipeline_cli(tmp_path, capsys):
     config = _json.loads((out / "transformer" / "config.json").read_text())
     assert (config["num_layers"], config["num_attention_heads"], config["text_dim"]) == (1, 12, 4096)
     assert _json.loads((out / "text_encoder" / "config.json").read_text())["d_model"] == 4096
+    from flowgrpo.realsize import pipeline_folder
+
+    monkeypatch.delitem(pipeline_folder.WRITERS, "Flux2Pipeline")
     assert main(["realsize", "write-pipeline", "--recipe", "flux2-dev", "--out", str(tmp_path / "f")]) == 2

@@ -8,18 +8,18 @@
   with the real **output** widths, so the transformer's text inputs have their real sizes: SD3:
   CLIP-L 768 and CLIP-G 1280 (pooled 768 + 1280 = ``pooled_projection_dim`` 2048, hidden states
   zero-padded to T5's 4096 = ``joint_attention_dim``), T5 4096; FLUX.1 / Kontext: CLIP-L 768
-  pooled, T5 4096; Z-Image: Qwen3 2560 (``cap_feat_dim``); Qwen-Image (-Edit): Qwen2.5-VL 3584;
-  Wan: UMT5 4096 (``text_dim``);
+  pooled, T5 4096; FLUX.2: Mistral-3 5120 (layers 10 / 20 / 30 stacked = 15360); Z-Image: Qwen3
+  2560 (``cap_feat_dim``); Qwen-Image (-Edit): Qwen2.5-VL 3584; Wan: UMT5 4096 (``text_dim``);
+  HunyuanVideo 1.5: Qwen2.5-VL 3584 and ByT5 1472;
 * tokenizers built offline (:mod:`flowgrpo.policies.sd3_tiny`'s CLIP BPE and T5 Unigram ones, CLIP
   at its real 77 tokens; the byte-level Qwen one of :mod:`flowgrpo.policies.families_tiny`);
 * a small VAE with the real latent channels and compression (SD3 / FLUX.1 / Z-Image / Qwen-Image:
-  16 channels, 8x; Wan 2.1: 16 channels, 8x spatial / 4x temporal; Wan 2.2 TI2V-5B: 48 channels,
-  16x / 4x), the stock scheduler.
+  16 channels, 8x; FLUX.2: 32, 8x; Wan 2.1: 16 channels, 8x spatial / 4x temporal; Wan 2.2 TI2V-5B:
+  48 channels, 16x / 4x; HunyuanVideo 1.5: 32, 16x / 4x), the stock scheduler.
 
 Everything is saved in bfloat16 (2 bytes per weight: the SD3.5-Medium folder is 4.7 GB, Wan 2.1
 1.3B 2.7 GB); building needs about as much RAM as that (the transformer is built in bf16).
-:data:`WRITERS` lists the pipeline classes written; FLUX.2 (a 40-layer Mistral-3 text encoder whose
-layers 10 / 20 / 30 are stacked) and HunyuanVideo 1.5 (MLLM, ByT5 and a 16x video VAE) are not yet.
+:data:`WRITERS` maps every recipe's pipeline class to its builder.
 """
 
 from __future__ import annotations
@@ -208,11 +208,76 @@ def qwen_image_components(entry: RealTransformer) -> dict:
     return components
 
 
+def flux2_components(entry: RealTransformer) -> dict:
+    """``Flux2Pipeline`` components: a ``Mistral3ForConditionalGeneration`` 5120 wide (its hidden states
+    of layers 10, 20 and 30 stacked = ``joint_attention_dim`` 15360) with 30 layers of 2 heads x 8 and
+    a 64-wide MLP, a one-layer Pixtral vision tower, the Pixtral processor over the byte-level
+    tokenizer, FLUX.2's VAE with 32 latent channels and 8x (the transformer takes 2x2-packed 128)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from ..policies.families_tiny import tiny_pixtral_processor
+
+    cfg = entry.config
+    width, stacked = cfg["joint_attention_dim"] // 3, 30
+    processor = tiny_pixtral_processor()
+    tok = processor.tokenizer
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=width, intermediate_size=_SMALL["ffn"],
+                         max_position_embeddings=2048, num_attention_heads=2, num_hidden_layers=stacked,
+                         num_key_value_heads=1, head_dim=8, rope_theta=1e6, sliding_window=None, **ids),
+        vision_config=dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=16, image_size=32, patch_size=16, head_dim=8),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1, vision_feature_layer=-1, **ids)
+    vae = AutoencoderKLFlux2(
+        sample_size=1024, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+        latent_channels=cfg["in_channels"] // 4, norm_num_groups=4, use_quant_conv=False,
+        use_post_quant_conv=False).eval()
+    return {"transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+            "text_encoder": Mistral3ForConditionalGeneration(config).eval(), "tokenizer": processor, "vae": vae,
+            "scheduler": FlowMatchEulerDiscreteScheduler()}
+
+
+def hunyuan_video15_components(entry: RealTransformer) -> dict:
+    """``HunyuanVideo15Pipeline`` components: a ``Qwen2_5_VLTextModel`` at the real 3584 (=
+    ``text_embed_dim``; 28 x 128 heads, 4 key-value heads, rotary sections 16/24/24) with three layers,
+    a ByT5 ``T5EncoderModel`` 1472 wide (= ``text_embed_2_dim``), the video VAE with 32 latent channels,
+    16x spatial and 4x temporal compression (8 to 64 channels wide: its last level must be a multiple
+    of the latent channels), CFG guider and the stock scheduler."""
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from ..policies.families_tiny import tiny_qwen_tokenizer
+
+    cfg = entry.config
+    width = cfg["text_embed_dim"]
+    tokenizer, tokenizer_2 = tiny_qwen_tokenizer(max_length=2048), ByT5Tokenizer()
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=_SMALL["ffn"], num_hidden_layers=3,
+        num_attention_heads=width // 128, num_key_value_heads=4, max_position_embeddings=2048, rope_theta=1e6,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"})).eval()
+    t5 = _t5_config(tokenizer_2, cfg["text_embed_2_dim"])
+    t5.pop("feed_forward_proj")
+    vae = AutoencoderKLHunyuanVideo15(
+        in_channels=3, out_channels=3, latent_channels=cfg["out_channels"], block_out_channels=(8, 16, 32, 64),
+        layers_per_block=1, spatial_compression_ratio=16, temporal_compression_ratio=4,
+        downsample_match_channel=False, upsample_match_channel=False).eval()
+    return {"transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+            "text_encoder": text_encoder, "tokenizer": tokenizer,
+            "text_encoder_2": T5EncoderModel(T5Config(**t5)).eval(), "tokenizer_2": tokenizer_2, "vae": vae,
+            "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0), "guider": ClassifierFreeGuidance(guidance_scale=6.0)}
+
+
 #: pipeline class -> components builder of the families this module writes
 WRITERS = {"StableDiffusion3Pipeline": sd3_components, "WanPipeline": wan_components,
            "FluxPipeline": flux_components, "FluxKontextPipeline": flux_components,
            "ZImagePipeline": zimage_components, "QwenImagePipeline": qwen_image_components,
-           "QwenImageEditPipeline": qwen_image_components}
+           "QwenImageEditPipeline": qwen_image_components, "Flux2Pipeline": flux2_components,
+           "HunyuanVideo15Pipeline": hunyuan_video15_components}
 
 
 def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> Path:
