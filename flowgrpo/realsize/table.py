@@ -31,8 +31,8 @@ def recipe_geometry(recipe: str, resolution: int | None = None, frames: int | No
     """The training micro-batch of ``recipe`` and where its numbers came from.
 
     From the recipe YAML when it loads (``model.resolution``, ``model.num_frames``,
-    ``model.max_sequence_length``, ``train.micro_batch``, CFG in the update when ``model.guidance_scale``
-    > 1 and ``loss.cfg_uncond_grad``, ``model.gradient_checkpointing``, ``model.lora_rank``), else the
+    ``model.max_sequence_length``, ``train.micro_batch``, CFG in the update (:func:`_cfg_in_update`),
+    ``model.gradient_checkpointing``, ``model.lora_rank``), else the
     adapter's defaults with micro-batch 1, checkpointing on and no CFG. Explicit arguments win.
     Returns ``(geometry, info)``; ``info`` holds ``source``, ``checkpointing``, ``cfg`` and ``rank``.
     """
@@ -52,8 +52,7 @@ def recipe_geometry(recipe: str, resolution: int | None = None, frames: int | No
         nframes = (m.num_frames or nframes) if video else 1
         text = m.max_sequence_length or text
         batch = cfg.train.micro_batch
-        info.update(checkpointing=bool(m.gradient_checkpointing),
-                    cfg=m.guidance_scale > 1 and bool(getattr(cfg.loss, "cfg_uncond_grad", True)),
+        info.update(checkpointing=bool(m.gradient_checkpointing), cfg=_cfg_in_update(entry, m.guidance_scale, cfg),
                     rank=int(m.lora_rank))
     res = resolution or res
     nframes = (frames or nframes) if video else 1
@@ -61,6 +60,16 @@ def recipe_geometry(recipe: str, resolution: int | None = None, frames: int | No
     text = _FIXED_TEXT.get(entry.pipeline, _TEXT_PREFIX.get(entry.pipeline, 0) + text)
     reference = family.reference_kwarg is not None
     return Geometry(res, nframes, text, batch * (2 if info["cfg"] else 1), reference), info
+
+
+def _cfg_in_update(entry, guidance_scale: float, cfg) -> bool:
+    """Whether the training forward carries the unconditional half too (the micro-batch doubles): real
+    CFG (not a guidance-distilled model's embedded guidance) whose unconditional pass has gradients:
+    always through the generic adapter (it replays the pipeline's calls), with ``loss.cfg_uncond_grad``
+    for the sd3 / wan adapters."""
+    if guidance_scale <= 1 or entry.config.get("guidance_embeds"):
+        return False
+    return entry.adapter == "pipeline" or bool(getattr(cfg.loss, "cfg_uncond_grad", True))
 
 
 def _recipe_config(recipe: str):
