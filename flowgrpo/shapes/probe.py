@@ -301,12 +301,14 @@ def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_t
     """All five measurements on the first ``num_prompts`` held-out evaluation prompts.
 
     ``encode(prompts)`` -> (hidden [B, L, D], pooled [B, D]); ``sample(prompts, seeds)`` -> uint8
-    [N, 32, 32, 3]. Swap pairs come from the held-out set, twins of the position and colour-attribute
-    prompts beyond it from the tags' full held-out pools (at most ``num_prompts`` pairs per kind)."""
+    [N, 32, 32, 3]. Swap pairs come from the held-out set, then from the position, colour-attribute
+    and two-object held-out pools (a fixed shuffle), at most ``num_prompts`` pairs per kind."""
     from .prompts import split_specs
 
     specs = heldout_specs(num_prompts)
-    pool = list(dict.fromkeys(specs + [s for t in ("position", "color_attr", "two_object") for s in split_specs(t)[1]]))
+    extra = [s for t in ("position", "color_attr", "two_object") for s in split_specs(t)[1]]
+    extra = [extra[i] for i in np.random.default_rng(29).permutation(len(extra))]  # fixed shuffle: all words
+    pool = list(dict.fromkeys(specs + extra))
     kinds = {k: v[:num_prompts] for k, v in swap_pairs(pool).items()}
     sensitivity = {}
     for kind, pairs in kinds.items():
