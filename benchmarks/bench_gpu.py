@@ -152,13 +152,14 @@ def memory_stage(models: Stage, plan: GpuPlan, device: torch.device) -> dict:
 
 def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, tiny: bool = False,
                   flow_grpo: str | None = None, repeats: int = 0, tests: str | Path = "tests",
-                  quiet: bool = False) -> dict:
+                  quiet: bool = False, ops: bool = True) -> dict:
     """Run stages (a), (b), (c) (module docstring) and write gpu.json / gpu.csv. Returns the JSON dict.
 
     ``device``: "cuda" / "cpu" (None: CUDA where available); ``tiny``: the CPU form's plan
     (:data:`PLANS`); ``flow_grpo``: a Flow-GRPO checkout (None: ``$FLOWGRPO_REFERENCE``, else the
     reference side is left out); ``repeats``: timed rounds of (b) (0: the plan's); ``tests``: the
-    folder holding ``test_ops.py``."""
+    folder holding ``test_ops.py``; ``ops=False`` leaves stage (a) out (recorded as skipped), for a
+    second call on a lent device whose time is short."""
     from .gpu_setup import SIZES, device_info
 
     began = time.perf_counter()
@@ -188,7 +189,7 @@ def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, ti
         def left() -> float:  # seconds left of the whole command's budget
             return plan.total_budget_s - (time.perf_counter() - began)
 
-        stages["ops"] = _guarded("ops", lambda: run_ops_stage(
+        stages["ops"] = Stage("ops", "skipped", 0.0, "left out (--no-ops)") if not ops else _guarded("ops", lambda: run_ops_stage(
             dev, out, tests_dir=tests, select=plan.test_select, peak_gbps=info["peak_gbps"],
             test_timeout=max(60.0, min(plan.test_timeout_s, left() - 240.0)),  # 240 s kept for (b) and (c)
             repeats=plan.op_repeats, dims=plan.op_dims, n=plan.op_rows, impls=plan.op_impls, log=log,
@@ -316,9 +317,10 @@ def main(argv=None) -> int:
     ap.add_argument("--flow-grpo", default=None, metavar="PATH")
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--tests", default="tests", help="folder holding test_ops.py (default: ./tests)")
+    ap.add_argument("--no-ops", action="store_true", help="leave stage (a), the op build and tests, out")
     a = ap.parse_args(argv)
     run_bench_gpu(a.json, out_dir=a.out, device=a.device, tiny=a.tiny, flow_grpo=a.flow_grpo, repeats=a.repeats,
-                  tests=a.tests)
+                  tests=a.tests, ops=not a.no_ops)
     return 0
 
 

@@ -93,6 +93,9 @@ class FlowgrpoSide:
               f"data.prompts={prompts_file}", f"data.prompts_per_iteration={prompts_per_iteration}",
               f"data.trees_per_prompt={group}", "reward.weights={jpeg_compressibility: 1.0}", "log.progress=false",
               "loss.cfg_uncond_grad=false",  # the reference's update detaches noise_pred_uncond: the same gradient
+              # the reference's script neither checkpoints nor offloads: pinned, so that a model outside
+              # the shapes recipe (whose fallback recipe turns both on) is timed on equal terms
+              "model.gradient_checkpointing=false", "model.offload_text_encoders=false",
               *overrides]
         own = [o for o in ov if o.startswith(BENCH_SWITCH)]
         self.cfg = load_config("flow-grpo", None, [o for o in ov if not o.startswith(BENCH_SWITCH)])
