@@ -22,6 +22,9 @@ min(0.001 n, 0.3) after n optimizer steps. Times may also be logit-normal with s
 the grid times. The authors draw one set of times per micro-batch; here every sample draws its own
 (from its own stream), so the rows do not depend on how they are batched.
 
+As in the authors' code, the samples of a group without reward spread train too (advantage 0: no
+policy term, but they count in the step's mean and carry both KL terms); ``rows=signal`` drops them.
+
 The old policy is the trained weights at the start of the update; while no optimizer step has been
 taken since (one minibatch per iteration, the authors' setting), l_old equals l_theta without its
 gradient and its forward is skipped: the ratio is exactly 1 and the gradient is -A grad(l).
@@ -111,7 +114,8 @@ class AWMObjective(Objective):
         self.old = OldPolicy(ctx.policy)  # the weights that drew this rollout
         self._steps = 0
         sampler = time_sampler(self.opt, ctx.collected.plan.sigmas)
-        return build_sample_rows(ctx.collected, ctx.credit, self.seed, sampler, self.opt.timesteps)
+        return build_sample_rows(ctx.collected, ctx.credit, self.seed, sampler, self.opt.timesteps,
+                                 only_signal=self.opt.rows == "signal")
 
     def micro_loss(self, ctx: UpdateContext, rows: SampleRows) -> MicroLoss:
         o, policy = self.opt, ctx.policy

@@ -1,29 +1,36 @@
 """``loss.objective=dgpo``: Direct Group Preference Optimization (Luo et al., ICLR 2026).
 
 A prompt's group is split by advantage into a positive set G+ (A > 0) and a negative set G- (A < 0).
-Each sample's implicit reward is DPO's, a denoising-loss difference to the reference on noised
-copies x_t of the clean sample (:mod:`.forward_rows`),
+Each sample i is noised at K times (:mod:`.forward_rows`); at its k-th time its implicit reward is
+DPO's, a denoising-loss difference to the DPO reference,
 
-    d_i = mean_k [ mean((v_theta(x_t) - u)^2) - mean((v_ref(x_t) - u)^2) ],   r_i = -beta_DPO d_i,
+    d_ik = mean((v_theta(x_t) - u)^2) - mean((v_ref(x_t) - u)^2),     r_ik = -beta_DPO d_ik,
 
-and a set's reward is the advantage-weighted sum R(G) = sum_{i in G} w_i r_i, w_i = |A_i| / K (K the
-group's size). The loss of a group is the group-level Bradley-Terry likelihood
+and a set's reward at slot k is the advantage-weighted sum R_k(G) = sum_{i in G} w_i r_ik,
+w_i = |A_i| / K_g (K_g the group's size). The loss of a group at slot k is the group-level
+Bradley-Terry likelihood; the step averages it over slots as the authors' code does (one sigmoid per
+timestep, not one of the margin averaged over the timesteps):
 
-    L_g = -log sigmoid(R(G+) - R(G-)),      L = mean_g L_g + kl_beta mean((v_theta - v_ref)^2).
+    L_gk = -log sigmoid(R_k(G+) - R_k(G-)),    L = mean_{g,k} L_gk + kl_beta mean((v_theta - v_base)^2).
 
-L_g couples every sample of a group, which the micro-batch loop cannot hold at once. Two passes per
-minibatch make it exact: first, without gradients, every row's d is computed and the groups' margins
-Delta_g = R(G+) - R(G-) are gathered over all ranks; then each row's loss is linear in its own error
-with a detached coefficient. dL_g/dd_i = beta sigmoid(-Delta_g) s_i w_i (:func:`dgpo_coefficients`);
-like the authors' code the update uses sigmoid(-Delta_g) A_i per row, averaged over rows, i.e. the
-same direction without the constant beta / K (beta only sharpens the sigmoid).
+L_gk couples every sample of a group, which the micro-batch loop cannot hold at once. Two passes per
+minibatch make it exact: first, without gradients, every row's d is computed and the (group, slot)
+margins Delta_gk are gathered over all ranks; then each row's loss is linear in its own error with a
+detached coefficient. dL_gk/dd_ik = beta sigmoid(-Delta_gk) s_i w_i (:func:`dgpo_coefficients`);
+like the authors' code the update uses sigmoid(-Delta_gk) A_i per row, averaged over rows, i.e. the
+same direction without the constant beta / K_g (beta only sharpens the sigmoid).
 
 As in the authors' code, training times are K draws from the first 70 % of the rollout's grid (the
-high-noise steps; ``time_fraction``), every sample drawing its own times and noise (the authors share one
-noise per group and one set of times per epoch). Not implemented: the authors'
-one-sided ratio clip against an EMA copy (their ``clip_range``).
+high-noise steps; ``time_fraction``), every sample drawing its own times and noise (the authors share
+one noise per group and one set of times per step; slot k is the sample's k-th time). Samples of a
+group without reward spread train too (``rows=all``): no DPO term, but they count in the mean and
+carry the KL. Minibatches are drawn over groups (``train.minibatches`` never splits a group). Not
+implemented: the authors' one-sided ratio clip against the EMA (their ``clip_range``).
 
-The reference is the frozen base model, or an EMA of the trained weights (``reference=ema``).
+The DPO reference is the frozen base model, or (``reference=ema``) an EMA of the trained weights
+that moves after the run's optimizer step n (from 0) with decay min(ema_decay, ema_decay_rate n);
+the KL always goes to the base model. As in the authors' code, the rollouts switch to the EMA after
+``ema_rollouts_after`` optimizer steps.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch.nn.functional as F
 
 from .base import MicroLoss, Objective, UpdateContext
 from .forward_rows import SampleRows, build_sample_rows, per_row_mean
-from .old_policy import OldPolicy
+from .old_policy import DecaySchedule, OldPolicy
 
 
 def _set_weights(adv: torch.Tensor, group: torch.Tensor):
@@ -70,33 +77,46 @@ class DGPOObjective(Objective):
         self.opt = cfg.loss.dgpo
         self.seed = cfg.train.seed
         self.micro = cfg.train.micro_batch
-        self.needs_reference = self.opt.reference == "frozen"
+        # the base model serves the KL, and the DPO reference unless that is the EMA
+        self.needs_reference = self.opt.kl_beta > 0 or self.opt.reference == "frozen"
+        self.keeps_ema = self.opt.reference == "ema" or self.opt.ema_rollouts_after >= 0
+        self.schedule = DecaySchedule(0, self.opt.ema_decay_rate, self.opt.ema_decay)
         self.ema: OldPolicy | None = None
         self._policy = None
-        self.steps = 0
+        self.steps = 0  # optimizer steps of the run: the EMA's decay clock and the rollout switch
         self._coef: dict = {}
 
     def setup(self, policy) -> None:
         self._policy = policy
-        if self.opt.reference == "ema":
+        if self.keeps_ema:
             self.ema = OldPolicy(policy)
 
-    def _v_ref(self, policy, x, t, cond):
+    def rollout_weights(self, policy):
+        """The authors roll out with the EMA after ``ema_rollouts_after`` optimizer steps."""
+        after = self.opt.ema_rollouts_after
+        if self.ema is not None and after >= 0 and self.steps > after:
+            return self.ema.active(policy)
+        return super().rollout_weights(policy)
+
+    def _v_dpo_ref(self, policy, x, t, cond):
         g = self.opt.train_guidance
-        if self.ema is not None:
+        if self.opt.reference == "ema":
             return self.ema.velocity(policy, x, t, cond, g)
         return policy.reference_velocity(x, t, cond, g)
 
     def rows(self, ctx: UpdateContext) -> SampleRows | None:
         from .awm import time_sampler
 
-        return build_sample_rows(ctx.collected, ctx.credit, self.seed, time_sampler(self.opt, ctx.collected.plan.sigmas),
-                                 self.opt.timesteps)
+        rows = build_sample_rows(ctx.collected, ctx.credit, self.seed, time_sampler(self.opt, ctx.collected.plan.sigmas),
+                                 self.opt.timesteps, only_signal=self.opt.rows == "signal")
+        if rows is not None:  # minibatches are drawn over this key: a group is never split (group ids < tree ids)
+            rows.tree = rows.group.clone()
+        return rows
 
     @torch.no_grad()
     def begin_minibatch(self, ctx: UpdateContext, rows: SampleRows, passes: int) -> int:
-        """The first pass: every row's d without gradients, the groups' margins over all ranks, and
-        each row's coefficient."""
+        """The first pass: every row's d without gradients, the (group, slot) margins over all ranks,
+        and each row's coefficient."""
         o, policy, dp = self.opt, ctx.policy, ctx.dp
         d_rows, calls = [], 0
         for part in torch.split(torch.arange(len(rows)), self.micro) if rows is not None and len(rows) else ():
@@ -105,7 +125,7 @@ class DGPOObjective(Objective):
             x_in = m.noised(ctx.dtype).to(ctx.device)
             u = m.target().to(ctx.device)
             with ctx.autocast():
-                v_ref = self._v_ref(policy, x_in, m.t, cond).float()
+                v_ref = self._v_dpo_ref(policy, x_in, m.t, cond).float()
                 v = policy.velocity(x_in, m.t, cond, o.train_guidance).float()
             d_rows.append((per_row_mean((v - u) ** 2) - per_row_mean((v_ref - u) ** 2)).double().cpu())
             calls += 1
@@ -114,25 +134,18 @@ class DGPOObjective(Objective):
                 self._dummy_forwards(ctx)
         n = len(rows) if rows is not None else 0
         d = torch.cat(d_rows) if d_rows else torch.zeros(0, dtype=torch.float64)
-        leaf = rows.leaf if n else torch.zeros(0, dtype=torch.long)
-        # per-leaf means over the leaf's K rows, then the whole minibatch's leaves from every rank
-        ul, inv = torch.unique(leaf, return_inverse=True)
-        k = torch.zeros(len(ul), dtype=torch.float64).index_add(0, inv, torch.ones(n, dtype=torch.float64))
-        d_leaf = torch.zeros(len(ul), dtype=torch.float64).index_add(0, inv, d) / k.clamp(min=1)
-        # a leaf's rows share its advantage and group: any of them gives the leaf's
-        adv_leaf = torch.zeros(len(ul), dtype=torch.float64).scatter_(0, inv, rows.advantage.double()) if n else d
-        grp_leaf = torch.zeros(len(ul), dtype=torch.long).scatter_(0, inv, rows.group) if n else leaf
-        if dp.world > 1:
-            ul, d_leaf, adv_leaf, grp_leaf, k = (dp.cat(t) for t in (ul, d_leaf, adv_leaf, grp_leaf, k))
-            rows_total = int(dp.sum_scalar(n))
-        else:
-            rows_total = n
-        losses, margin = dgpo_group_loss(d_leaf, adv_leaf, grp_leaf, o.beta_dpo)
-        # the authors' scaling: row loss sigmoid(-Delta_g) A_i err_row, averaged over rows (the loop's
-        # mean); it is the exact gradient of mean_g L_g times G K / beta per row count, a learning-rate scale
-        inv = torch.unique(grp_leaf, return_inverse=True)[1]
-        coef_leaf = torch.sigmoid(-margin[inv]) * adv_leaf
-        self._coef = {int(lf): float(c) for lf, c in zip(ul.tolist(), coef_leaf.tolist())}
+        empty = torch.zeros(0, dtype=torch.long)
+        leaf, step, grp = (rows.leaf, rows.step, rows.group) if n else (empty, empty, empty)
+        adv = rows.advantage.double() if n else d
+        if dp.world > 1:  # the whole minibatch's rows from every rank
+            leaf, step, grp, d, adv = (dp.cat(t) for t in (leaf, step, grp, d, adv))
+        # one margin per (group, timestep slot): the authors' sigmoid per timestep
+        key = torch.unique(torch.stack([grp, step], 1), dim=0, return_inverse=True)[1] if len(d) else empty
+        losses, margin = dgpo_group_loss(d, adv, key, o.beta_dpo)
+        # the authors' scaling: row loss sigmoid(-Delta_gk) A_i err_row, averaged over rows (the loop's
+        # mean); it is the exact gradient of mean_{g,k} L_gk times G K_g / beta per row count, a learning-rate scale
+        coef = torch.sigmoid(-margin[key]) * adv
+        self._coef = {(int(lf), int(k)): float(c) for lf, k, c in zip(leaf.tolist(), step.tolist(), coef.tolist())}
         self._group_stats = (losses, margin)
         return calls
 
@@ -142,7 +155,7 @@ class DGPOObjective(Objective):
         t = torch.full((1,), 0.5)
         c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
         with ctx.autocast():
-            self._v_ref(policy, x, t, c)
+            self._v_dpo_ref(policy, x, t, c)
             policy.velocity(x, t, c, self.opt.train_guidance)
 
     def micro_loss(self, ctx: UpdateContext, rows: SampleRows) -> MicroLoss:
@@ -153,14 +166,15 @@ class DGPOObjective(Objective):
         with ctx.autocast():
             v = policy.velocity(x_in, rows.t, cond, o.train_guidance).float()
         err = per_row_mean((v - u) ** 2)
-        coef = torch.tensor([self._coef.get(int(lf), 0.0) for lf in rows.leaf.tolist()], device=err.device)
+        coef = torch.tensor([self._coef.get((int(lf), int(k)), 0.0) for lf, k in zip(rows.leaf.tolist(), rows.step.tolist())],
+                            device=err.device, dtype=err.dtype)
         loss = coef * err  # its gradient is the group loss's (see the module docstring)
         losses, margin = self._group_stats
         stats = {"fm_loss": err.detach()}
-        if o.kl_beta > 0:
+        if o.kl_beta > 0:  # always to the base model, as the authors (the EMA is only the DPO reference)
             with torch.no_grad():
-                v_ref = self._v_ref(policy, x_in, rows.t, cond).float()
-            kl = per_row_mean((v - v_ref) ** 2)
+                v_base = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
+            kl = per_row_mean((v - v_base) ** 2)
             loss = loss + o.kl_beta * kl
             stats["kl"] = kl.detach()
         stats["dgpo_group_loss"] = losses.float().mean().expand(len(rows))
@@ -176,13 +190,16 @@ class DGPOObjective(Objective):
             v = policy.velocity(x, t, c, self.opt.train_guidance).float()
             if self.opt.kl_beta > 0:
                 with torch.no_grad():
-                    self._v_ref(policy, x, t, c)
+                    policy.reference_velocity(x, t, c, self.opt.train_guidance)
         return v.sum() * 0.0
 
     def after_step(self, ctx: UpdateContext) -> None:
+        if self.ema is not None:  # decay min(cap, rate n) at the run's n-th step (n from 0), as the authors
+            self.ema.move_toward(ctx.policy, self.schedule(self.steps))
         self.steps += 1
-        if self.ema is not None:
-            self.ema.move_toward(ctx.policy, self.opt.ema_decay)
+
+    def after_update(self, ctx: UpdateContext) -> dict[str, float]:
+        return {"dgpo_ema_decay": self.schedule(max(self.steps - 1, 0))} if self.ema is not None else {}
 
     def state_dict(self) -> dict:
         out = {"steps": self.steps}

@@ -74,7 +74,7 @@ class SampleRows:
 
 
 def build_sample_rows(collected, credit, seed: int, times: TimeSampler, per_leaf: int,
-                      only_signal: bool = True) -> SampleRows | None:
+                      only_signal: bool = False) -> SampleRows | None:
     """This rank's rows: ``per_leaf`` times per leaf (from ``times``) with fresh noise.
 
     Args:
@@ -84,7 +84,8 @@ def build_sample_rows(collected, credit, seed: int, times: TimeSampler, per_leaf
         times: draws a leaf's ``per_leaf`` times from the leaf's generator.
         per_leaf: K, rows per leaf (a grid sampler on a grid of fewer times gives all of them).
         only_signal: keep only leaves in the estimator's mask (valid reward, group with signal);
-            otherwise every leaf with a finite reward (advantage 0 where the group has no spread).
+            otherwise (the authors' row set) every leaf with a finite reward, advantage 0 where the
+            group has no spread (the objectives' ``rows`` option).
     Returns None when no leaf is kept.
     """
     ro, view, adv = collected.rollout, collected.view, credit.advantages

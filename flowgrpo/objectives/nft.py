@@ -16,13 +16,16 @@ v- for bad ones, with adaptive weights w+- = max(mean|x0+- - x0|, floor) that ca
             + kl_beta * mean((v - v_ref)^2).
 
 Optionally (``policy_min_t`` > 0) rows at low-noise times train only an anchor
-anchor_beta * mean((v - v_ref)^2) to the base model instead: the alignment then happens where the
+(anchor_beta + kl_beta) * mean((v - v_ref)^2) to the base model instead (the KL term stays on every
+row, on top of the anchor): the alignment then happens where the
 image's composition is decided, and the fine detail stays the base model's (with full fine-tuning
 every time shares the weights, and the policy loss alone lets detail drift into a faint texture).
 
 Pulling v- toward the data for a bad sample pushes v *away* from it (v- moves opposite to v): the
 negative samples are used without a likelihood. At theta = old both terms' gradients cancel for
-r = 1/2, so a sample with zero advantage only ties the policy to the old one.
+r = 1/2, so a sample with zero advantage only ties the policy to the old one. As in the authors'
+code such samples (every sample of a group without reward spread) train: they count in the step's
+mean and carry the KL (``rows=all``); ``rows=signal`` drops them.
 
 After each iteration's update the old weights move toward the trained ones with the decay
 d(n) = min(max(n - flat, 0) rate, cap), n = optimizer steps taken so far (the authors' three
@@ -47,8 +50,8 @@ def nft_optimality(adv: torch.Tensor, adv_clip: float, mode: str = "all") -> tor
         a = a.clamp(min=0)
     elif mode == "negative_only":
         a = a.clamp(max=0)
-    elif mode == "binary":
-        a = torch.sign(a) * adv_clip
+    elif mode == "binary":  # the authors: A -> sign(A), so r = 1/2 +- 1 / (2 A_max)
+        a = torch.sign(a)
     elif mode != "all":
         raise ValueError(f"unknown nft adv_mode {mode!r}; valid: all, positive_only, negative_only, binary")
     return (a / adv_clip / 2 + 0.5).clamp(0, 1)
@@ -104,7 +107,8 @@ class NFTObjective(Objective):
     def rows(self, ctx: UpdateContext) -> SampleRows | None:
         plan = ctx.collected.plan
         k = self.opt.timesteps or plan.num_steps
-        return build_sample_rows(ctx.collected, ctx.credit, self.seed, rollout_times(plan.sigmas), k)
+        return build_sample_rows(ctx.collected, ctx.credit, self.seed, rollout_times(plan.sigmas), k,
+                                 only_signal=self.opt.rows == "signal")
 
     def micro_loss(self, ctx: UpdateContext, rows: SampleRows) -> MicroLoss:
         o, policy = self.opt, ctx.policy

@@ -13,17 +13,29 @@ from typing import Literal
 from ..errors import ConfigError
 from ..fields import help_field as _f
 
+#: ``loss.{nft,awm,dgpo}.rows``: which samples become training rows (one help, one default, three keys)
+ROWS_HELP = ("which samples train: all (the authors: every sample with a finite reward; a group whose rewards have "
+             "no spread has advantage 0 and still counts in the step's mean and carries the regularisers: for nft "
+             "the r = 1/2 pull toward v_old and the KL, for awm the KL and the EMA KL, for dgpo the KL) | signal "
+             "(only groups with reward spread: the step is scaled by N_all / N_signal and the regularisers skip the "
+             "other samples; the shapes-nft preset's measured setting)")
+
+
+def _rows_field():
+    return _f("all", ROWS_HELP)
+
 
 @dataclass
 class NFTOptions:
     beta: float = _f(1.0, "beta: strength of the implicit policies v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v (the authors: 1; 0.1 for OCR)")
     kl_beta: float = _f(1e-4, "weight of the KL term mean((v - v_ref)^2) against the frozen base model (0: no reference pass)")
     adv_clip: float = _f(5.0, "A_max: advantages are clipped to +-A_max and mapped to the optimality r = clip(A / A_max / 2 + 1/2, 0, 1)")
-    adv_mode: Literal["all", "positive_only", "negative_only", "binary"] = _f("all", "which advantages train: all | positive_only (A < 0 -> 0) | negative_only (A > 0 -> 0) | binary (sign(A) * A_max)")
+    adv_mode: Literal["all", "positive_only", "negative_only", "binary"] = _f("all", "which advantages train: all | positive_only (A < 0 -> 0) | negative_only (A > 0 -> 0) | binary (A -> sign(A), as the authors: r = 1/2 +- 1 / (2 A_max), 0.6 / 0.4 at A_max = 5)")
+    rows: Literal["all", "signal"] = _rows_field()
     timesteps: int = _f(0, "training times per sample, taken from the rollout's grid (0: all T grid times; K < T: a random subset of K per sample; the authors train 9 of 10)")
     sample_with_old: bool = _f(True, "roll out with the old policy, as the authors do (false: with the trained weights)")
-    policy_min_t: float = _f(0.0, "rows at times t below this train only an anchor mean((v - v_ref)^2) to the base model, weight anchor_beta, instead of the NFT loss: low-noise detail stays the base model's (0: every row trains the NFT loss, as the authors)")
-    anchor_beta: float = _f(1.0, "weight of the low-noise anchor (rows with t < policy_min_t)")
+    policy_min_t: float = _f(0.0, "rows at times t below this train only mean((v - v_ref)^2) to the base model instead of the NFT loss, with weight anchor_beta + kl_beta (the KL term applies to every row): low-noise detail stays the base model's (0: every row trains the NFT loss, as the authors; needs anchor_beta > 0 or kl_beta > 0)")
+    anchor_beta: float = _f(1.0, "weight of the low-noise anchor (rows with t < policy_min_t), added to kl_beta on those rows")
     decay_flat: int = _f(0, "old-policy EMA schedule d(step) = min(max(step - flat, 0) * rate, cap): flat")
     decay_rate: float = _f(0.001, "old-policy EMA schedule: rate per update")
     decay_cap: float = _f(0.5, "old-policy EMA schedule: cap (0 with rate 0: the old policy is the previous update's weights)")
@@ -46,7 +58,8 @@ class AWMOptions:
     time_shift: float = _f(3.0, "logit-normal time sampler: shift s, t -> s t / (1 + (s - 1) t)")
     weighting: Literal["ghuber", "uniform", "t", "t2"] = _f("ghuber", "surrogate l = -w(t) f(err), err = mean((v - u)^2): ghuber (w = t, f = ((err + 1e-10)^p - 1e-10^p) / p, the authors' default) | uniform | t | t2 (f = err)")
     ghuber_power: float = _f(0.25, "p of the ghuber weighting")
-    ratio_mode: Literal["per_timestep", "mean"] = _f("per_timestep", "clip each (sample, t) ratio (per_timestep) or the ratio of the mean surrogate over a sample's times (mean)")
+    ratio_mode: Literal["per_timestep", "mean"] = _f("per_timestep", "clip each (sample, t) ratio (per_timestep) or the ratio of the mean surrogate over a sample's times within the micro-batch (mean; depends on the micro-batching once the update is off-policy)")
+    rows: Literal["all", "signal"] = _rows_field()
     adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip and divided by it (the authors: 5)")
     train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free)")
 
@@ -54,9 +67,12 @@ class AWMOptions:
 @dataclass
 class DGPOOptions:
     beta_dpo: float = _f(100.0, "beta of the group-level Bradley-Terry likelihood log sigmoid(R(G+) - R(G-)), r_i = -beta d_i (the authors: 100 with CFG rollouts, 10 PickScore, 2000-5000 with an EMA reference)")
-    kl_beta: float = _f(1e-3, "weight of the KL term mean((v - v_ref)^2) against the reference (0: no KL pass)")
-    reference: Literal["frozen", "ema"] = _f("frozen", "the DPO reference: the frozen base model, or an EMA of the trained weights")
-    ema_decay: float = _f(0.3, "decay per optimizer step of the EMA reference (reference=ema)")
+    kl_beta: float = _f(1e-3, "weight of the KL term mean((v - v_base)^2) against the frozen base model, whatever the DPO reference (0: no KL pass)")
+    reference: Literal["frozen", "ema"] = _f("frozen", "the DPO reference: the frozen base model, or an EMA of the trained weights (the KL still goes to the base model, as the authors)")
+    ema_decay: float = _f(0.3, "cap of the EMA's decay: after optimizer step n the EMA moves with d(n) = min(ema_decay, ema_decay_rate * n) (the authors: 0.3)")
+    ema_decay_rate: float = _f(0.001, "growth of the EMA's decay per optimizer step (the authors: 0.001)")
+    ema_rollouts_after: int = _f(500, "roll out with the EMA once more than this many optimizer steps are taken, as the authors (500 GenEval, 200 compressibility); the EMA is kept whenever this is >= 0 or reference=ema (-1: always the trained weights)")
+    rows: Literal["all", "signal"] = _rows_field()
     timesteps: int = _f(4, "training times per sample (the authors: 4)")
     time_sampler: Literal["rollout", "grid_strata", "logit_normal", "uniform"] = _f("rollout", "rollout: K of the first time_fraction of the rollout's grid times (the authors) | grid_strata | logit_normal | uniform")
     time_fraction: float = _f(0.7, "rollout time sampler: the first fraction of the grid to draw from (the authors: 7 of 10 steps, 5 for GenEval)")
@@ -86,8 +102,12 @@ def check_objective_options(loss_cfg) -> None:
         need(v > 0, key, v, "> 0")
     for key, v in (("nft.decay_cap", n.decay_cap), ("awm.ema_decay_cap", a.ema_decay_cap), ("dgpo.ema_decay", d.ema_decay)):
         need(0 <= v < 1, key, v, "in [0, 1)")
+    need(d.ema_decay_rate >= 0, "dgpo.ema_decay_rate", d.ema_decay_rate, ">= 0")
+    need(d.ema_rollouts_after >= -1, "dgpo.ema_rollouts_after", d.ema_rollouts_after, ">= -1 (-1: never)")
     need(0 <= n.policy_min_t < 1, "nft.policy_min_t", n.policy_min_t, "in [0, 1)")
     need(n.anchor_beta >= 0, "nft.anchor_beta", n.anchor_beta, ">= 0")
+    need(n.policy_min_t == 0 or n.anchor_beta > 0 or n.kl_beta > 0, "nft.policy_min_t", n.policy_min_t,
+         "0 when loss.nft.anchor_beta and loss.nft.kl_beta are both 0 (the low-noise rows would have no loss)")
     need(n.decay_flat >= 0, "nft.decay_flat", n.decay_flat, ">= 0")
     need(n.timesteps >= 0, "nft.timesteps", n.timesteps, ">= 0 (0: every grid time)")
     for key, v in (("awm.timesteps", a.timesteps), ("dgpo.timesteps", d.timesteps)):
