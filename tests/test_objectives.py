@@ -187,9 +187,12 @@ def test_update_does_not_depend_on_the_micro_batch(tiny_config):
     assert diff < 1e-6
 
 
-@pytest.mark.parametrize("name", ["nft", "awm"])
+@pytest.mark.parametrize("name", ["nft", "awm", "dgpo"])
 def test_objective_state_resumes_exactly(objective_trainer, name):
-    extra = {"loss.awm.ema_kl_beta": 0.1} if name == "awm" else {}
+    # dgpo: an EMA reference whose rollouts take over after the first step, so the resumed run must
+    # restore both the EMA and the step count
+    extra = {"awm": {"loss.awm.ema_kl_beta": 0.1},
+             "dgpo": {"loss.dgpo.reference": "ema", "loss.dgpo.ema_rollouts_after": 1}}.get(name, {})
     full = objective_trainer(name, **extra)
     for _ in range(3):
         full.iteration_step()
