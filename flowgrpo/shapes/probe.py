@@ -46,7 +46,7 @@ from .world import COLORS, TAGS, SceneSpec, render
 KS = (1, 4, 16, 64)
 #: cosine above which two conditionings count as indistinguishable (pooled and every matched token).
 #: Measured on the shipped weights (26 Nov 2026): swapped twins sit at pooled >= 0.998 and matched
-#: token >= 0.993, while prompts one word apart ("a red circle" / "a blue circle", "left of" /
+#: token >= 0.992, while prompts one word apart ("a red circle" / "a blue circle", "left of" /
 #: "above", "two" / "three") sit at pooled <= 0.95 with some token below 0.4; 0.999 on the tokens
 #: would call the swaps distinguishable although the model draws the identical scene for them.
 THRESHOLD = 0.99
