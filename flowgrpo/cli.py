@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_unigenbench(sub)
     __import__("flowgrpo.realsize.cli", fromlist=["register"]).register(sub)  # flowgrpo realsize ...
-    __import__("flowgrpo.shapes.cli", fromlist=["register"]).register(sub)  # flowgrpo shapes probe
+    __import__("flowgrpo.probe_command", fromlist=["register"]).register(sub)  # flowgrpo shapes probe
     return ap
 
 

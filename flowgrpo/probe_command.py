@@ -7,6 +7,10 @@ can distinguish (:mod:`flowgrpo.shapes.probe`).
 ``--weights``: a weights folder (``model.safetensors`` + ``config.json``, default the shipped
 weights), a training run folder (its newest intact checkpoint, EMA weights when kept) or one
 checkpoint folder (``RUN/checkpoints/ckpt_N``). Writes ``probe.json`` and ``probe.csv`` into ``--out``.
+
+A command module beside ``flowgrpo.cli`` (as ``bench_command``), not inside ``flowgrpo.shapes``: it reads
+training runs through ``flowgrpo.trainer``, which depends on the shapes world, so living in the world's
+folder would make a folder-level import cycle.
 """
 
 from __future__ import annotations
@@ -17,17 +21,17 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import UserError
+from .errors import UserError
 
 
 def load_probe_policy(weights: str | None):
     """(frozen :class:`~flowgrpo.shapes.policy.ShapesPolicy`, evaluation shift, description) for ``weights``."""
-    from .model import ShapesFlowModel
-    from .policy import ShapesPolicy
+    from .shapes.model import ShapesFlowModel
+    from .shapes.policy import ShapesPolicy
 
     if weights is None:
         return ShapesPolicy(train_mode="frozen"), 1.0, "shipped base weights"
-    from ..trainer.checkpoint import STATE_FILE, load_policy_weights, read_run_config
+    from .trainer.checkpoint import STATE_FILE, load_policy_weights, read_run_config
 
     path = Path(weights)
     if (path / "model.safetensors").is_file():
@@ -41,7 +45,7 @@ def load_probe_policy(weights: str | None):
                         "nor a checkpoint folder")
     import torch
 
-    from ..policies import build_policy
+    from .policies import build_policy
 
     cfg = read_run_config(run_dir)
     if cfg.model.name != "shapes":
@@ -108,9 +112,9 @@ def print_tables(res: dict, title: str) -> None:
 def _cmd_probe(args) -> int:
     import torch
 
-    from ..images import to_uint8
-    from .evaluate import generate_ode
-    from .probe import THRESHOLD, run_probe
+    from .images import to_uint8
+    from .shapes.evaluate import generate_ode
+    from .shapes.probe import THRESHOLD, run_probe
 
     for name in ("prompts", "seeds", "passk_prompts", "n"):
         if getattr(args, name) < 1:
