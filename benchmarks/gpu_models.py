@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .bench_reference import PROMPTS, REFERENCE, FlowgrpoSide, ReferenceSide, _rewards, _rows, compare_chains, settings_for
-from .gpu_setup import ModelSize, build_components, parameter_count, register_components, synchronize
+from .gpu_setup import ModelSize, build_components, parameter_count, registered_components, synchronize
 
 FLOWGRPO = "flowgrpo"
 GIB = 2**30
@@ -122,11 +122,11 @@ def run_models_stage(device: torch.device, dtype: torch.dtype, size: ModelSize, 
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = Path(tmp) / "prompts.txt"
         prompts_file.write_text("\n".join(PROMPTS) + "\n")
-        model = register_components(components)
-        del components
         overrides = [f"model.dtype={str(dtype).split('.')[-1]}", f"train.micro_batch={prompts * group}",
                      "log.trackers=[]"]
-        flow = FlowgrpoSide(s, prompts, group, str(prompts_file), overrides, model=model)
+        with registered_components(components) as model:  # the trainer builds its policy here
+            flow = FlowgrpoSide(s, prompts, group, str(prompts_file), overrides, model=model)
+        del components
         from flowgrpo.ops import active_backend
 
         result["loss_backend"] = active_backend(device)

@@ -10,12 +10,14 @@ Two model sizes share every line of construction (:func:`build_components`):
 * ``tiny``: the same builder with the transformer's config keys overridden to the tiny SD3 of
   :mod:`flowgrpo.policies.sd3_tiny` and narrow encoders / VAE (the CPU form of the test suite).
 
-:func:`register_components` makes the components the next ``model.name=bench-gpu-sd3`` policy of
+:func:`registered_components` makes the components the ``model.name=bench-gpu-sd3`` policy of
 flowgrpo's trainer (an :class:`~flowgrpo.policies.sd3.SD3Policy` over them), so the flowgrpo side is
 the trainer's own path; the Flow-GRPO side gets a deep copy (the same weights, its own modules).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import shutil
 import subprocess
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: the model name under which :func:`register_components` hands components to the trainer
+#: the model name under which :func:`registered_components` hands components to the trainer
 BENCH_MODEL = "bench-gpu-sd3"
 _PENDING: dict = {}
 
@@ -131,14 +133,20 @@ def _build_bench_policy(cfg):
         **runtime_options(cfg))
 
 
-def register_components(components: dict) -> str:
-    """Make ``components`` the next ``model.name=bench-gpu-sd3`` policy; returns that model name."""
+@contextmanager
+def registered_components(components: dict):
+    """Within the block, ``model.name=bench-gpu-sd3`` builds a policy of ``components`` (yields that
+    model name). The registry entry is removed on leaving, so the process's ``POLICIES`` is as it was
+    (the test suite runs this in-process: a lasting entry changed other tests' lists of adapters)."""
     from flowgrpo.policies import POLICIES
 
-    if BENCH_MODEL not in POLICIES:
-        POLICIES.register(BENCH_MODEL)(_build_bench_policy)
+    POLICIES.register(BENCH_MODEL)(_build_bench_policy)
     _PENDING["components"] = components
-    return BENCH_MODEL
+    try:
+        yield BENCH_MODEL
+    finally:
+        POLICIES.unregister(BENCH_MODEL)
+        _PENDING.pop("components", None)
 
 
 # ---------------------------------------------------------------------------------------------- device

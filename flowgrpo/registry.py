@@ -119,6 +119,17 @@ class Registry(Generic[T]):
         self._check_free(name)
         self._lazy[name] = target
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (a KeyError if it is not registered): for entries that live only as long as
+        the code that added them, e.g. a benchmark's model, so that later users see the registry as
+        it was."""
+        if name in self._items:
+            del self._items[name]
+        elif name in self._lazy:
+            del self._lazy[name]
+        else:
+            raise KeyError(f"{self.kind} {name!r} is not registered")
+
     def names(self) -> list[str]:
         return sorted(set(self._items) | set(self._lazy))
 

@@ -174,6 +174,23 @@ def test_registry_refuses_duplicates_and_lists_valid_names():
         reg.get("gamma")
     msg = str(exc.value)
     assert "widget" in msg and "gamma" in msg and "alpha" in msg and "beta" in msg
+    reg.unregister("alpha")  # a scoped entry (a benchmark's model) leaves the registry as it was
+    assert reg.names() == ["beta"] and "alpha" not in reg
+    reg.register("alpha")(alpha)  # and its name is free again
+    with pytest.raises(KeyError, match="widget 'gamma' is not registered"):
+        reg.unregister("gamma")
+
+
+def test_bench_gpu_leaves_the_policy_registry_as_it_was():
+    """bench gpu's model is a policy only within its block: tests run after it in the same process
+    see the adapters they list."""
+    from flowgrpo.benchmarks.gpu_setup import BENCH_MODEL, registered_components
+    from flowgrpo.policies import POLICIES
+
+    before = POLICIES.names()
+    with registered_components({}) as name:
+        assert name == BENCH_MODEL and name in POLICIES
+    assert POLICIES.names() == before
 
 
 def test_builtin_registries():
