@@ -172,25 +172,11 @@ def _train_in_launched_process(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    import torch
-
     from .evaluation import build_evaluator
-    from .policies import build_policy
-    from .trainer.checkpoint import STATE_FILE, load_policy_weights, read_run_config
+    from .trainer.checkpoint import load_trained_policy
 
-    target = Path(args.target)
-    if (target / STATE_FILE).exists():  # one checkpoint folder: RUN_DIR/checkpoints/ckpt_N
-        run_dir, checkpoint = target.resolve().parent.parent, target
-    elif (target / "config.yaml").exists():
-        run_dir, checkpoint = target, None
-    else:
-        raise UserError(f"{target} is neither a run directory nor a checkpoint folder")
-    cfg = read_run_config(run_dir)
-    trained = load_policy_weights(run_dir, checkpoint=checkpoint)
-    ckpt = trained.path
-    torch.manual_seed(cfg.train.seed)
-    policy = build_policy(cfg.model)
-    policy.load_trainable_state_dict(trained.weights)
+    run = load_trained_policy(Path(args.target))
+    cfg, policy, ckpt = run.cfg, run.policy, run.weights.path
     evaluator, note = build_evaluator(cfg.eval, policy, cfg.sampler.shift)
     if evaluator is None:
         raise UserError(note)

@@ -31,31 +31,17 @@ def load_probe_policy(weights: str | None):
 
     if weights is None:
         return ShapesPolicy(train_mode="frozen"), 1.0, "shipped base weights"
-    from .trainer.checkpoint import STATE_FILE, load_policy_weights, read_run_config
+    from .trainer.checkpoint import CONFIG_FILE, STATE_FILE, load_trained_policy
 
     path = Path(weights)
     if (path / "model.safetensors").is_file():
         return ShapesPolicy(ShapesFlowModel.load(path), train_mode="frozen"), 1.0, f"weights {path}"
-    if (path / STATE_FILE).exists():
-        run_dir, checkpoint = path.resolve().parent.parent, path
-    elif (path / "config.yaml").exists():
-        run_dir, checkpoint = path, None
-    else:
+    if not ((path / CONFIG_FILE).exists() or (path / STATE_FILE).exists()):
         raise UserError(f"{path} is neither a shapes weights folder (model.safetensors), a run directory "
                         "nor a checkpoint folder")
-    import torch
-
-    from .policies import build_policy
-
-    cfg = read_run_config(run_dir)
-    if cfg.model.name != "shapes":
-        raise UserError(f"{run_dir} trained model {cfg.model.name!r}; the probe reads shapes-world models only")
-    trained = load_policy_weights(run_dir, checkpoint=checkpoint)
-    torch.manual_seed(cfg.train.seed)
-    policy = build_policy(cfg.model)
-    policy.load_trainable_state_dict(trained.weights)
-    policy.eval()
-    return policy, cfg.sampler.shift, f"{trained.kind} weights of {trained.path}"
+    run = load_trained_policy(path, only_model="shapes")  # the probe reads shapes-world models only
+    run.policy.eval()
+    return run.policy, run.cfg.sampler.shift, f"{run.weights.kind} weights of {run.weights.path}"
 
 
 def flat_rows(res: dict) -> list[tuple[str, str, str, float | int | None]]:

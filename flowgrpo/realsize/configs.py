@@ -114,13 +114,8 @@ class RealTransformer:
         return lora_targets_of(self.pipeline, self.adapter)
 
     def lora_rank(self) -> int:
-        """The recipe's ``model.lora_rank`` (its YAML when it loads, else ``ModelConfig``'s default)."""
-        cfg = recipe_model_config(self.recipe)
-        if cfg is not None:
-            return int(cfg.lora_rank)
-        from ..config import ModelConfig
-
-        return int(ModelConfig().lora_rank)
+        """The recipe's ``model.lora_rank``."""
+        return int(recipe_config(self.recipe).model.lora_rank)
 
     def build(self, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16):
         """:func:`build_transformer` of this entry."""
@@ -232,12 +227,10 @@ def target_matches(name: str, targets) -> bool:
 
 
 # ---------------------------------------------------------------------------- recipe YAMLs
-def recipe_model_config(recipe: str):
-    """The ``ModelConfig`` of ``flowgrpo/recipes/<recipe>.yaml`` through the project's config loading, or
-    None while that recipe (or ``load_config(recipe=...)``) does not exist yet."""
-    try:
-        from ..config import load_config
+def recipe_config(recipe: str):
+    """The resolved :class:`~flowgrpo.config.RunConfig` of ``flowgrpo/recipes/<recipe>.yaml`` with the
+    recipe's own method (every entry of :data:`REAL_TRANSFORMERS` has a recipe; a ConfigError names a
+    missing one)."""
+    from ..config import load_config
 
-        return load_config(recipe=recipe).model
-    except Exception:  # no such recipe / keyword yet: callers fall back to explicit values
-        return None
+    return load_config(recipe=recipe)

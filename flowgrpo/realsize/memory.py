@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .configs import RealTransformer, build_transformer, transformer_config
+from .configs import RealTransformer, build_transformer, recipe_config, transformer_config
 
 GIB = 2**30
 #: bytes per LoRA parameter of each float32 training tensor
@@ -143,7 +143,7 @@ def training_state(recipe: str | RealTransformer, gpus_list=(1, 8), rank: int = 
     entry = transformer_config(recipe) if isinstance(recipe, str) else recipe
     rank = rank or entry.lora_rank()
     if ema is None:
-        ema = _recipe_ema(entry.recipe)
+        ema = recipe_config(entry.recipe).train.ema
     model = build_transformer(entry, dtype=dtype)
     total = parameter_count(model)
     base = parameter_bytes(model)
@@ -160,18 +160,3 @@ def training_state(recipe: str | RealTransformer, gpus_list=(1, 8), rank: int = 
                          lora_params=n * lora, lora_rank=rank, wrapped_layers=n * len(wrapped),
                          wrapped_by_block=dict(Counter(block_of(w) for w in wrapped)), dtype=str(dtype).split(".")[-1],
                          base_bytes=n * base, largest_block_bytes=block, ema=bool(ema), per_gpu=per_gpu)
-
-
-def _recipe_ema(recipe: str) -> bool:
-    from .configs import recipe_model_config
-
-    try:
-        from ..config import load_config
-
-        if recipe_model_config(recipe) is not None:
-            return bool(load_config(recipe=recipe).train.ema)
-    except Exception:  # the recipe (or load_config's recipe keyword) is not there yet
-        pass
-    from ..config import TrainConfig
-
-    return bool(TrainConfig().ema)

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from .activations import Geometry, activation_bytes
-from .configs import recipe_model_config, recipe_names, transformer_config
+from .configs import recipe_config, recipe_names, transformer_config
 from .memory import training_state
 
 GIB = 2**30
@@ -30,10 +30,9 @@ def recipe_geometry(recipe: str, resolution: int | None = None, frames: int | No
                     micro_batch: int | None = None) -> tuple[Geometry, dict]:
     """The training micro-batch of ``recipe`` and where its numbers came from.
 
-    From the recipe YAML when it loads (``model.resolution``, ``model.num_frames``,
-    ``model.max_sequence_length``, ``train.micro_batch``, CFG in the update (:func:`_cfg_in_update`),
-    ``model.gradient_checkpointing``, ``model.lora_rank``), else the
-    adapter's defaults with micro-batch 1, checkpointing on and no CFG. Explicit arguments win.
+    From the recipe (``model.resolution``, ``model.num_frames``, ``model.max_sequence_length``,
+    ``train.micro_batch``, CFG in the update (:func:`_cfg_in_update`), ``model.gradient_checkpointing``,
+    ``model.lora_rank``); a size the recipe leaves null is the adapter's default. Explicit arguments win.
     Returns ``(geometry, info)``; ``info`` holds ``source``, ``checkpointing``, ``cfg`` and ``rank``.
     """
     from ..policies.families import family_of
@@ -42,18 +41,14 @@ def recipe_geometry(recipe: str, resolution: int | None = None, frames: int | No
     family = family_of(entry.pipeline)
     res_default, text_default = _ADAPTER_DEFAULTS.get(entry.adapter, (family.resolution, family.max_sequence_length))
     video = entry.class_name.endswith("3DModel")
-    cfg = _recipe_config(recipe)
-    info = {"source": "recipe" if cfg is not None else "defaults", "checkpointing": True, "cfg": False,
-            "rank": entry.lora_rank()}
-    res, nframes, text, batch = res_default, (family.num_frames if video else 1), text_default, 1
-    if cfg is not None:
-        m = cfg.model
-        res = m.resolution or res
-        nframes = (m.num_frames or nframes) if video else 1
-        text = m.max_sequence_length or text
-        batch = cfg.train.micro_batch
-        info.update(checkpointing=bool(m.gradient_checkpointing), cfg=_cfg_in_update(entry, m.guidance_scale, cfg),
-                    rank=int(m.lora_rank))
+    cfg = recipe_config(recipe)
+    m = cfg.model
+    res = m.resolution or res_default
+    nframes = (m.num_frames or family.num_frames) if video else 1
+    text = m.max_sequence_length or text_default
+    batch = cfg.train.micro_batch
+    info = {"source": "recipe", "checkpointing": bool(m.gradient_checkpointing),
+            "cfg": _cfg_in_update(entry, m.guidance_scale, cfg), "rank": int(m.lora_rank)}
     res = resolution or res
     nframes = (frames or nframes) if video else 1
     batch = micro_batch or batch
@@ -69,15 +64,7 @@ def _cfg_in_update(entry, guidance_scale: float, cfg) -> bool:
     for the sd3 / wan adapters."""
     if guidance_scale <= 1 or entry.config.get("guidance_embeds"):
         return False
-    return entry.adapter == "pipeline" or bool(getattr(cfg.loss, "cfg_uncond_grad", True))
-
-
-def _recipe_config(recipe: str):
-    if recipe_model_config(recipe) is None:
-        return None
-    from ..config import load_config
-
-    return load_config(recipe=recipe)
+    return entry.adapter == "pipeline" or bool(cfg.loss.cfg_uncond_grad)
 
 
 def memory_row(recipe: str, gpus: int = 8, resolution: int | None = None, frames: int | None = None,

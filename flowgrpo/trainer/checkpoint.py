@@ -235,3 +235,37 @@ def read_run_config(run_dir: Path) -> RunConfig:
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return cfg
+
+
+@dataclass
+class TrainedPolicy:
+    """A run's policy with its trained weights loaded: ``cfg`` the run's config, ``weights`` which ones."""
+
+    cfg: RunConfig
+    policy: object
+    weights: PolicyWeights
+
+
+def load_trained_policy(target: Path, only_model: str | None = None) -> TrainedPolicy:
+    """The policy of a run folder (its newest intact checkpoint) or of one checkpoint folder
+    (``RUN_DIR/checkpoints/ckpt_N``), built from the run's config with its trained weights (the EMA
+    where the run kept one), seeded with the run's seed so that any randomly initialised module is
+    the run's. A folder that is neither, or (with ``only_model``) a run of another ``model.name``, is one
+    UserError before any model is built."""
+    from ..policies import build_policy
+
+    target = Path(target)
+    if (target / STATE_FILE).exists():
+        run_dir, checkpoint = target.resolve().parent.parent, target
+    elif (target / CONFIG_FILE).exists():
+        run_dir, checkpoint = target, None
+    else:
+        raise UserError(f"{target} is neither a run directory nor a checkpoint folder")
+    cfg = read_run_config(run_dir)
+    if only_model is not None and cfg.model.name != only_model:
+        raise UserError(f"{run_dir} trained model {cfg.model.name!r}; only {only_model!r} runs are read here")
+    trained = load_policy_weights(run_dir, checkpoint=checkpoint)
+    torch.manual_seed(cfg.train.seed)
+    policy = build_policy(cfg.model)
+    policy.load_trainable_state_dict(trained.weights)
+    return TrainedPolicy(cfg, policy, trained)
