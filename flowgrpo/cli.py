@@ -3,6 +3,7 @@
     flowgrpo train [--preset NAME] [--recipe NAME] [--config FILE] [key.sub=value ...] [--resume RUN_DIR]
     flowgrpo eval RUN_DIR_OR_CHECKPOINT [--json PATH]
     flowgrpo export RUN_DIR --to DIR [--fuse] [--checkpoint N] [--raw]
+    flowgrpo sample RUN_DIR --prompts FILE --out DIR [--weights ema|raw] [--seed N] [--steps N] [--guidance G]
     flowgrpo presets | recipes
     flowgrpo config explain [SECTION | SECTION.KEY]      (also: flowgrpo train --help-config [SECTION])
     flowgrpo config show [--preset NAME] [--recipe NAME] [--config FILE] [key.sub=value ...]
@@ -350,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_unigenbench(sub)
     __import__("flowgrpo.realsize.cli", fromlist=["register"]).register(sub)  # flowgrpo realsize ...
     __import__("flowgrpo.probe_command", fromlist=["register"]).register(sub)  # flowgrpo shapes probe
+    __import__("flowgrpo.sample_command", fromlist=["register"]).register(sub)  # flowgrpo sample
     return ap
 
 

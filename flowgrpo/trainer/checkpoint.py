@@ -246,12 +246,17 @@ class TrainedPolicy:
     weights: PolicyWeights
 
 
-def load_trained_policy(target: Path, only_model: str | None = None) -> TrainedPolicy:
+def load_trained_policy(target: Path, only_model: str | None = None, *, prefer_ema: bool = True,
+                        iteration: int | None = None, overrides: tuple[str, ...] = ()) -> TrainedPolicy:
     """The policy of a run folder (its newest intact checkpoint) or of one checkpoint folder
     (``RUN_DIR/checkpoints/ckpt_N``), built from the run's config with its trained weights (the EMA
     where the run kept one), seeded with the run's seed so that any randomly initialised module is
     the run's. A folder that is neither, or (with ``only_model``) a run of another ``model.name``, is one
-    UserError before any model is built."""
+    UserError before any model is built.
+
+    ``prefer_ema`` False: the raw weights even where the run kept an EMA; ``iteration``: that checkpoint
+    of a run folder instead of the newest; ``overrides``: ``key.sub=value`` config overrides applied to the
+    run's config (validated) before the policy is built, e.g. ``model.guidance_scale=4``."""
     from ..policies import build_policy
 
     target = Path(target)
@@ -262,9 +267,15 @@ def load_trained_policy(target: Path, only_model: str | None = None) -> TrainedP
     else:
         raise UserError(f"{target} is neither a run directory nor a checkpoint folder")
     cfg = read_run_config(run_dir)
+    if overrides:
+        from ..config import apply_dict, parse_override, validate
+
+        for override in overrides:
+            apply_dict(cfg, parse_override(override))
+        validate(cfg)
     if only_model is not None and cfg.model.name != only_model:
         raise UserError(f"{run_dir} trained model {cfg.model.name!r}; only {only_model!r} runs are read here")
-    trained = load_policy_weights(run_dir, checkpoint=checkpoint)
+    trained = load_policy_weights(run_dir, prefer_ema, checkpoint if checkpoint is not None else iteration)
     torch.manual_seed(cfg.train.seed)
     policy = build_policy(cfg.model)
     policy.load_trainable_state_dict(trained.weights)
