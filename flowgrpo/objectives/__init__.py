@@ -3,7 +3,8 @@
 * ``grpo`` -- clipped likelihood ratios on SDE transitions (:mod:`.grpo`, every GRPO variant);
 * ``nft`` -- DiffusionNFT, negative-aware fine-tuning on the forward process (:mod:`.nft`);
 * ``awm`` -- Advantage Weighted Matching, a PPO clip on the flow-matching loss (:mod:`.awm`);
-* ``dgpo`` -- Direct Group Preference Optimization, a group-level DPO (:mod:`.dgpo`).
+* ``dgpo`` -- Direct Group Preference Optimization, a group-level DPO (:mod:`.dgpo`);
+* ``flow_dppo`` -- Flow-DPPO, GRPO's rows with an exact-KL trust region instead of the clip (:mod:`.flow_dppo`).
 
 :mod:`.base` defines the protocol every objective implements; :mod:`flowgrpo.trainer.update_loop`
 runs it. A config may name an objective of user code by import path,
@@ -61,6 +62,7 @@ OBJECTIVES.register_lazy("grpo", "flowgrpo.objectives.grpo:build_grpo")
 OBJECTIVES.register_lazy("nft", "flowgrpo.objectives.nft:build_nft")
 OBJECTIVES.register_lazy("awm", "flowgrpo.objectives.awm:build_awm")
 OBJECTIVES.register_lazy("dgpo", "flowgrpo.objectives.dgpo:build_dgpo")
+OBJECTIVES.register_lazy("flow_dppo", "flowgrpo.objectives.flow_dppo:build_flow_dppo")
 
 
 def build_objective(cfg, device=None) -> Objective:
