@@ -15,6 +15,7 @@ from typing import Any, Literal
 from .config_layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override  # noqa: F401 (re-exported)
 from .errors import ConfigError, UserError
 from .fields import check_choices, check_ranges, field_ranges, help_field as _f, merge_into
+from .objectives.diffusion_dpo import DiffusionDPOOptions
 from .objectives.flow_dppo import FlowDPPOOptions
 from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
 from .policies.base import TrainMode
@@ -89,7 +90,7 @@ class AdvantageConfig:
 
 @dataclass
 class LossConfig:
-    objective: str = _f("grpo", "training objective (flowgrpo.objectives): grpo (clipped log-prob ratios on SDE transitions; the keys below) | nft (DiffusionNFT, loss.nft.*) | awm (Advantage Weighted Matching, loss.awm.*) | dgpo (Direct Group Preference Optimization, loss.dgpo.*) | flow_dppo (Flow-DPPO: grpo's rows, an exact-KL trust region instead of the clip, loss.flow_dppo.*)")
+    objective: str = _f("grpo", "training objective (flowgrpo.objectives): grpo (clipped log-prob ratios on SDE transitions; the keys below) | nft (DiffusionNFT, loss.nft.*) | awm (Advantage Weighted Matching, loss.awm.*) | dgpo (Direct Group Preference Optimization, loss.dgpo.*) | flow_dppo (Flow-DPPO: grpo's rows, an exact-KL trust region instead of the clip, loss.flow_dppo.*) | diffusion_dpo (Diffusion-DPO on preference pairs, online or from a file, loss.diffusion_dpo.*)")
     clip_range: float = _f(1e-4, "PPO clip epsilon on the importance ratio", gt=0.0)
     clip_adapt: float = _f(0.0, "reward-adaptive clip (Dynamic-TreeRPO): eps = clip_range * (1 + clip_adapt * (1 - clamp(mean reward, 0, 1))); 0 = fixed", ge=0.0)
     beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass", ge=0.0)
@@ -107,6 +108,7 @@ class LossConfig:
     awm: AWMOptions = field(default_factory=AWMOptions, metadata={"help": "Advantage Weighted Matching options (loss.objective=awm)"})
     dgpo: DGPOOptions = field(default_factory=DGPOOptions, metadata={"help": "Direct Group Preference Optimization options (loss.objective=dgpo)"})
     flow_dppo: FlowDPPOOptions = field(default_factory=FlowDPPOOptions, metadata={"help": "Flow-DPPO options (loss.objective=flow_dppo)"})
+    diffusion_dpo: DiffusionDPOOptions = field(default_factory=DiffusionDPOOptions, metadata={"help": "Diffusion-DPO options (loss.objective=diffusion_dpo)"})
 
 
 @dataclass

@@ -4,7 +4,8 @@
 * ``nft`` -- DiffusionNFT, negative-aware fine-tuning on the forward process (:mod:`.nft`);
 * ``awm`` -- Advantage Weighted Matching, a PPO clip on the flow-matching loss (:mod:`.awm`);
 * ``dgpo`` -- Direct Group Preference Optimization, a group-level DPO (:mod:`.dgpo`);
-* ``flow_dppo`` -- Flow-DPPO, GRPO's rows with an exact-KL trust region instead of the clip (:mod:`.flow_dppo`).
+* ``flow_dppo`` -- Flow-DPPO, GRPO's rows with an exact-KL trust region instead of the clip (:mod:`.flow_dppo`);
+* ``diffusion_dpo`` -- Diffusion-DPO on preference pairs, online from the rollout or from a file (:mod:`.diffusion_dpo`).
 
 :mod:`.base` defines the protocol every objective implements; :mod:`flowgrpo.trainer.update_loop`
 runs it. A config may name an objective of user code by import path,
@@ -63,6 +64,7 @@ OBJECTIVES.register_lazy("nft", "flowgrpo.objectives.nft:build_nft")
 OBJECTIVES.register_lazy("awm", "flowgrpo.objectives.awm:build_awm")
 OBJECTIVES.register_lazy("dgpo", "flowgrpo.objectives.dgpo:build_dgpo")
 OBJECTIVES.register_lazy("flow_dppo", "flowgrpo.objectives.flow_dppo:build_flow_dppo")
+OBJECTIVES.register_lazy("diffusion_dpo", "flowgrpo.objectives.diffusion_dpo:build_diffusion_dpo")
 
 
 def build_objective(cfg, device=None) -> Objective:

@@ -50,6 +50,11 @@ class ShapesPolicy(TrainedPolicy):
     def decode(self, latents: Tensor) -> Tensor:
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 
+    def encode_images(self, images: Tensor) -> Tensor:
+        """Images [B, 3, H, W] in [0, 1] -> latents [B, 3, H, W] in [-1, 1] (the inverse of :meth:`decode`;
+        Diffusion-DPO's offline pairs)."""
+        return images.float() * 2.0 - 1.0
+
 
 def build_shapes_policy(cfg) -> ShapesPolicy:
     """Factory for ``model.name=shapes`` from a :class:`~flowgrpo.config.ModelConfig`."""
