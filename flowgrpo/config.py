@@ -8,13 +8,14 @@ Overrides ``key.sub=value`` are parsed as YAML scalars and checked against the f
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .config_layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override  # noqa: F401 (re-exported)
 from .errors import ConfigError, UserError
-from .fields import check_choices, check_ranges, field_ranges, help_field as _f, merge_into
+from .fields import as_number, check_choices, check_ranges, field_ranges, help_field as _f, merge_into
 from .objectives.diffusion_dpo import DiffusionDPOOptions
 from .objectives.flow_dppo import FlowDPPOOptions
 from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
@@ -141,8 +142,8 @@ class EvalConfig:
     seen: bool = _f(True, "also evaluate on prompts from the training pools before and after (reported as eval_*_seen)")
     seeds_per_prompt: int = _f(4, "fixed seeds per held-out prompt", ge=1)
     num_steps: int = _f(20, "ODE steps for evaluation", ge=1)
-    every: int = _f(0, "evaluate every N iterations during training (0 = only before and after)")
-    every_minutes: float = _f(0.0, "evaluate every N minutes of training wall-clock (0 = off); the clock is paused while evaluating")
+    every: int = _f(0, "evaluate every N iterations during training (0 = only before and after)", ge=0)
+    every_minutes: float = _f(0.0, "evaluate every N minutes of training wall-clock (0 = off); the clock is paused while evaluating", ge=0.0)
     options: dict = _f({}, "options of the selected evaluator (e.g. eval.options.judge_url=... for unigenbench); the evaluator lists its valid options on a miss")
 
 
@@ -150,8 +151,8 @@ class EvalConfig:
 class LogConfig:
     out_dir: str = _f("runs", "parent folder of run directories")
     run_name: str = _f("", "run directory name (default: preset + timestamp)")
-    checkpoint_every: int = _f(10, "write a checkpoint every N iterations (and at the end)")
-    grid_every: int = _f(25, "write a sample grid every N iterations (0 = never)")
+    checkpoint_every: int = _f(10, "write a checkpoint every N iterations (and at the end)", ge=1)
+    grid_every: int = _f(25, "write a sample grid every N iterations (0 = never)", ge=0)
     trackers: list = _f(["tensorboard"], "experiment trackers, through accelerate's: any of tensorboard | wandb | mlflow | comet_ml | aim | clearml | dvclive | swanlab | trackio ([] = none; metrics.jsonl is always written). Each logs from the main process into the run directory where it has a local mode (W&B: set WANDB_MODE=offline to stay local)")
     project: str = _f("flowgrpo", "project name the trackers file the run under (the run directory's name is the run's)")
     progress: bool = _f(True, "show a rich progress bar")
@@ -238,6 +239,9 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
         reward = data.get("reward")
         reward_options = reward.pop("options", None) if isinstance(reward, dict) else None
         merge_into(cfg, data, prefix)
+        if isinstance(cfg.reward.weights, dict):  # a file's `w: 1e-2` is a string to YAML 1.1, as in coerce
+            cfg.reward.weights = {k: float(v) if isinstance(v, str) and as_number(v) is not None else v
+                                  for k, v in cfg.reward.weights.items()}
         if reward_options is not None:  # per-reward options merge key by key, like the strategy's
             if not isinstance(reward_options, dict):
                 raise ConfigError("config key 'reward.options' must be a mapping of reward name -> options")
@@ -315,6 +319,9 @@ def validate(cfg: RunConfig) -> None:
     _check_adam_betas(cfg.train.adam_betas)
     if not cfg.reward.weights:
         raise ConfigError("config key 'reward.weights' needs at least one reward")
+    for name, w in cfg.reward.weights.items():
+        if isinstance(w, str) or as_number(w) is None or not math.isfinite(w):
+            raise ConfigError(f"config key 'reward.weights.{name}' must be a finite number, got {w!r}")
     for name, opts in cfg.reward.options.items():
         if name not in cfg.reward.weights:
             raise ConfigError(f"config key 'reward.options.{name}': {name!r} is not one of the run's rewards "
@@ -354,6 +361,25 @@ def validate(cfg: RunConfig) -> None:
     _check_guard_log_prob(cfg)
     parse_options(options_class(cfg.sampler.strategy), cfg.strategy, cfg.sampler.num_steps)
     check_objective_options(cfg.loss)
+    _check_group_spread(cfg)
+
+
+#: the estimators that centre each reward on its group (a prompt's samples): a group of one trains nothing
+_GROUP_ESTIMATORS = ("group_zscore", "branch_grpo", "tempflow", "g2rpo")
+
+
+def _check_group_spread(cfg: RunConfig) -> None:
+    """Refuse ``data.trees_per_prompt`` = 1 where a prompt's group is one sample: a chain strategy (one
+    leaf per tree) with a built-in estimator gives every sample advantage 0, so no step ever trains.
+    Tree strategies (several leaves per tree) and plug-in estimators are left alone."""
+    if cfg.data.trees_per_prompt > 1 or cfg.advantage.estimator not in _GROUP_ESTIMATORS:
+        return
+    from .samplers.strategies import build_strategy
+
+    if build_strategy(cfg.sampler, cfg.strategy).plan(0).leaves_per_tree == 1:
+        raise ConfigError(f"config key 'data.trees_per_prompt' = 1 trains nothing with sampler.strategy="
+                          f"{cfg.sampler.strategy}: each prompt's group is one sample, whose advantage (reward "
+                          "minus its group's mean) is always 0; use 2 or more (the GRPO group size)")
 
 
 def to_dict(cfg: RunConfig) -> dict:

@@ -14,6 +14,8 @@ field's type, so a bad key or value reads the same wherever it is written.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import types
 import typing
 from dataclasses import field
@@ -64,8 +66,6 @@ def range_text(bounds: dict[str, float]) -> str:
 def check_ranges(cfg: Any, prefix: str = "") -> None:
     """Every bounded field of ``cfg`` (recursively) is a finite number within its bounds; else a
     :class:`~flowgrpo.errors.ConfigError` naming the key (NaN and inf are never within bounds)."""
-    import math
-
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -124,8 +124,10 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"bad value for config key '{key}': {value!r}")
     base = origin or hint
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if base is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        number = as_number(value)  # YAML 1.1 (PyYAML) reads 1e-4 as a string: accept what users write
+        if number is not None:
+            return number
     if base is bool and not isinstance(value, bool):
         raise ConfigError(f"config key '{key}' expects true/false, got {value!r}")
     if base in (int, float) and isinstance(value, bool):
@@ -136,6 +138,40 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
         item = typing.get_args(hint)[0]
         return [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     return value
+
+
+def as_number(value: Any) -> float | None:
+    """``value`` as a float when it is a number (not a bool) or a string that reads as one (``"1e-4"``,
+    which YAML 1.1 leaves a string), else None. NaN and inf are returned as such (ranges refuse them)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def near_miss(key: str, names: list[str], prefix: str = "") -> str:
+    """``"; did you mean 'train.lr'?"`` for the closest of ``names`` to an unknown ``key`` (difflib), else ``""``."""
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+def _nested_miss(cfg: Any, key: str) -> str:
+    """For a top-level ``key`` that names no section: ``"; did you mean 'train.lr'?"`` where ``key`` is
+    (close to) a key inside a section, else ``""``."""
+    inner: dict[str, list[str]] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for sub in dataclasses.fields(value):
+                inner.setdefault(sub.name, []).append(f"{f.name}.{sub.name}")
+    close = difflib.get_close_matches(key, list(inner), n=1, cutoff=0.75)
+    return "; did you mean " + " or ".join(f"'{k}'" for k in inner[close[0]]) + "?" if close else ""
 
 
 def merge_into(cfg: Any, data: dict, prefix: str = "") -> None:
@@ -151,7 +187,8 @@ def merge_into(cfg: Any, data: dict, prefix: str = "") -> None:
         full = f"{prefix}{key}"
         if key not in names:
             where = f" under {prefix[:-1]!r}" if prefix else ""
-            raise ConfigError(f"unknown config key '{full}'; valid keys{where}: {', '.join(names)}")
+            guess = near_miss(key, names, prefix) or ("" if prefix else _nested_miss(cfg, key))
+            raise ConfigError(f"unknown config key '{full}'; valid keys{where}: {', '.join(names)}{guess}")
         current = getattr(cfg, key)
         if dataclasses.is_dataclass(current) and not isinstance(current, type):
             merge_into(current, value, full + ".")
