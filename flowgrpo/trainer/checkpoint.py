@@ -1,7 +1,10 @@
 """A run folder on disk: atomic checkpoints, the run's config, and the trained policy's weights.
 
-Checkpoints are written to a temporary folder, then renamed into place. A checkpoint damaged later
-(a file cut short by a full disk or a partial copy) is passed over with a warning naming it: resume,
+Checkpoints are written to a temporary folder, then renamed into place; a write that fails (a full
+disk, a read-only folder) removes the temporary folder and stops with one line naming the checkpoint.
+A checkpoint damaged later (a file cut short by a full disk or a partial copy, or bytes overwritten
+inside it: every record of the zip archive torch writes carries a CRC-32, checked before loading) is
+passed over with a warning naming it and the record: resume,
 ``flowgrpo eval``, ``export`` and ``unigenbench generate`` use the newest intact one, and when none is
 intact they stop with one line (:class:`~flowgrpo.errors.UserError`).
 
@@ -64,22 +67,43 @@ def save_checkpoint(run_dir: Path, iteration: int, state: dict, keep: int = 2) -
 
     The folder is complete or absent: it is written under a temporary name and renamed, so a
     crash (even SIGKILL) mid-write never leaves a half checkpoint that resume would pick up.
-    Older checkpoints beyond ``keep`` are removed.
+    Older checkpoints beyond ``keep`` are removed. A write that fails (``OSError``, or torch's
+    ``RuntimeError`` from its stream writer, e.g. on a full disk) removes the temporary folder and
+    raises a one-line :class:`~flowgrpo.errors.UserError` naming the checkpoint; older ones are kept.
     """
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CKPT_PREFIX}{iteration:06d}"
     tmp = root / f".tmp_{CKPT_PREFIX}{iteration:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        torch.save(state, tmp / STATE_FILE)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except (OSError, RuntimeError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"cannot write checkpoint {final}: {_write_problem(exc, root)}; the older checkpoints "
+                        "are kept (resume with --resume RUN_DIR once the problem is fixed)") from None
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_problem(exc: BaseException, folder: Path) -> str:
+    """One line on why a write into ``folder`` failed, with the free space on its disk where known."""
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror
+    else:  # torch's stream writer: "[enforce fail at ...] ... file write failed", the last line says what
+        lines = str(exc).strip().splitlines()
+        text = lines[-1] if lines else type(exc).__name__
+    try:
+        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+        return f"{text} ({free / 2**20:.0f} MiB free on that disk)"
+    except OSError:
+        return text
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -155,10 +179,36 @@ def _intact_path(path: Path) -> Path:
 
 def _load_intact(path: Path) -> Checkpoint:
     _intact_path(path)
+    problem = crc_problem(Path(path) / STATE_FILE)
+    if problem is not None:
+        raise _Damaged(problem)
     try:
-        return Checkpoint(path, load_checkpoint(path))
+        return Checkpoint(path, _read_state(Path(path) / STATE_FILE))
     except UserError as exc:
         raise _Damaged(str(exc)) from None
+
+
+def crc_problem(file: Path) -> str | None:
+    """Which record of checkpoint file ``file`` (torch's zip archive) no longer matches the CRC-32
+    written beside it (bytes changed after writing, e.g. overwritten weights), or None when all match.
+
+    torch.load itself does not check the tensors' checksums, so damage inside a weight record would
+    load silently. Reads the whole file in 16 MiB chunks (about the cost of loading it once); a
+    record stored without a checksum (CRC 0: torch's ``compute_crc32`` turned off) is not checked."""
+    try:
+        with zipfile.ZipFile(file) as zf:
+            for info in zf.infolist():
+                if info.CRC == 0:
+                    continue
+                try:
+                    with zf.open(info) as fh:
+                        while fh.read(1 << 24):
+                            pass
+                except zipfile.BadZipFile:
+                    return f"record {info.filename} fails its CRC-32 check: its bytes changed after it was written"
+    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'}"
+    return None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -168,8 +218,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """The state saved in checkpoint folder ``path``; a UserError names the file when it cannot be read."""
+    """The state saved in checkpoint folder ``path``; a UserError names the file when it cannot be read
+    or its checksums show damage (:func:`crc_problem`: the record is named)."""
     file = Path(path) / STATE_FILE
+    problem = crc_problem(file) if file.is_file() else None
+    if problem is not None:
+        raise UserError(f"checkpoint {file} is damaged: {problem}")
+    return _read_state(file)
+
+
+def _read_state(file: Path) -> dict:
+    """torch.load of checkpoint file ``file``; a UserError naming it when it cannot be read."""
     try:
         return torch.load(file, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, ... for damage

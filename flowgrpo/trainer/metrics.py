@@ -1,9 +1,13 @@
-"""Metrics sinks: an append-only JSONL file (always) and accelerate's trackers, both resumable."""
+"""Metrics sinks: an append-only JSONL file (always) and accelerate's trackers, both resumable.
+
+Every line is strict JSON: a NaN or infinite number (a reward mean over only dropped samples, a
+diverged loss) is written as ``null`` (:func:`json_safe`), never as the bare ``NaN`` that JSON lacks."""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 from pathlib import Path
 
 
@@ -30,7 +34,7 @@ class MetricsLogger:
         self.accelerator = accelerator if accelerator is not None and accelerator.trackers else None
 
     def log(self, record: dict) -> None:
-        self._fh.write(json.dumps(record, default=float) + "\n")
+        self._fh.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self._fh.flush()
         if self.accelerator is not None:
             scalars = {k: v for k, v in record.items()
@@ -61,6 +65,22 @@ class MetricsLogger:
         self._fh.close()
         if self.accelerator is not None:
             self.accelerator.end_training()
+
+
+def json_safe(value):
+    """``value`` with every non-finite float (NaN, +-inf) replaced by None, recursively through dicts,
+    lists and tuples; numbers of other types (numpy or 0-d torch scalars) become ints or floats. Plain ints,
+    bools, strings and None pass unchanged: the result always serialises as strict JSON."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, numbers.Integral):  # numpy integers
+        return int(value)
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

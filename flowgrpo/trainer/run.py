@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from datetime import datetime
 from pathlib import Path
@@ -43,7 +44,7 @@ from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
 from .accelerator import start_trackers
 from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint
-from .metrics import MetricsLogger, read_metrics
+from .metrics import MetricsLogger, json_safe, read_metrics
 from .progress import bar_fields, progress_bar
 from .trainer import GRPOTrainer
 
@@ -51,8 +52,9 @@ _GRID_PROMPTS = 16
 
 
 def _write_json(path: Path, data: dict) -> None:
+    """Write ``data`` as strict JSON (NaN and inf as null), atomically."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=float))
+    tmp.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False))
     tmp.replace(path)
 
 
@@ -61,7 +63,11 @@ def make_run_dir(cfg: RunConfig) -> Path:
     run_dir = Path(cfg.log.out_dir) / name
     if (run_dir / "checkpoints").exists():
         raise UserError(f"run directory {run_dir} already holds checkpoints; use --resume {run_dir} or another log.run_name")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only or full log.out_dir, a file in the way
+        raise UserError(f"cannot create run directory {run_dir} (log.out_dir={cfg.log.out_dir}): "
+                        f"{exc.strerror or exc}") from None
     return run_dir
 
 
@@ -95,6 +101,8 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp) -> 
             outcome = (str(path), None)
         except UserError as e:
             outcome = (None, str(e))
+        except OSError as e:  # a run directory that exists but cannot be written
+            outcome = (None, f"cannot write {path / 'config.yaml'} (log.out_dir={cfg.log.out_dir}): {e.strerror or e}")
     path, error = dp.broadcast(outcome)
     if error is not None:
         raise UserError(error)
@@ -125,6 +133,8 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
         train_seconds = loaded.state["train_seconds"]
         start_iter = trainer.iteration
         say(f"resumed from {loaded.path} at iteration {start_iter}")
+    elif resume:  # e.g. killed before its first checkpoint: the run starts over, with its own config
+        say(f"note: {run_dir} has no checkpoint yet; starting it again from iteration 0 with its config.yaml")
     logger = None
     if main:
         start_trackers(trainer.accelerator, cfg, run_dir, start_iter - 1 if resume else None)
@@ -207,6 +217,10 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
             if main:
                 logger.log(m)
                 events.iteration_end(trainer, m)
+            diverged = _divergence(trainer, out)
+            if dp.sum_scalar(float(diverged is not None)):  # every rank stops together
+                raise UserError(f"training diverged at iteration {it}: {diverged or 'another process saw it'}; "
+                                f"nothing more is trained or saved (train.lr={cfg.train.lr:g}: try a smaller one)")
             done = trainer.iteration
             if (main or gathers) and (done % cfg.log.checkpoint_every == 0 or done == total):
                 t1 = clock()
@@ -254,6 +268,23 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
     })
     _write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _divergence(trainer: GRPOTrainer, out) -> str | None:
+    """What is no longer finite after iteration ``out`` (its samples, loss, gradient norm or the trainable
+    weights; a NaN the reward alone produced is dropped and counted instead), else None. A learning rate
+    far too large writes finite weights of magnitude 1e30 whose next rollout is NaN: the samples see it."""
+    if out.images is not None and not bool(torch.isfinite(out.images).all()):
+        return "the rollout's samples are NaN or infinite (the previous update broke the weights)"
+    for key in ("loss", "grad_norm"):
+        value = out.metrics.get(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{key} is {value}"
+    with torch.no_grad():
+        for name, p in trainer.policy.named_trainable_parameters():
+            if not bool(torch.isfinite(p).all()):
+                return f"trainable weight {name} holds NaN or infinite values"
+    return None
 
 
 def _final_results(trainer: GRPOTrainer, evaluator) -> tuple[EvalResult, dict | None]:
