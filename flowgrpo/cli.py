@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -355,9 +356,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``key=value`` overrides may stand on either side of the options
+    (``flowgrpo train a=1 --preset shapes b=2``): argparse stops filling a positional list at the first
+    option, so the words after it come back unrecognized; they join the overrides in command-line order
+    (argparse's ``parse_intermixed_args`` does not take subcommands)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list):
+        words = [a for a in extra if not a.startswith("-")]
+        args.overrides += words
+        extra = [a for a in extra if a.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.fn(args)
@@ -367,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # the disk, not the code: full, read-only, not ours (one line, as bad input)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"flowgrpo: error: {exc.strerror}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("flowgrpo: interrupted (checkpoints written so far are kept; resume with --resume RUN_DIR)",
               file=sys.stderr)
