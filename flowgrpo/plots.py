@@ -10,6 +10,15 @@ from torch import Tensor
 
 from .images import image_grid
 
+#: captions are cut to this many characters before they are measured and drawn: a caption shows two
+#: lines at most, and PIL refuses to lay out strings of about a million characters
+MAX_CAPTION_CHARS = 400
+
+
+def clip_caption(text: str, limit: int = MAX_CAPTION_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (the last one an ellipsis) for drawing; shorter text unchanged."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
 
 def save_grid(path: Path, images: Tensor, ncol: int, scale: int = 1) -> None:
     import imageio.v3 as iio
@@ -37,7 +46,7 @@ def save_labeled_grid(path: Path, images: Tensor, prompts: list[str], correct: l
             ax.axis("off")
             continue
         ax.imshow(arr[i], interpolation="nearest")
-        ax.set_title(prompts[i], fontsize=5)
+        ax.set_title(clip_caption(prompts[i], 120), fontsize=5)
         if correct is not None:
             color = "tab:green" if correct[i] >= 1 else "tab:red"
             for s in ax.spines.values():
@@ -174,7 +183,7 @@ def _fit(text: str, font, width: float) -> str:
 
 def _wrap(text: str, font, width: float, lines: int) -> list[str]:
     """``text`` in at most ``lines`` lines of at most ``width`` pixels (the last cut with an ellipsis)."""
-    words, out, cur = text.split(), [], ""
+    words, out, cur = clip_caption(text).split(), [], ""
     for w in words:
         if cur and font.getlength(cur + " " + w) > width:
             out.append(cur)
