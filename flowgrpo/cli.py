@@ -247,7 +247,10 @@ def _cmd_serve_reward(args) -> int:
     return serve_reward(args.reward, args.option, host=args.host, port=args.port, token_env=args.token_env,
                         max_batch=args.max_batch, window_ms=args.window_ms, max_body_mb=args.max_body_mb,
                         max_image_pixels=args.max_image_pixels, max_decoded_mb=args.max_decoded_mb,
-                        max_images=args.max_images, body_timeout_s=args.body_timeout_s, log_level=args.log_level)
+                        max_images=args.max_images, body_timeout_s=args.body_timeout_s,
+                        max_inflight_mb=args.max_inflight_mb, max_bodies_mb=args.max_bodies_mb,
+                        queue_timeout_s=args.queue_timeout_s, header_timeout_s=args.header_timeout_s,
+                        max_connections=args.max_connections, log_level=args.log_level)
 
 
 def _cmd_build_ext(args) -> int:
@@ -338,6 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images per request (also bounds a pairwise reward's pairs); more get 413")
     s.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="seconds for a request body to arrive (408 after)")
+    from .serve import codec
+
+    s.add_argument("--max-inflight-mb", type=float, default=codec.DEFAULT_MAX_INFLIGHT_MB,
+                   help="decoded images of all requests in flight (float32 RGB), MiB; more wait, then 503")
+    s.add_argument("--max-bodies-mb", type=float, default=codec.DEFAULT_MAX_BODIES_MB,
+                   help="request bodies of all requests in flight, MiB; more wait, then 503")
+    s.add_argument("--queue-timeout-s", type=float, default=codec.DEFAULT_QUEUE_TIMEOUT_S,
+                   help="seconds a request waits for room in those budgets (503 with Retry-After after)")
+    s.add_argument("--header-timeout-s", type=float, default=codec.DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection gets to send its request headers (closed after)")
+    s.add_argument("--max-connections", type=int, default=codec.DEFAULT_MAX_CONNECTIONS,
+                   help="open connections at most; beyond, the longest idle one is closed")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=_cmd_serve_reward)
     x = sub.add_parser("build-ext", help="build the fused loss extension ahead of time")

@@ -124,7 +124,8 @@ def test_images_per_request_are_capped_for_pairwise_rewards():
         t0 = time.monotonic()
         resp = httpx.post(f"{srv.url}/score", json={"prompts": ["a red circle"] * 5000, "images": [tiny] * 5000},
                           timeout=60)
-        one_line_error(resp, 413, "5000 images", f"limit of {DEFAULT_MAX_IMAGES} per request", "max_images")
+        # refused from a count of its JSON values, before the 10,000 strings are parsed
+        one_line_error(resp, 413, f"at most {DEFAULT_MAX_IMAGES} images (max_images)", "send fewer per request")
         assert time.monotonic() - t0 < 10
     with ServerThread(create_app(reward, max_images=8)) as srv:
         body = {"prompts": ["a red circle"] * 8, "images": scenes, "groups": [0] * 8}
@@ -166,8 +167,14 @@ def test_a_reward_call_stays_within_the_decoded_budget():
 # --------------------------------------------------------------------------- edge cases
 
 
-def test_deeply_nested_json_is_a_400():
+def test_deeply_nested_json_is_refused():
+    """3,000 nested lists are more JSON values than a request of max_images=256 holds: a 413 before
+    parsing; with a limit that allows them, the parser's recursion limit gives a 400."""
     with ServerThread(create_app(build_reward("jpeg_compressibility"))) as srv, httpx.Client(timeout=30) as http:
+        one_line_error(http.post(f"{srv.url}/score", content=b"[" * 3000, headers=JSON), 413, "JSON values")
+        one_line_error(http.post(f"{srv.url}/score", content=b'{"prompts": ' + b"[" * 3000, headers=JSON), 413)
+    with ServerThread(create_app(build_reward("jpeg_compressibility"), max_images=2000)) as srv, \
+            httpx.Client(timeout=30) as http:
         one_line_error(http.post(f"{srv.url}/score", content=b"[" * 3000, headers=JSON), 400, "nested too deeply")
         one_line_error(http.post(f"{srv.url}/score", content=b'{"prompts": ' + b"[" * 3000, headers=JSON), 400)
         ok = http.post(f"{srv.url}/score", json={"prompts": ["p"], "images": encode_png_b64(torch.rand(1, 3, 8, 8))})

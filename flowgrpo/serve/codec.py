@@ -1,9 +1,11 @@
 """Decoding and checking what a client sends to the reward server (JSON and PNG/JPEG only).
 
 Every check raises :class:`RequestError` with an HTTP status and a one-line reason; nothing here
-ever unpickles or evaluates client data. Memory is bounded before it is spent: the number of images
-per request is checked after parsing the JSON, and every image's size is read from its header (PNG
-IHDR, JPEG SOF) so that the request's decoded size is checked before any pixel is decompressed.
+ever unpickles or evaluates client data. Memory is bounded before it is spent: the body's JSON
+values are counted before it is parsed (a 60 MB body of 20 M empty lists would take 1.5 GiB as
+Python objects), the number of images per request is checked after parsing, and every image's size
+is read from its header (PNG IHDR, JPEG SOF) so that the request's decoded size is known before any
+pixel is decompressed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import base64
 import binascii
 import io
 import json
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -36,15 +39,27 @@ DEFAULT_MAX_DECODED_MB = 1024
 DEFAULT_MAX_IMAGES = 256
 #: seconds for a whole request body to arrive (64 MiB at about 1 MiB/s)
 DEFAULT_BODY_TIMEOUT_S = 60.0
+#: decoded images of all requests in flight, counted as above: one request of the largest size at a
+#: time, or about ten of 32 images of 512 x 512 (96 MiB each)
+DEFAULT_MAX_INFLIGHT_MB = 1024
+#: request bodies in flight (reserved at their Content-Length until answered): four of the largest
+DEFAULT_MAX_BODIES_MB = 256
+#: seconds a request waits for room in those budgets before it is refused (503, Retry-After)
+DEFAULT_QUEUE_TIMEOUT_S = 10.0
+#: seconds a connection gets to send a request's header block; open connections at most
+#: (:mod:`flowgrpo.serve.guard`; the CLI raises the open-file limit above the latter)
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 256
 
 
 class RequestError(Exception):
     """A bad request: ``status`` (400, 408, 413, 415, 422, ...) and a one-line ``reason``."""
 
-    def __init__(self, status: int, reason: str):
+    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None):
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.headers = headers  # extra response headers (Retry-After on a 503)
 
 
 @dataclass
@@ -56,9 +71,42 @@ class ScoreRequest:
     groups: list[int] | None
 
 
+# a JSON string with its escapes: what is inside it is text, not structure
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def max_json_values(max_images: int) -> int:
+    """The most JSON values (as :func:`count_json_values` counts them) a ``/score`` body may hold: the
+    object, its three lists of ``max_images`` each, and some slack."""
+    return 3 * max_images + 16
+
+
+def count_json_values(body: bytes, enough: int = 0) -> int:
+    """An upper bound on the values in the JSON text ``body`` (object keys aside): one plus the
+    commas, ``[`` and ``{`` outside strings (a list or object holds one element more than the commas
+    directly inside it).
+
+    Counted first with the strings' contents included (base64 has none of these characters, so a
+    usual body costs three ``bytes.count`` and allocates nothing); only when that exceeds ``enough`` are
+    the strings blanked out and the rest counted again (one copy of the structure without them).
+    """
+    def structure(text: bytes) -> int:
+        return 1 + text.count(b",") + text.count(b"[") + text.count(b"{")
+
+    rough = structure(body)
+    return rough if rough <= enough else structure(_JSON_STRING.sub(b'""', body))
+
+
 def parse_score_request(body: bytes, max_images: int | None = None) -> ScoreRequest:
-    """The raw JSON body -> :class:`ScoreRequest`; malformed JSON is a 400, a wrong schema a 422,
-    more than ``max_images`` images a 413."""
+    """The raw JSON body -> :class:`ScoreRequest`; a body with more JSON values than a request of
+    ``max_images`` images can hold is a 413 before it is parsed, malformed JSON a 400, a wrong schema
+    a 422, more than ``max_images`` images a 413."""
+    limit = max_json_values(max_images) if max_images is not None else None
+    if limit is not None and count_json_values(body, limit) > limit:
+        # each value is a Python object once parsed: 20 M empty lists in 60 MB took 1.5 GiB
+        raise RequestError(413, f"the body holds more than {limit} JSON values (lists, objects, strings or "
+                                f"numbers): a request holds at most {max_images} images (max_images) with their "
+                                f"prompts and groups; send fewer per request")
     try:
         data = json.loads(body)
     except RecursionError:  # "[[[[..." a few KB deep: the parser's recursion limit, not a server fault
@@ -94,13 +142,13 @@ def decoded_bytes(image: Tensor) -> int:
     return image.shape[-1] * image.shape[-2] * DECODED_BYTES_PER_PIXEL
 
 
-def decode_images(texts: list[str], max_pixels: int, max_bytes: int) -> list[Tensor]:
-    """Base64 PNG/JPEG images -> uint8 tensors [1, 3, H, W] (the reward gets ``uint8 / 255``).
+def open_images(texts: list[str], max_pixels: int, max_bytes: int) -> tuple[list, int]:
+    """Base64 PNG/JPEG images -> (PIL images whose headers are read and whose pixels are not, the
+    request's decoded size in bytes, see :data:`DECODED_BYTES_PER_PIXEL`).
 
-    Every header is read first: an image over ``max_pixels`` (W * H; decompression bombs included)
-    or a request whose images would decode to more than ``max_bytes`` (see
-    :data:`DECODED_BYTES_PER_PIXEL`) is a 413 before any pixel is decompressed. Anything that is not
-    valid base64 or not a readable PNG/JPEG is a 400.
+    An image over ``max_pixels`` (W * H; decompression bombs included) or a request whose images
+    would decode to more than ``max_bytes`` is a 413; anything that is not valid base64 or not a
+    readable PNG/JPEG header is a 400. On an error the images already opened are closed.
     """
     opened = []
     try:
@@ -117,14 +165,35 @@ def decode_images(texts: list[str], max_pixels: int, max_bytes: int) -> list[Ten
             raise RequestError(413, f"the request's {len(texts)} images decode to {total / MIB:.0f} MiB (float32 "
                                     f"RGB), more than the server's limit of {max_bytes / MIB:g} MiB per request "
                                     f"(max_decoded_mb); send fewer or smaller images per request")
+    except BaseException:
+        close_images(opened)
+        raise
+    return opened, total
+
+
+def decode_pixels(opened: list) -> list[Tensor]:
+    """PIL images from :func:`open_images` -> uint8 tensors [1, 3, H, W] (the reward gets
+    ``uint8 / 255``), one at a time: each PIL copy of the pixels goes before the next image is
+    decompressed. Corrupt pixel data is a 400. Closes every image."""
+    try:
         images = []
         for i, im in enumerate(opened):
             images.append(_pixels(im, i))
-            im.close()  # PIL's own copy of the pixels goes now, not after the last image
+            im.close()
         return images
     finally:
-        for im in opened:
-            im.close()
+        close_images(opened)
+
+
+def close_images(opened: list) -> None:
+    for im in opened:
+        im.close()
+
+
+def decode_images(texts: list[str], max_pixels: int, max_bytes: int) -> list[Tensor]:
+    """:func:`open_images` then :func:`decode_pixels`: base64 PNG/JPEG -> uint8 [1, 3, H, W] each,
+    every header checked before any pixel is decompressed."""
+    return decode_pixels(open_images(texts, max_pixels, max_bytes)[0])
 
 
 def _open(text: str, index: int):

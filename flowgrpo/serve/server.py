@@ -18,8 +18,12 @@ import time
 from typing import Callable
 
 from ..errors import UserError
-from .codec import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_MB, DEFAULT_MAX_DECODED_MB, DEFAULT_MAX_IMAGE_PIXELS,
-                    DEFAULT_MAX_IMAGES)
+from .codec import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODIES_MB, DEFAULT_MAX_BODY_MB,
+                    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_DECODED_MB, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES,
+                    DEFAULT_MAX_INFLIGHT_MB, DEFAULT_QUEUE_TIMEOUT_S)
+
+#: open files the server needs besides its connections (the listening socket, models, libraries)
+SPARE_FILES = 64
 
 
 def is_loopback(host: str) -> bool:
@@ -95,11 +99,38 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(app, sock: socket.socket, log_level: str = "info") -> None:
+def uvicorn_config(app, log_level: str = "info", header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                   max_connections: int = DEFAULT_MAX_CONNECTIONS):
+    """uvicorn's configuration for ``app``: h11 with the header deadline and the connection cap of
+    :mod:`flowgrpo.serve.guard`, keep-alive connections closed after 5 s idle."""
+    import uvicorn
+
+    from .guard import guarded_protocol
+
+    return uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", timeout_keep_alive=5,
+                          http=guarded_protocol(header_timeout_s, max_connections))
+
+
+def fit_open_files(max_connections: int) -> None:
+    """Raise the soft open-file limit to ``max_connections`` + :data:`SPARE_FILES` if it is lower
+    (up to the hard limit; a one-line :class:`~flowgrpo.errors.UserError` if that is not enough)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + SPARE_FILES
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise UserError(f"--max-connections {max_connections} needs {need} open files but the hard limit "
+                            f"(ulimit -Hn) is {hard}: lower --max-connections to {max(1, hard - SPARE_FILES)}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def run_server(app, sock: socket.socket, log_level: str = "info", header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+               max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
     """Serve ``app`` with uvicorn on the bound socket ``sock`` in the foreground until interrupted."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug"))
+    server = uvicorn.Server(uvicorn_config(app, log_level, header_timeout_s, max_connections))
     server.run(sockets=[sock])
     if not server.started:  # uvicorn has logged why (e.g. the app's startup failed)
         raise UserError("the reward server failed to start")
@@ -109,9 +140,13 @@ def serve_reward(reward: str, options: list[str] = (), host: str = "127.0.0.1", 
                  token_env: str | None = None, max_batch: int = 32, window_ms: float = 5.0,
                  max_body_mb: float = DEFAULT_MAX_BODY_MB, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  max_decoded_mb: float = DEFAULT_MAX_DECODED_MB, max_images: int = DEFAULT_MAX_IMAGES,
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, log_level: str = "info") -> int:
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_inflight_mb: float = DEFAULT_MAX_INFLIGHT_MB,
+                 max_bodies_mb: float = DEFAULT_MAX_BODIES_MB, queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 log_level: str = "info") -> int:
     """``flowgrpo serve-reward``: check the limits, the reward's options and the bind, bind, build the
-    reward, serve until interrupted. The limits are :func:`~flowgrpo.serve.app.create_app`'s."""
+    reward, serve until interrupted. The limits are :func:`~flowgrpo.serve.app.create_app`'s, besides
+    ``header_timeout_s`` and ``max_connections`` (:mod:`flowgrpo.serve.guard`)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -119,21 +154,30 @@ def serve_reward(reward: str, options: list[str] = (), host: str = "127.0.0.1", 
         raise UserError("the reward server needs fastapi and uvicorn: pip install 'flowgrpo[remote]'") from None
     token = resolve_token(host, token_env)
     if (max_batch < 1 or max_body_mb <= 0 or max_image_pixels < 1 or max_decoded_mb <= 0 or max_images < 1
-            or body_timeout_s <= 0 or window_ms < 0 or not 0 <= port <= 65535):
-        raise UserError("max_batch, max_body_mb, max_image_pixels, max_decoded_mb, max_images and body_timeout_s "
-                        "must be positive, window_ms >= 0, port in 0..65535")
+            or body_timeout_s <= 0 or queue_timeout_s <= 0 or header_timeout_s <= 0 or max_connections < 1
+            or window_ms < 0 or not 0 <= port <= 65535):
+        raise UserError("max_batch, max_body_mb, max_image_pixels, max_decoded_mb, max_images, body_timeout_s, "
+                        "queue_timeout_s, header_timeout_s and max_connections must be positive, window_ms >= 0, "
+                        "port in 0..65535")
+    if max_inflight_mb < max_decoded_mb or max_bodies_mb < max_body_mb:
+        raise UserError(f"--max-inflight-mb ({max_inflight_mb:g}) must be at least --max-decoded-mb "
+                        f"({max_decoded_mb:g}) and --max-bodies-mb ({max_bodies_mb:g}) at least --max-body-mb "
+                        f"({max_body_mb:g}): a request the limits allow must fit the server's budgets")
+    fit_open_files(max_connections)
     options = parse_options(list(options))
     check_reward(reward, options)  # an unknown reward or option: refused before binding or loading
     sock = bind_socket(host, port)
     try:
         app = build_app(reward, options, token, max_batch=max_batch, window_ms=window_ms, max_body_mb=max_body_mb,
                         max_image_pixels=max_image_pixels, max_decoded_mb=max_decoded_mb, max_images=max_images,
-                        body_timeout_s=body_timeout_s)
+                        body_timeout_s=body_timeout_s, max_inflight_mb=max_inflight_mb, max_bodies_mb=max_bodies_mb,
+                        queue_timeout_s=queue_timeout_s)
         auth = f"bearer token from ${token_env}" if token else "no token"
         bound = sock.getsockname()[1]
         print(f"serving reward {reward!r} on http://{host}:{bound} ({auth}; max batch {max_batch}, "
-              f"{max_images} images and {max_decoded_mb:g} MiB decoded per request)", flush=True)
-        run_server(app, sock, log_level)
+              f"{max_images} images and {max_decoded_mb:g} MiB decoded per request, {max_inflight_mb:g} MiB decoded "
+              f"in flight, {max_connections} connections)", flush=True)
+        run_server(app, sock, log_level, header_timeout_s, max_connections)
     finally:
         sock.close()
     return 0
@@ -150,12 +194,13 @@ class ServerThread:
     """``with ServerThread(app) as srv: httpx.get(srv.url + "/health")``: uvicorn in a daemon thread
     on a loopback socket bound before the thread starts (no port race)."""
 
-    def __init__(self, app, host: str = "127.0.0.1"):
+    def __init__(self, app, host: str = "127.0.0.1", header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
         import uvicorn
 
         self.sock = bind_socket(host, 0)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.server = uvicorn.Server(uvicorn_config(app, "warning", header_timeout_s, max_connections))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ServerThread:

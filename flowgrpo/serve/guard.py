@@ -1,0 +1,106 @@
+"""Connections that never send a whole request: a header deadline and a cap on open connections.
+
+uvicorn (0.54, h11) waits forever for a connection's header block (its keep-alive timer starts
+only after a response), and its ``limit_concurrency`` answers 503 to every new request, ``/health``
+included, once that many connections are open: 1,000 connections that each sent one header line
+held the server for minutes, and at ``ulimit -n 1024`` an authorised ``/health`` timed out and the
+server logged "Too many open files". :func:`guarded_protocol` gives uvicorn an h11 protocol with
+
+- a header deadline: a connection that has not completed its request's header block within
+  ``header_timeout_s`` of connecting, or of its previous response, is closed (no answer is sent:
+  there is no request to answer). A request whose headers arrived is not affected; its body has
+  the app's own deadline (``body_timeout_s``, 408);
+- a connection cap: when a new connection makes more than ``max_connections`` open, the one that
+  has waited longest for its header block is closed to make room (if every open connection is in
+  the middle of a request, the new one is closed instead). So idle or stalled connections can never
+  lock out a client that sends its request at once, and the open sockets stay under the file limit.
+
+Each header block is also capped at h11's 16 KiB (uvicorn's ``h11_max_incomplete_event_size``), so a
+held connection costs a few KiB.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .codec import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+
+#: at most one warning this often while the cap is being hit (an attack would flood the log)
+_WARN_EVERY_S = 60.0
+
+log = logging.getLogger("uvicorn.error")
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header deadline and a connection cap (see the module docstring);
+    :func:`guarded_protocol` sets the two class attributes."""
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    _last_warning = [float("-inf")]  # shared by the connections of one server
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_timer = None
+        self._waiting_since = time.monotonic()
+        self._arm()
+        # closed ones linger in the set until their connection_lost: count those still open
+        if sum(not c.transport.is_closing() for c in self.connections) > self.max_connections:
+            self._make_room()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self.waiting_for_headers():  # the header block is complete: the request has begun
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.waiting_for_headers():  # kept alive: a new deadline
+            self._waiting_since = time.monotonic()
+            self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def waiting_for_headers(self) -> bool:
+        """True while no request is under way: before the first header block is complete, and
+        between a response and the next request's header block."""
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_deadline)
+
+    def _disarm(self) -> None:
+        if getattr(self, "_header_timer", None) is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_deadline(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing() and self.waiting_for_headers():
+            self.transport.close()
+
+    def _make_room(self) -> None:
+        """Close the connection that has waited longest for its header block (this one if none)."""
+        idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
+                and not c.transport.is_closing() and c.waiting_for_headers()]
+        victim = min(idle, key=lambda c: c._waiting_since) if idle else self
+        now = time.monotonic()
+        if now - self._last_warning[0] >= _WARN_EVERY_S:
+            self._last_warning[0] = now
+            log.warning("more than max_connections=%d connections open: closing the one that waited longest for "
+                        "its request headers (logged at most once a minute)", self.max_connections)
+        victim.transport.close()
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[GuardedH11Protocol]:
+    """A :class:`GuardedH11Protocol` subclass with these limits, for ``uvicorn.Config(http=...)``."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,),
+                {"header_timeout_s": float(header_timeout_s), "max_connections": int(max_connections),
+                 "_last_warning": [float("-inf")]})
