@@ -46,6 +46,7 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     import torch
 
     from .policies import build_policy, resolve_adapter
+    from .policies.diffusers_common import load_pipeline
     from .policies.sd3 import torch_dtype
 
     cfg, trained = checkpoint_weights(Path(run_dir), checkpoint, raw)
@@ -68,7 +69,7 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     with tempfile.TemporaryDirectory() as tmp:
         lora_dir = policy.save_lora(Path(tmp) / LORA_DIRNAME, weights)
         del policy
-        pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch_dtype(cfg.model.dtype), local_files_only=True)
+        pipe = load_pipeline(DiffusionPipeline, base, torch_dtype(cfg.model.dtype))
         if hasattr(pipe, "load_lora_weights"):
             pipe.load_lora_weights(str(lora_dir))
             # further experts' adapters (Wan 2.2's transformer_2) sit in sub-folders named after them

@@ -89,6 +89,25 @@ def _generic_blocker(content: dict, directory: Path) -> str | None:
     return None
 
 
+def _missing_components(content: dict, directory: Path) -> list[str]:
+    """The components a model_index.json names (``"name": [library, class]`` with a class) whose folder
+    ``directory/name/`` is absent or empty: diffusers loads each from there, so the pipeline cannot load."""
+    return [name for name, value in content.items()
+            if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[1] is not None
+            and not ((directory / name).is_dir() and any((directory / name).iterdir()))]
+
+
+def _check_complete(content: dict, directory: Path) -> None:
+    """A one-line UserError naming the components of ``content`` (a model_index.json) missing from
+    ``directory``: checked before anything loads, as diffusers would load the others first and then
+    blame a config.json."""
+    missing = _missing_components(content, directory)
+    if missing:
+        raise UserError(f"pipeline folder {directory} is incomplete: model_index.json names the component(s) "
+                        f"{', '.join(missing)}, but {', '.join(m + '/' for m in missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} missing or empty there")
+
+
 def _generic_layout(cls: str, content: dict) -> bool:
     """Whether a pipeline of a class with a dedicated adapter is in a layout only the generic adapter
     trains: a ``WanPipeline`` with a second expert (Wan 2.2 A14B) or per-token timesteps (Wan 2.2
@@ -110,6 +129,9 @@ def resolve_adapter(model_cfg) -> tuple[str, str | None]:
     """
     name = model_cfg.name
     if name in POLICIES:
+        path = Path(model_cfg.path).expanduser() if model_cfg.path else None
+        if path is not None and (path / "model_index.json").is_file():
+            _check_complete(_model_index(path / "model_index.json"), path)
         return name, model_cfg.path
     directory = _pipeline_dir(name)
     if directory is None:
@@ -126,6 +148,7 @@ def resolve_adapter(model_cfg) -> tuple[str, str | None]:
         raise UserError(f"{directory}: pipeline class {cls!r} is not supported: {why} (dedicated adapters: "
                         f"{', '.join(sorted(PIPELINE_ADAPTERS))}; other flow-matching transformer pipelines go "
                         "through the generic adapter)")
+    _check_complete(content, directory)
     return (PIPELINE_ADAPTERS[cls] if dedicated else "pipeline"), str(directory)
 
 

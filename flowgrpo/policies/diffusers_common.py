@@ -9,6 +9,9 @@
 * :func:`set_model_options`: the ``ModelConfig`` fields that are unset unless a run sets them
   (``resolution``, ``max_sequence_length``, ``num_frames``): an unset one is not passed, so the
   adapter's own default (its class's keyword default) applies.
+* :func:`load_pipeline`: ``from_pretrained`` of a local folder without diffusers' ``torch_dtype``
+  FutureWarning; :func:`show_library_progress`: whether diffusers' and transformers' own progress
+  bars print (``log.progress``).
 
 Together, ``load_frozen`` and ``make_trainable`` are the ``model.dtype`` handling of every adapter:
 transformer and text encoders in the model dtype (but for the submodules their library keeps in
@@ -19,7 +22,9 @@ memory and speed switches are :mod:`flowgrpo.policies.switches`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -115,13 +120,68 @@ def set_model_options(cfg, names: tuple[str, ...] = ("resolution", "max_sequence
     return {n: getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None}
 
 
+#: diffusers' FutureWarning for the ``torch_dtype=`` keyword (newer releases call it ``dtype=``; the
+#: releases flowgrpo supports from 0.32 know only ``torch_dtype=``, so it is passed and the warning dropped)
+_TORCH_DTYPE_WARNING = r"`torch_dtype` is deprecated"
+#: whether the libraries' own progress bars print (:func:`show_library_progress`)
+_LIBRARY_BARS: dict[str, bool | None] = {"enabled": None}  # None: as the libraries are
+
+
+def show_library_progress(enabled: bool) -> None:
+    """Show or hide diffusers' and transformers' own progress bars (a pipeline's component loading,
+    weight loading, a stock pipeline's denoising loop) from now on in this process: a run's
+    ``log.progress``. Applied at once where the libraries are imported, and by :func:`load_pipeline`
+    before every load (so a run that never loads a pipeline never imports them for this)."""
+    _LIBRARY_BARS["enabled"] = bool(enabled)
+    import sys
+
+    for name in ("diffusers", "transformers"):
+        if name in sys.modules:
+            _apply_progress(name)
+
+
+def _apply_progress(library: str) -> None:
+    import importlib
+
+    if _LIBRARY_BARS["enabled"] is None:
+        return
+    logging = importlib.import_module(f"{library}.utils.logging")
+    (logging.enable_progress_bar if _LIBRARY_BARS["enabled"] else logging.disable_progress_bar)()
+
+
+@contextlib.contextmanager
+def pipeline_warnings_off():
+    """diffusers' log warnings off (errors still show) for the duration: around the stock pipeline calls an
+    adapter makes internally (a probe, prompt encoding, decoding), whose warnings, such as Qwen-Image's
+    "negative_prompt is passed but classifier-free guidance is not enabled", are about calls the user
+    never made."""
+    from diffusers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def load_pipeline(pipeline_cls, path, dtype: torch.dtype):
+    """``pipeline_cls.from_pretrained(path, torch_dtype=dtype, local_files_only=True)`` without diffusers'
+    ``torch_dtype`` FutureWarning, its bars shown as :func:`show_library_progress` last said."""
+    for library in ("diffusers", "transformers"):
+        _apply_progress(library)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TORCH_DTYPE_WARNING, category=FutureWarning)
+        return pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+
+
 def load_policy(policy_cls, pipeline_cls, path, cfg, dtype: torch.dtype, what: str, **options):
     """``policy_cls.from_components`` over ``pipeline_cls.from_pretrained(path)`` (local files only) with
     the ``ModelConfig`` fields every adapter takes (``resolution`` and ``max_sequence_length`` only
     where set: :func:`set_model_options`), plus ``options``; load and argument errors become one-line
     UserErrors (``what``: "an SD3", "a FLUX", ...)."""
     try:
-        pipe = pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+        pipe = load_pipeline(pipeline_cls, path, dtype)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load {what} pipeline from {str(path)!r}: {exc}") from None
     try:

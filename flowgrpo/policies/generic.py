@@ -36,7 +36,7 @@ from ..errors import UserError
 from ..references import probe_references, quantize, resize_references, to_pil
 from .base import Conditioning
 from .call_replay import CallLayout, sample_part
-from .diffusers_common import make_trainable
+from .diffusers_common import load_pipeline, make_trainable
 from .diffusers_policy import DiffusersPolicy
 from .families import PipelineFamily, family_of
 from .experts import ExpertSwitch, route_rows
@@ -90,6 +90,7 @@ class PipelinePolicy(DiffusersPolicy):
         modules = {n: m for n, m in pipeline.components.items() if isinstance(m, nn.Module) and (
             n in (*self.switch.names, "vae") or n.startswith("text_encoder"))}
         self.setup_modules(train_mode, dtype, **modules)
+        pipeline.set_progress_bar_config(disable=True)  # its calls are the adapter's internals, not the user's
         object.__setattr__(self, "pipe", pipeline)
         self.resolution = int(resolution or family.resolution)
         self.max_sequence_length = int(max_sequence_length or family.max_sequence_length)
@@ -369,7 +370,7 @@ def build_pipeline_policy(cfg) -> PipelinePolicy:
     path = Path(cfg.path or "").expanduser()
     dtype = torch_dtype(cfg.dtype)
     try:
-        pipe = DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+        pipe = load_pipeline(DiffusionPipeline, path, dtype)
     except (OSError, ValueError, ImportError, AttributeError) as exc:
         raise UserError(f"cannot load the diffusers pipeline in {str(path)!r}: {exc}") from None
     name = type(pipe).__name__

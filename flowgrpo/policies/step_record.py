@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .diffusers_common import pipeline_warnings_off
+
 
 @dataclass
 class TransformerCall:
@@ -163,6 +165,7 @@ def record_pipeline(pipeline, call_kwargs: dict, *, max_steps: int, run_transfor
                                                             sample_shape)))
         stack.enter_context(_patched(scheduler, "step", step))
         stack.enter_context(_patched(scheduler, "set_timesteps", set_timesteps))
+        stack.enter_context(pipeline_warnings_off())
         with contextlib.suppress(_Stop):  # raised once enough steps are recorded
             record.output = pipeline(**call_kwargs)
     return record
