@@ -223,6 +223,9 @@ def _sample_into(folder: Path, policy, rows: list[dict], opts: SampleOptions, st
 
 
 def _cmd_sample(args) -> int:
+    from .policies.diffusers_common import show_library_progress
+
+    show_library_progress(not args.quiet)
     opts = SampleOptions(prompts=args.prompts, out=args.out, weights=args.weights, seed=args.seed, steps=args.steps,
                          guidance=args.guidance, checkpoint=args.checkpoint, images_per_prompt=args.images_per_prompt,
                          batch_size=args.batch_size)
@@ -246,10 +249,11 @@ def register(subparsers) -> None:
     s.add_argument("--seed", type=int, default=0,
                    help="image j of prompt i starts from the noise of seed (seed * 100000 + i) * 100 + j")
     s.add_argument("--steps", type=int, default=None, help="ODE steps (default: the run's sampler.num_steps)")
-    s.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the run's model.guidance_scale)")
+    s.add_argument("--guidance", type=float, default=None,
+                   help="guidance scale (default: the run's model.guidance_scale)")
     s.add_argument("--checkpoint", type=int, default=None, metavar="N",
                    help="checkpoint iteration (default: the newest intact one)")
     s.add_argument("--images-per-prompt", type=int, default=1, metavar="K", help="samples per prompt (1..100)")
     s.add_argument("--batch-size", type=int, default=4, help="samples per model call")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", action="store_true", help="no progress bars (neither flowgrpo's nor the libraries')")
     s.set_defaults(fn=_cmd_sample)
