@@ -68,7 +68,7 @@ def save_reward_curve(path: Path, records: list[dict], eval_points: list[tuple[i
     import matplotlib.pyplot as plt
 
     it = [r["iteration"] for r in records]
-    rew = [r.get("reward_mean", float("nan")) for r in records]
+    rew = [float("nan") if r.get("reward_mean") is None else r["reward_mean"] for r in records]  # null: no valid reward
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(it, rew, lw=0.8, alpha=0.5, label="reward (batch mean)")
     if len(rew) >= 5:
