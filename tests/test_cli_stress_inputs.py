@@ -200,6 +200,22 @@ def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_temp_folder(
     assert not list(out.rglob(".tmp_*"))
 
 
+def test_full_disk_before_the_first_iteration_is_one_line(shapes_model_dir, tmp_path, capsys, monkeypatch):
+    """torch's writer fails on the held-out grid the run keeps for its before/after picture."""
+    real = torch.save
+
+    def save(obj, f, *a, **k):
+        if str(f).endswith("eval_before_grid.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 64")
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", save)
+    out = tmp_path / "runs"
+    rc = main(train_args(shapes_model_dir, out, "g", **{"train.iterations": 1}))
+    one_line_error(rc, capsys.readouterr().err, f"cannot write {out / 'g' / 'eval_before_grid.pt'}", "unexpected pos")
+    assert not out.exists()
+
+
 def test_full_disk_elsewhere_in_a_run_is_one_line(shapes_model_dir, tmp_path, capsys, monkeypatch):
     """A write the run makes outside checkpoints (metrics.jsonl) fails with ENOSPC: one line naming the file."""
     def log(self, record):

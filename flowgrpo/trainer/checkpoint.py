@@ -85,14 +85,14 @@ def save_checkpoint(run_dir: Path, iteration: int, state: dict, keep: int = 2) -
         tmp.rename(final)
     except (OSError, RuntimeError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"cannot write checkpoint {final}: {_write_problem(exc, root)}; the older checkpoints "
+        raise UserError(f"cannot write checkpoint {final}: {write_problem(exc, root)}; the older checkpoints "
                         "are kept (resume with --resume RUN_DIR once the problem is fixed)") from None
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _write_problem(exc: BaseException, folder: Path) -> str:
+def write_problem(exc: BaseException, folder: Path) -> str:
     """One line on why a write into ``folder`` failed, with the free space on its disk where known."""
     if isinstance(exc, OSError) and exc.strerror:
         text = exc.strerror

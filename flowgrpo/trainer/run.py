@@ -43,7 +43,7 @@ from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
 from .accelerator import start_trackers
-from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint
+from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint, write_problem
 from .metrics import MetricsLogger, json_safe, read_metrics
 from .progress import bar_fields, progress_bar
 from .trainer import GRPOTrainer
@@ -162,7 +162,10 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
                 eval_before["seen"] = seen
             _write_json(before_path, eval_before)
             before_images = _grid_subset(res, cfg.eval.seeds_per_prompt)
-            torch.save(before_images, run_dir / "eval_before_grid.pt")
+            try:  # torch's stream writer raises RuntimeError on a full disk
+                torch.save(before_images, run_dir / "eval_before_grid.pt")
+            except (OSError, RuntimeError) as exc:
+                raise UserError(f"cannot write {run_dir / 'eval_before_grid.pt'}: {write_problem(exc, run_dir)}") from None
             events.evaluation(trainer, res, "before")
     curve = []
     if eval_before is not None:
