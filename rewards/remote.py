@@ -39,11 +39,14 @@ class RemoteReward:
     request), ``retries`` and ``backoff`` (seconds before the first retry, doubled each time),
     ``batch_size`` (images per request), ``concurrency`` (requests in flight at once: the server
     batches concurrent requests, so a slow reward model is called fewer times), ``name`` (the
-    reward's display name).
+    reward's display name), ``references`` (image editing: the server's reward compares each image
+    with its prompt's reference image, so this reward asks the trainer for them,
+    ``wants_references``, and sends each image's reference with it as a PNG).
     """
 
     def __init__(self, url: str, token_env: str | None = None, timeout: float = 30.0, retries: int = 3,
-                 backoff: float = 1.0, batch_size: int = 64, concurrency: int = 1, name: str | None = None):
+                 backoff: float = 1.0, batch_size: int = 64, concurrency: int = 1, name: str | None = None,
+                 references: bool = False):
         try:
             import httpx
         except ImportError:
@@ -58,6 +61,7 @@ class RemoteReward:
         self.endpoint = f"{self.url}/score"
         self.retries, self.backoff, self.batch_size = int(retries), float(backoff), int(batch_size)
         self.name = name or "remote"
+        self.wants_references = bool(references)
         headers = {}
         if token_env:
             token = os.environ.get(token_env)
@@ -67,8 +71,13 @@ class RemoteReward:
         self._httpx = httpx
         self._client = httpx.Client(timeout=float(timeout), headers=headers)
 
-    def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
-        """images [B, 3, H, W] in [0, 1], prompts [B], groups [B] long or None -> scores [B] and components [B]."""
+    def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None,
+                 references: Tensor | None = None) -> RewardOutput:
+        """images [B, 3, H, W] in [0, 1], prompts [B], groups [B] long or None, with ``references``
+        (option) each image's reference [B, 3, H, W] in [0, 1] -> scores [B] and components [B]."""
+        if self.wants_references and references is None:
+            raise UserError(f"reward {self.name!r} (reward.options.remote.references=true) needs each image's "
+                            "reference image: a .jsonl prompt file with an \"image\" column")
         n = images.shape[0]
         group_list = None if groups is None else [int(g) for g in torch.as_tensor(groups).reshape(-1).tolist()]
         scores = torch.full((n,), float("nan"), dtype=torch.float32)
@@ -79,6 +88,8 @@ class RemoteReward:
             body = {"prompts": [prompts[i] for i in idx], "images": encode_png_b64(images[idx])}
             if group_list is not None:
                 body["groups"] = [group_list[i] for i in idx]
+            if self.wants_references:
+                body["references"] = encode_png_b64(references[idx])
             bodies.append(body)
         if self.concurrency > 1 and len(bodies) > 1:  # httpx.Client is thread-safe; answers keep request order
             with ThreadPoolExecutor(max_workers=min(self.concurrency, len(bodies))) as pool:

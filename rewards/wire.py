@@ -1,8 +1,13 @@
 """The reward server's wire protocol, shared by the client (:mod:`flowgrpo.rewards.remote`) and the
 server (:mod:`flowgrpo.serve`). JSON only, never pickle::
 
-    POST /score   {"prompts": [str], "images": [base64 PNG or JPEG], "groups": [int] (optional)}
+    POST /score   {"prompts": [str], "images": [base64 PNG or JPEG], "groups": [int] (optional),
+                   "references": [base64 PNG or JPEG] (optional)}
                -> {"scores": [float | null], "components": {name: [float | null]}}
+
+``references`` (image editing): each image's reference image (its prompt's source image), one per
+image, for a reward that compares the two (``wants_references``); the server resizes each to its
+image's size before scoring, as the trainer does.
 
 Errors are ``{"error": "<one line>"}``. This module lives beside the client rather than in
 ``flowgrpo.serve`` because the server builds rewards (``flowgrpo.serve`` imports
@@ -24,7 +29,7 @@ from flowgrpo.images import png_bytes, to_uint8
 #: the image formats a server decodes (anything else is a 400)
 IMAGE_FORMATS = ("PNG", "JPEG")
 #: the fields of a ``/score`` body
-FIELDS = ("prompts", "images", "groups")
+FIELDS = ("prompts", "images", "groups", "references")
 
 
 def encode_png_b64(images: Tensor) -> list[str]:

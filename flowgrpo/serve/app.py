@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..rewards.base import wants_references
 from ..rewards.wire import json_floats, one_line
 from .batcher import Batcher
 from .budget import ByteBudget
@@ -117,6 +118,7 @@ def create_app(reward, token: str | None = None, max_batch: int = 32, window_ms:
     token_bytes = token.encode() if token else None
     body_limit = int(max_body_mb * MIB)
     decoded_limit = int(max_decoded_mb * MIB)
+    wants_refs = wants_references(reward)
     batcher = Batcher(reward, max_batch=max_batch, window_s=window_ms / 1000.0, max_bytes=decoded_limit)
     inflight = ByteBudget(int(max_inflight_mb * MIB), queue_timeout_s, "decoded images", "max_inflight_mb")
     bodies = ByteBudget(int(max_bodies_mb * MIB), queue_timeout_s, "request bodies", "max_bodies_mb")
@@ -180,17 +182,20 @@ def create_app(reward, token: str | None = None, max_batch: int = 32, window_ms:
             # holder of the second ever waits for the first, so waiting requests cannot deadlock
             async with bodies.reserve(_declared_size(request, body_limit)):
                 body = await _read_body(request, body_limit, body_timeout_s)
-                req = await asyncio.to_thread(parse_score_request, body, max_images)  # off the event loop
+                req = await asyncio.to_thread(parse_score_request, body, max_images, wants_refs)  # off the loop
                 del body
-                opened, nbytes = await asyncio.to_thread(open_images, req.images, max_image_pixels, decoded_limit)
+                # an edit reward's reference images are decoded with the images, within the same budgets
+                texts = req.images + (req.references or [])
+                opened, nbytes = await asyncio.to_thread(open_images, texts, max_image_pixels, decoded_limit)
                 try:
                     async with inflight.reserve(nbytes):
                         images = await asyncio.to_thread(decode_pixels, opened)
-                        req.images = []  # the base64 text is no longer needed
+                        images, refs = images[:len(req.prompts)], images[len(req.prompts):] or None
+                        req.images = req.references = []  # the base64 text is no longer needed
                         arriving = False
                         batcher.arriving -= 1  # no await until the parts are queued in batcher.score
                         try:
-                            scores, comps = await batcher.score(images, req.prompts, req.groups)
+                            scores, comps = await batcher.score(images, req.prompts, req.groups, refs)
                         except Exception as exc:  # the reward itself failed on this request's images
                             raise RequestError(500, f"reward failed: {type(exc).__name__}: {exc}") from None
                 finally:

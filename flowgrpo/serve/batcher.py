@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..references import resize_references
+from ..rewards.base import wants_references
 from ..rewards.wire import pack_groups
 from .codec import decoded_bytes
 
@@ -32,16 +34,18 @@ from .codec import decoded_bytes
 @dataclass
 class Part:
     """Up to ``max_batch`` images of one request: images [1, 3, H, W] each (uint8, or float in
-    [0, 1]), prompts, group keys; ``nbytes``: their decoded size (:func:`~.codec.decoded_bytes`)."""
+    [0, 1]), prompts, group keys, each image's reference image [1, 3, h, w] (image editing; else
+    None); ``nbytes``: their decoded size (:func:`~.codec.decoded_bytes`)."""
 
     images: list[Tensor]
     prompts: list[str]
     groups: list
     future: asyncio.Future = field(default=None, repr=False)
+    references: list[Tensor] | None = None
     nbytes: int = field(init=False, default=0)
 
     def __post_init__(self):
-        self.nbytes = sum(decoded_bytes(img) for img in self.images)
+        self.nbytes = sum(decoded_bytes(img) for img in [*self.images, *(self.references or [])])
 
 
 @dataclass
@@ -77,7 +81,11 @@ def _score_parts(reward, parts: list[Part]) -> list[PartResult]:
         by_size.setdefault(tuple(item[2].shape[-2:]), []).append(k)
     for rows in by_size.values():
         images = _float_batch([flat[k][2] for k in rows])
-        out = reward(images, [flat[k][3] for k in rows], groups=torch.tensor([flat[k][4] for k in rows]))
+        extra = {}
+        if wants_references(reward):  # each image's reference, at the image's size (as the trainer does)
+            refs = [_float_batch([parts[flat[k][0]].references[flat[k][1]]])[0] for k in rows]
+            extra["references"] = resize_references(refs, images.shape[-2], images.shape[-1])
+        out = reward(images, [flat[k][3] for k in rows], groups=torch.tensor([flat[k][4] for k in rows]), **extra)
         scores = out.scores.detach().float().cpu().reshape(-1)
         comps = {name: v.detach().float().cpu().reshape(-1) for name, v in out.components.items()}
         if scores.shape[0] != len(rows) or any(v.shape[0] != len(rows) for v in comps.values()):
@@ -118,17 +126,17 @@ class Batcher:
                 await self._task
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    async def score(self, images: list[Tensor], prompts: list[str], groups: list[int] | None
-                    ) -> tuple[Tensor, dict[str, Tensor]]:
+    async def score(self, images: list[Tensor], prompts: list[str], groups: list[int] | None,
+                    references: list[Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Score one request: images [1, 3, H, W] each (uint8 or float in [0, 1]; sizes may differ),
-        prompts [B], groups [B] or None (then the images of one prompt form a group). Returns scores
-        [B] and components [B]."""
+        prompts [B], groups [B] or None (then the images of one prompt form a group), each image's
+        reference image [1, 3, h, w] or None. Returns scores [B] and components [B]."""
         keys = list(groups) if groups is not None else list(prompts)
         loop = asyncio.get_running_loop()
         parts = []
         for idx in pack_groups(keys, self.max_batch):
             part = Part([images[i] for i in idx], [prompts[i] for i in idx], [keys[i] for i in idx],
-                        loop.create_future())
+                        loop.create_future(), None if references is None else [references[i] for i in idx])
             parts.append((idx, part))
             self.queue.put_nowait(part)
         self.requests += 1

@@ -64,21 +64,24 @@ class RequestError(Exception):
 
 @dataclass
 class ScoreRequest:
-    """A checked ``/score`` body: prompts [B], base64 images [B], groups [B] (or None)."""
+    """A checked ``/score`` body: prompts [B], base64 images [B], groups [B] (or None), base64
+    reference images [B] (or None; image editing)."""
 
     prompts: list[str]
     images: list[str]
     groups: list[int] | None
+    references: list[str] | None = None
 
 
 # a JSON string with its escapes: what is inside it is text, not structure
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
 
-def max_json_values(max_images: int) -> int:
+def max_json_values(max_images: int, references: bool = False) -> int:
     """The most JSON values (as :func:`count_json_values` counts them) a ``/score`` body may hold: the
-    object, its three lists of ``max_images`` each, and some slack."""
-    return 3 * max_images + 16
+    object, its three lists of ``max_images`` each (four for a reward that takes ``references``), and
+    some slack."""
+    return (4 if references else 3) * max_images + 16
 
 
 def count_json_values(body: bytes, enough: int = 0) -> int:
@@ -97,11 +100,14 @@ def count_json_values(body: bytes, enough: int = 0) -> int:
     return rough if rough <= enough else structure(_JSON_STRING.sub(b'""', body))
 
 
-def parse_score_request(body: bytes, max_images: int | None = None) -> ScoreRequest:
+def parse_score_request(body: bytes, max_images: int | None = None,
+                        wants_references: bool = False) -> ScoreRequest:
     """The raw JSON body -> :class:`ScoreRequest`; a body with more JSON values than a request of
     ``max_images`` images can hold is a 413 before it is parsed, malformed JSON a 400, a wrong schema
-    a 422, more than ``max_images`` images a 413."""
-    limit = max_json_values(max_images) if max_images is not None else None
+    a 422, more than ``max_images`` images a 413. ``wants_references``: whether the reward takes reference
+    images (then a body must carry them, else it must not)."""
+    wants = wants_references
+    limit = max_json_values(max_images, wants) if max_images is not None else None
     if limit is not None and count_json_values(body, limit) > limit:
         # each value is a Python object once parsed: 20 M empty lists in 60 MB took 1.5 GiB
         raise RequestError(413, f"the body holds more than {limit} JSON values (lists, objects, strings or "
@@ -118,7 +124,7 @@ def parse_score_request(body: bytes, max_images: int | None = None) -> ScoreRequ
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise RequestError(422, f"unknown field(s) {', '.join(map(repr, unknown))}; expected {', '.join(FIELDS)}")
-    prompts, images, groups = (data.get(k) for k in FIELDS)
+    prompts, images, groups, references = (data.get(k) for k in FIELDS)
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise RequestError(422, "'prompts' must be a list of strings")
     if not isinstance(images, list) or not all(isinstance(s, str) for s in images):
@@ -130,11 +136,21 @@ def parse_score_request(body: bytes, max_images: int | None = None) -> ScoreRequ
             raise RequestError(422, "'groups' must be a list of integers")
         if len(groups) != len(images):
             raise RequestError(422, f"{len(groups)} groups but {len(images)} images")
+    if references is not None:
+        if not wants:
+            raise RequestError(422, "this server's reward takes no reference images; leave out 'references'")
+        if not isinstance(references, list) or not all(isinstance(s, str) for s in references):
+            raise RequestError(422, "'references' must be a list of base64 strings (PNG or JPEG), one per image")
+        if len(references) != len(images):
+            raise RequestError(422, f"{len(references)} references but {len(images)} images")
+    elif wants:
+        raise RequestError(422, "this server's reward compares each image with its reference image: send "
+                                "'references' (one base64 PNG or JPEG per image)")
     if max_images is not None and len(images) > max_images:
         # pairwise rewards judge every pair of a group: memory and time grow with the square
         raise RequestError(413, f"the request holds {len(images)} images, more than the server's limit of "
                                 f"{max_images} per request (max_images); send fewer per request")
-    return ScoreRequest(prompts, images, groups)
+    return ScoreRequest(prompts, images, groups, references)
 
 
 def decoded_bytes(image: Tensor) -> int:
