@@ -173,20 +173,24 @@ def bench_slowloris(root: str | None, connections: int = 1100, nofile: int = 102
         time.sleep(1.0)
         ms, status = health_ms(srv.url, timeout=30)
         open_at: dict[str, int] = {}
-        alive = set(range(len(socks)))
+        by_fd = {s.fileno(): s for s in socks}
+        poller = select.poll()  # select() stops at file descriptor 1024
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        alive = set(by_fd)
         start = time.monotonic()
         for mark in (2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 170):
             if mark > watch_s:
                 break
             while time.monotonic() - start < mark and alive:
-                readable, _, _ = select.select([socks[i] for i in list(alive)[:1000]], [], [], 0.2)
-                for s in readable:
+                for fd, _ in poller.poll(200):
                     try:
-                        gone = s.recv(4096) == b""
+                        gone = by_fd[fd].recv(4096) == b""
                     except OSError:
                         gone = True
                     if gone:
-                        alive.discard(socks.index(s))
+                        alive.discard(fd)
+                        poller.unregister(fd)
             open_at[f"{mark}s"] = len(alive)
         ms_after, status_after = health_ms(srv.url, timeout=30)
         log = srv.stderr()

@@ -11,6 +11,7 @@ Before: one request of five 4096 x 4096 PNGs took the server to a 3.7 GiB peak a
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -127,6 +128,19 @@ def test_six_concurrent_requests_peak_no_higher_than_one():
     assert grown[1] < 1.5 * grown[0] + 64, grown  # without the budget: about 6x (+5x of 48 MiB at least)
 
 
+def test_budgets_smaller_than_one_allowed_request_are_refused_in_one_line():
+    import subprocess
+
+    from conftest import cli_env, flowgrpo_command
+
+    proc = subprocess.run(flowgrpo_command() + ["serve-reward", "--reward", "jpeg_compressibility", "--port", "0",
+                                                "--max-inflight-mb", "100"],
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr)
+    assert "--max-inflight-mb (100) must be at least --max-decoded-mb (1024)" in lines[0], lines
+
+
 # --------------------------------------------------------------------------- connections
 
 
@@ -189,6 +203,33 @@ def test_the_header_deadline_spares_a_slow_body_and_keeps_alive_connections():
             for _ in range(3):  # one connection, each request within the deadline of the last answer
                 assert http.get(f"{srv.url}/health").status_code == 200
                 time.sleep(0.3)
+
+
+def test_running_out_of_file_descriptors_is_one_warning_not_tracebacks(caplog):
+    """asyncio reports an accept() that finds no file descriptor through the loop's exception handler,
+    with a traceback each time ("Too many open files" at ulimit -n 1024); the server logs one line a
+    minute instead, and other loop errors still reach asyncio's default handler."""
+    import asyncio
+
+    from flowgrpo.serve.guard import GuardedServer
+    from flowgrpo.serve.server import uvicorn_config
+
+    server = GuardedServer(uvicorn_config(create_app(build_reward("jpeg_compressibility"))))
+    uvicorn_log = logging.getLogger("uvicorn.error")  # configured by uvicorn: it does not propagate
+    uvicorn_log.addHandler(caplog.handler)
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level("DEBUG"):
+            for _ in range(3):
+                server._loop_error(loop, {"message": "socket.accept() out of system resource",
+                                          "exception": OSError(24, "Too many open files")})
+            server._loop_error(loop, {"message": "something else", "exception": RuntimeError("boom")})
+    finally:
+        loop.close()
+        uvicorn_log.removeHandler(caplog.handler)
+    mine = [r for r in caplog.records if "no file descriptor left" in r.getMessage()]
+    assert len(mine) == 1 and mine[0].levelname == "WARNING" and not mine[0].exc_info, caplog.records
+    assert any("something else" in r.getMessage() for r in caplog.records)
 
 
 # --------------------------------------------------------------------------- JSON

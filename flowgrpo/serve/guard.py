@@ -16,15 +16,21 @@ server logged "Too many open files". :func:`guarded_protocol` gives uvicorn an h
   lock out a client that sends its request at once, and the open sockets stay under the file limit.
 
 Each header block is also capped at h11's 16 KiB (uvicorn's ``h11_max_incomplete_event_size``), so a
-held connection costs a few KiB.
+held connection costs a few KiB. The listening backlog is ``max_connections`` too (asyncio accepts up
+to a backlog of connections in one go, before any of them can be closed), and :class:`GuardedServer`
+reports a burst that still runs out of file descriptors as one warning a minute instead of a
+traceback per attempt (asyncio then waits a second and accepts again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import resource
 import time
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .codec import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
@@ -104,3 +110,25 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[Guar
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
                 {"header_timeout_s": float(header_timeout_s), "max_connections": int(max_connections),
                  "_last_warning": [float("-inf")]})
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server, with asyncio's "socket.accept() out of system resource" (no file descriptor
+    left for a new connection) as one warning line at most once a minute, not a traceback each time."""
+
+    _last_warning = float("-inf")
+
+    async def serve(self, sockets=None) -> None:
+        asyncio.get_running_loop().set_exception_handler(self._loop_error)
+        await super().serve(sockets)
+
+    def _loop_error(self, loop, context: dict) -> None:
+        if not context.get("message", "").startswith("socket.accept() out of system resource"):
+            loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning("no file descriptor left to accept a connection (%s; open-file limit %d): new connections "
+                        "wait; lower max_connections (logged at most once a minute)", context.get("exception"),
+                        resource.getrlimit(resource.RLIMIT_NOFILE)[0])

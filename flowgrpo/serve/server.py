@@ -102,13 +102,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def uvicorn_config(app, log_level: str = "info", header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                    max_connections: int = DEFAULT_MAX_CONNECTIONS):
     """uvicorn's configuration for ``app``: h11 with the header deadline and the connection cap of
-    :mod:`flowgrpo.serve.guard`, keep-alive connections closed after 5 s idle."""
+    :mod:`flowgrpo.serve.guard` (and a listening backlog of ``max_connections``), keep-alive
+    connections closed after 5 s idle. Serve it with :class:`~flowgrpo.serve.guard.GuardedServer`."""
     import uvicorn
 
     from .guard import guarded_protocol
 
     return uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", timeout_keep_alive=5,
-                          http=guarded_protocol(header_timeout_s, max_connections))
+                          backlog=max_connections, http=guarded_protocol(header_timeout_s, max_connections))
 
 
 def fit_open_files(max_connections: int) -> None:
@@ -128,9 +129,9 @@ def fit_open_files(max_connections: int) -> None:
 def run_server(app, sock: socket.socket, log_level: str = "info", header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
     """Serve ``app`` with uvicorn on the bound socket ``sock`` in the foreground until interrupted."""
-    import uvicorn
+    from .guard import GuardedServer
 
-    server = uvicorn.Server(uvicorn_config(app, log_level, header_timeout_s, max_connections))
+    server = GuardedServer(uvicorn_config(app, log_level, header_timeout_s, max_connections))
     server.run(sockets=[sock])
     if not server.started:  # uvicorn has logged why (e.g. the app's startup failed)
         raise UserError("the reward server failed to start")
@@ -196,11 +197,11 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS):
-        import uvicorn
+        from .guard import GuardedServer
 
         self.sock = bind_socket(host, 0)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn_config(app, "warning", header_timeout_s, max_connections))
+        self.server = GuardedServer(uvicorn_config(app, "warning", header_timeout_s, max_connections))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ServerThread:
