@@ -7,7 +7,9 @@ an evaluator (e.g. SD3 on free-form prompts) trains without one, and the run's s
 
 Built in: ``shapes`` (verifier accuracy of the embedded shapes world, :mod:`flowgrpo.shapes.evaluate`)
 and ``unigenbench`` (UniGenBench on a prompt subset, judged by a VLM over an OpenAI-compatible API;
-configured through ``eval.options``, :mod:`flowgrpo.unigenbench.evaluator`).
+configured through ``eval.options``, :mod:`flowgrpo.unigenbench.evaluator`) and ``edit`` (image-editing
+runs: held-out edit prompts drawn with their reference images and scored by a reward that is given
+them, :mod:`flowgrpo.edit_evaluator`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .registry import Registry
 EVALUATORS: Registry = Registry("evaluator")
 EVALUATORS.register_lazy("shapes", "flowgrpo.shapes.evaluate:ShapesEvaluator")
 EVALUATORS.register_lazy("unigenbench", "flowgrpo.unigenbench.evaluator:UniGenBenchEvaluator")
+EVALUATORS.register_lazy("edit", "flowgrpo.edit_evaluator:EditEvaluator")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from flowgrpo.config import load_config
 from flowgrpo.images import to_uint8
 from flowgrpo.policies import build_policy
 from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
-from flowgrpo.sample_command import noise_seed
+from flowgrpo.drawing import noise_seed
 from flowgrpo.samplers.solvers import solve_ode
 from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from flowgrpo.trainer.run import train
