@@ -29,6 +29,7 @@ import errno
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 from .bench_command import add_bench_parser
@@ -386,8 +387,36 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
+#: errors of the disk rather than of the code (full, over quota, read-only, not ours): one line, exit 2
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _disk_error_line(exc: OSError) -> str:
+    return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+
+
+def _quiet_disk_errors_in_threads() -> None:
+    """A background writer (TensorBoard's event thread) that meets a full or read-only disk prints one
+    warning line instead of its traceback; the main thread reports its own error, or finishes."""
+    default = threading.excepthook
+    if getattr(default, "flowgrpo", False):
+        return
+
+    def hook(args) -> None:
+        if isinstance(args.exc_value, OSError) and args.exc_value.errno in _DISK_ERRNOS:
+            name = args.thread.name if args.thread is not None else "a thread"
+            print(f"flowgrpo: warning: background writer {name} stopped: {_disk_error_line(args.exc_value)}",
+                  file=sys.stderr)
+        else:
+            default(args)
+
+    hook.flowgrpo = True
+    threading.excepthook = hook
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _quiet_disk_errors_in_threads()
     args = parse_args(build_parser(), argv)
     args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -399,10 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as exc:  # the disk, not the code: full, read-only, not ours (one line, as bad input)
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+        if exc.errno not in _DISK_ERRNOS:
             raise
-        where = f": {exc.filename}" if exc.filename else ""
-        print(f"flowgrpo: error: {exc.strerror}{where}", file=sys.stderr)
+        print(f"flowgrpo: error: {_disk_error_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("flowgrpo: interrupted (checkpoints written so far are kept; resume with --resume RUN_DIR)",

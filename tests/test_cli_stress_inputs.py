@@ -227,6 +227,35 @@ def test_full_disk_elsewhere_in_a_run_is_one_line(shapes_model_dir, tmp_path, ca
     one_line_error(rc, capsys.readouterr().err, "No space left on device", str(out / "m" / "metrics.jsonl"))
 
 
+def test_a_background_writer_on_a_full_disk_is_one_warning_line(capsys, monkeypatch):
+    """TensorBoard writes events on its own thread: its ENOSPC is one warning line, not a traceback;
+    anything else still reaches the previous hook (Python's traceback printer)."""
+    import threading
+
+    passed_on = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: passed_on.append(args.exc_value))
+
+    from flowgrpo.cli import _quiet_disk_errors_in_threads
+
+    def fail():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/r/tensorboard/events.out")
+
+    def bug():
+        raise ValueError("a real bug keeps its traceback")
+
+    _quiet_disk_errors_in_threads()
+    _quiet_disk_errors_in_threads()  # installed once, however often main() runs
+    for target in (fail, bug):
+        t = threading.Thread(target=target, name="writer")
+        t.start()
+        t.join()
+    err = capsys.readouterr().err
+    assert ("flowgrpo: warning: background writer writer stopped: No space left on device: "
+            "/runs/r/tensorboard/events.out\n") in err
+    assert err.count("flowgrpo: warning") == 1 and "a real bug" not in err
+    assert [type(e) for e in passed_on] == [ValueError]
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
