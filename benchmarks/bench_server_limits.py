@@ -9,7 +9,8 @@ on a fresh ``flowgrpo serve-reward`` subprocess on loopback with a bearer token:
 
 - ``memory``: one request, then (fresh server) six concurrent requests, of five 4096 x 4096 PNGs
   (a smooth gradient, about 0.4 MB each) to the ``shapes`` reward; the server's peak resident set
-  (VmHWM) before and after. The prompts do not parse as shapes prompts, so the reward's work is its
+  (VmHWM) before and after. A 503 is retried after its ``Retry-After`` (up to 5 times, as the
+  ``remote`` reward retries), and the 503 answers are counted. The prompts do not parse as shapes prompts, so the reward's work is its
   float -> uint8 conversion of the batch, not the scene check.
 - ``slowloris``: the server runs with ``ulimit -n 1024``; 1,100 connections each send a request
   line and one header, never the blank line that ends the header block. Then one authorised
@@ -135,11 +136,20 @@ def bench_memory(root: str | None, concurrent: int, images: int = 5, size: int =
         before = peak_rss_mib(srv.proc.pid)
         statuses: list[str] = []
 
-        def send():
-            try:
-                statuses.append(str(httpx.post(f"{srv.url}/score", json=body, headers=AUTH, timeout=600).status_code))
-            except httpx.HTTPError as exc:
-                statuses.append(type(exc).__name__)
+        refused: list[int] = []
+
+        def send():  # as the remote reward does: a 503 is retried after its Retry-After, up to 5 times
+            for _ in range(6):
+                try:
+                    resp = httpx.post(f"{srv.url}/score", json=body, headers=AUTH, timeout=600)
+                except httpx.HTTPError as exc:
+                    statuses.append(type(exc).__name__)
+                    return
+                if resp.status_code != 503:
+                    break
+                refused.append(1)
+                time.sleep(float(resp.headers.get("retry-after", 1)))
+            statuses.append(str(resp.status_code))
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=send) for _ in range(concurrent)]
@@ -152,6 +162,7 @@ def bench_memory(root: str | None, concurrent: int, images: int = 5, size: int =
     finally:
         srv.close()
     return {"concurrent": concurrent, "images": images, "size": size, "statuses": sorted(statuses),
+            "answers_503": len(refused),
             "seconds": round(seconds, 1), "rss_before_mib": round(before), "rss_peak_mib": round(peak),
             "body_mb": round(sum(map(len, pngs)) / 1e6, 2)}
 
@@ -201,7 +212,8 @@ def bench_slowloris(root: str | None, connections: int = 1100, nofile: int = 102
     return {"connections": connections, "server_nofile": nofile, "open_seconds": round(opened_s, 1),
             "health_ms": round(ms, 1), "health_status": status, "still_open": open_at,
             "health_after_ms": round(ms_after, 1), "health_after_status": status_after,
-            "too_many_open_files_logged": "Too many open files" in log}
+            "too_many_open_files_logged": "Too many open files" in log,
+            "server_log_lines": [ln for ln in log.splitlines() if ln.strip()][:5]}
 
 
 def bench_json(root: str | None, megabytes: float = 60.0) -> dict:
