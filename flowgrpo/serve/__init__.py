@@ -9,7 +9,9 @@ Endpoints (see :mod:`flowgrpo.serve.app`)::
 
 Concurrent requests are batched (:mod:`flowgrpo.serve.batcher`); the ``remote`` reward
 (:mod:`flowgrpo.rewards.remote`) is the client, and :mod:`flowgrpo.rewards.wire` holds the protocol
-helpers both sides use. Limits on memory and time per request: :func:`flowgrpo.serve.app.create_app`.
+helpers both sides use. Limits on memory and time per request and budgets across requests:
+:func:`flowgrpo.serve.app.create_app` (:mod:`flowgrpo.serve.budget`); a header deadline and a cap on
+open connections: :mod:`flowgrpo.serve.guard`.
 Needs the ``remote`` extra (fastapi, uvicorn).
 """
 
