@@ -185,6 +185,27 @@ def test_unfinished_header_blocks_are_closed_and_do_not_lock_out_health():
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
 
 
+def test_a_header_block_trickled_byte_by_byte_still_meets_the_deadline():
+    """The deadline runs from the connection, not from the last byte: a header sent one byte every
+    0.1 s (which would reset a per-read timeout forever) is cut off after header_timeout_s."""
+    with ServerThread(create_app(build_reward("jpeg_compressibility")), header_timeout_s=1.0) as srv:
+        host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            t0 = time.monotonic()
+            closed = False
+            for byte in b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+                try:
+                    s.sendall(bytes([byte]))
+                except OSError:  # reset: the server closed it
+                    closed = True
+                    break
+                if closed_by_server(s, 0.1):
+                    closed = True
+                    break
+            took = time.monotonic() - t0
+        assert closed and 0.9 < took < 3.0, (closed, took)
+
+
 def test_the_header_deadline_spares_a_slow_body_and_keeps_alive_connections():
     """The deadline is for the header block: a request whose headers came in time may send its body
     slowly (body_timeout_s governs it), and a kept-alive connection gets a fresh deadline per request."""
