@@ -15,11 +15,11 @@ one INFO log line, no traceback.
 
 Memory, server-wide: the requests in flight hold at most ``max_bodies_mb`` of bodies (each reserved
 at its ``Content-Length``, or at ``max_body_mb`` when the length is not declared, until it is
-answered; a parsed body takes about as much again) and ``max_inflight_mb`` of decoded images
-(counted as float32 RGB; they wait as uint8, a quarter of that); a reward call gets at most
-``max_decoded_mb`` of float images and ``max_batch`` images (a group larger than that stays whole);
-``max_images`` also bounds a pairwise reward's pairs, n (n - 1) / 2 per group. Connections are
-bounded by :mod:`flowgrpo.serve.guard`.
+answered; while it is parsed a body takes up to three times its size: the bytes, their text, the
+strings) and ``max_inflight_mb`` of decoded images (counted as float32 RGB; they wait as uint8, a
+quarter of that); a reward call gets at most ``max_decoded_mb`` of float images and ``max_batch``
+images (a group larger than that stays whole); ``max_images`` also bounds a pairwise reward's
+pairs, n (n - 1) / 2 per group. Connections are bounded by :mod:`flowgrpo.serve.guard`.
 """
 
 from __future__ import annotations
