@@ -39,6 +39,9 @@ class PipelineFamily:
             images (each prompt comes with one; the policy then needs them to encode prompts).
         area_kwarg: a ``__call__`` keyword that caps the output area and so must be ``resolution ** 2``
             (FLUX.1-Kontext's ``max_area`` rescales any height / width to 1024^2 by default).
+        prompts_per_call: 1 for a pipeline that refuses several prompts in one call
+            (QwenImageEditPlusPipeline): it is probed, encoded and replayed one prompt at a time
+            (:mod:`~flowgrpo.policies.row_calls`); None: any batch.
     """
 
     pipeline: str
@@ -55,6 +58,7 @@ class PipelineFamily:
     decode_batch: int = 8
     reference_kwarg: str | None = None
     area_kwarg: str | None = None
+    prompts_per_call: int | None = None
 
 
 FAMILIES: Registry[PipelineFamily] = Registry("pipeline family")
@@ -87,6 +91,10 @@ _ENTRIES = (
     # Qwen-Image-Edit: the VL text encoder sees the reference too; true CFG as Qwen-Image
     PipelineFamily("QwenImageEditPipeline", guidance_kwarg="true_cfg_scale", call_kwargs={"negative_prompt": " "},
                    reference_kwarg="image",
+                   lora_targets=(*ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+    # Qwen-Image-Edit-Plus (several references per prompt; one here): diffusers 0.42.1 takes one prompt per call
+    PipelineFamily("QwenImageEditPlusPipeline", guidance_kwarg="true_cfg_scale", call_kwargs={"negative_prompt": " "},
+                   reference_kwarg="image", prompts_per_call=1, decode_batch=1,
                    lora_targets=(*ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
     PipelineFamily("Flux2Pipeline", max_sequence_length=512, lora_targets=(
         *ATTENTION_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "to_qkv_mlp_proj")),

@@ -42,6 +42,7 @@ from .families import PipelineFamily, family_of
 from .experts import ExpertSwitch, route_rows
 from .latent_layout import learn_layout
 from .lora import lora_disabled
+from .row_calls import mark_per_prompt, row, stack_rows
 from .step_record import record_pipeline
 from .switches import COMPILE_BACKEND_ENV, runtime_options, torch_dtype
 from .velocity_combine import infer_combine
@@ -132,7 +133,9 @@ class PipelinePolicy(DiffusersPolicy):
 
     def _learn(self) -> None:
         """Record two steps on the probe prompts and learn the layout, timestep map and guidance scheme."""
-        rec = self._record(self._call_kwargs(PROBE_PROMPTS, 4), max_steps=2, run_transformer=True)
+        one = self.family.prompts_per_call == 1  # probed with one prompt, the others compared with it
+        rec = self._record(self._call_kwargs(PROBE_PROMPTS[:1] if one else PROBE_PROMPTS, 4), max_steps=2,
+                           run_transformer=True)
         if len(rec.steps) < 2 or not rec.steps[0].calls:
             raise ValueError("no transformer call was recorded in its first two denoising steps")
         self.switch.check(rec.steps)
@@ -147,6 +150,11 @@ class PipelinePolicy(DiffusersPolicy):
             if isinstance(ts_key, str) and ts_key not in call.kwargs:
                 raise ValueError(f"its transformer call has no {ts_key!r} argument (set PipelineFamily.timestep_arg)")
             self.layouts.append(CallLayout.learn(i, call, first.sample, latent_key, ts_key))
+        if one:
+            refs = probe_references(len(PROBE_PROMPTS), self.resolution)
+            mark_per_prompt(self.layouts, first.calls, [self._record(
+                self._call_kwargs([p], 4, references=refs[i:i + 1]), max_steps=1, run_transformer=False).steps[0].calls
+                for i, p in enumerate(PROBE_PROMPTS) if i])
         ts = [self._timestep_value(step) for step in (first, second)]
         a = (ts[0] - ts[1]) / (first.sigma - second.sigma)
         self.timestep_scale = _snap(a, "scale")
@@ -273,6 +281,9 @@ class PipelinePolicy(DiffusersPolicy):
             self._text_encoders_to("cpu")
 
     def _encode_now(self, prompts: list[str], references: Tensor | None = None) -> dict[str, Tensor]:
+        if self.family.prompts_per_call == 1 and len(prompts) > 1:  # one call per prompt, stacked
+            return stack_rows([self._encode_now([p], None if references is None else references[i:i + 1])
+                               for i, p in enumerate(prompts)])
         rec = self._record(self._call_kwargs(prompts, 2, references=references), max_steps=1, run_transformer=False)
         calls = rec.steps[0].calls
         if len(calls) != len(self.layouts):
@@ -302,6 +313,9 @@ class PipelinePolicy(DiffusersPolicy):
         as the pipeline does; ``guidance_scale`` (if given) replaces the recorded guidance value g."""
         g = self.cfg_scale if guidance_scale is None else float(guidance_scale)
         sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).reshape(-1).expand(x.shape[0])
+        if self.family.prompts_per_call == 1 and x.shape[0] > 1:  # the transformer as the pipeline calls it
+            return torch.cat([self.velocity(x[r:r + 1], sigma[r:r + 1], Conditioning(row(cond.tensors, r)), g)
+                              for r in range(x.shape[0])])
         timestep = sigma * self.timestep_scale + self.timestep_offset
 
         def run(expert: int, rows: Tensor | None) -> Tensor:  # [m, rows, ...]: every call's outputs
