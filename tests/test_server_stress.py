@@ -206,6 +206,28 @@ def test_a_header_block_trickled_byte_by_byte_still_meets_the_deadline():
         assert closed and 0.9 < took < 3.0, (closed, took)
 
 
+def test_a_connection_answered_early_cannot_be_held_by_trickling_its_body():
+    """A request refused before its body is read (413 on its Content-Length, 401) is answered; the
+    client may go on sending that body a byte at a time, which kept uvicorn's keep-alive timer from
+    ever firing. The connection now gets header_timeout_s from its answer, like any idle one."""
+    with ServerThread(create_app(build_reward("jpeg_compressibility")), header_timeout_s=1.0) as srv:
+        host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /score HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000000000\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 413")
+            t0 = time.monotonic()
+            closed = False
+            while not closed and time.monotonic() - t0 < 8:
+                try:
+                    s.sendall(b"[")
+                except OSError:
+                    break
+                closed = closed_by_server(s, 0.2)
+            took = time.monotonic() - t0
+        assert took < 3.0, took  # before: held as long as the bytes kept coming
+
+
 def test_the_header_deadline_spares_a_slow_body_and_keeps_alive_connections():
     """The deadline is for the header block: a request whose headers came in time may send its body
     slowly (body_timeout_s governs it), and a kept-alive connection gets a fresh deadline per request."""

@@ -8,11 +8,13 @@ server logged "Too many open files". :func:`guarded_protocol` gives uvicorn an h
 
 - a header deadline: a connection that has not completed its request's header block within
   ``header_timeout_s`` of connecting, or of its previous response, is closed (no answer is sent:
-  there is no request to answer). A request whose headers arrived is not affected; its body has
-  the app's own deadline (``body_timeout_s``, 408);
-- a connection cap: when a new connection makes more than ``max_connections`` open, the one that
-  has waited longest for its header block is closed to make room (if every open connection is in
-  the middle of a request, the new one is closed instead). So idle or stalled connections can never
+  there is no request to answer). A request whose headers arrived is not affected until it is
+  answered; its body has the app's own deadline (``body_timeout_s``, 408). A request answered
+  before its body was read (401, 413) counts as answered: the rest of its body is not waited for,
+  however slowly it trickles in (it kept uvicorn's keep-alive timer from ever firing);
+- a connection cap: when a new connection makes more than ``max_connections`` open, the idle one
+  (no request under way, or its answer sent) that has waited longest is closed to make room (if
+  every open connection is in the middle of a request, the new one is closed instead). So idle or stalled connections can never
   lock out a client that sends its request at once, and the open sockets stay under the file limit.
 
 Each header block is also capped at h11's 16 KiB (uvicorn's ``h11_max_incomplete_event_size``), so a
@@ -29,7 +31,6 @@ import logging
 import resource
 import time
 
-import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -60,12 +61,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if not self.waiting_for_headers():  # the header block is complete: the request has begun
+        if not self.idle():  # a header block is complete: a request is under way
             self._disarm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self.waiting_for_headers():  # kept alive: a new deadline
+        if not self.transport.is_closing() and self.idle():  # kept alive: a new deadline
             self._waiting_since = time.monotonic()
             self._arm()
 
@@ -73,10 +74,11 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm()
         super().connection_lost(exc)
 
-    def waiting_for_headers(self) -> bool:
-        """True while no request is under way: before the first header block is complete, and
-        between a response and the next request's header block."""
-        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+    def idle(self) -> bool:
+        """True while the connection owes no answer: before its first header block is complete, and
+        from a response (whether or not the client has sent all of that request's body) to the
+        next request's header block."""
+        return self.cycle is None or self.cycle.response_complete
 
     def _arm(self) -> None:
         self._disarm()
@@ -89,19 +91,19 @@ class GuardedH11Protocol(H11Protocol):
 
     def _header_deadline(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing() and self.waiting_for_headers():
+        if not self.transport.is_closing() and self.idle():
             self.transport.close()
 
     def _make_room(self) -> None:
-        """Close the connection that has waited longest for its header block (this one if none)."""
+        """Close the idle connection that has waited longest (this one if none is idle)."""
         idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
-                and not c.transport.is_closing() and c.waiting_for_headers()]
+                and not c.transport.is_closing() and c.idle()]
         victim = min(idle, key=lambda c: c._waiting_since) if idle else self
         now = time.monotonic()
         if now - self._last_warning[0] >= _WARN_EVERY_S:
             self._last_warning[0] = now
-            log.warning("more than max_connections=%d connections open: closing the one that waited longest for "
-                        "its request headers (logged at most once a minute)", self.max_connections)
+            log.warning("more than max_connections=%d connections open: closing the idle one that waited longest "
+                        "for a request (logged at most once a minute)", self.max_connections)
         victim.transport.close()
 
 
