@@ -155,3 +155,34 @@ def test_sample_a_shapes_world_run(shapes_model_dir, tmp_path):
     ref = generate_ode(policy, ["a red circle", "four red squares"], [0, 100], num_steps=cfg.sampler.num_steps,
                        shift=cfg.sampler.shift)
     assert np.abs(to_uint8(ref).astype(int) - files.astype(int)).max() <= 1
+
+
+def test_sample_a_video_run(tmp_path):
+    from flowgrpo.drawing import draw
+    from flowgrpo.images import image_grid
+    from flowgrpo.policies.wan_tiny import save_tiny_wan
+    from flowgrpo.trainer.checkpoint import load_trained_policy
+
+    frames, res = 5, 32
+    base = save_tiny_wan(tmp_path / "tiny-wan")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat walking on a beach\na red ball rolling\n")
+    cfg = load_config("flow-grpo", None, [
+        f"model.name={base}", f"model.num_frames={frames}", f"model.resolution={res}", "model.train_mode=lora",
+        "model.max_sequence_length=16", "model.lora_rank=4", "model.guidance_scale=3.0",
+        "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts}", "eval.evaluator=none",
+        "data.prompts_per_iteration=1", "data.trees_per_prompt=2", "sampler.num_steps=2", "train.iterations=1",
+        "train.threads=1", "log.progress=false", "log.trackers=[]", f"log.out_dir={tmp_path}", "log.run_name=w"],
+        recipe="shapes")
+    train(cfg)
+    out = tmp_path / "out"
+    assert main(["sample", str(tmp_path / "w"), "--prompts", str(prompts), "--out", str(out), "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["0000_0.mp4", "0000_0.png", "0001_0.mp4", "0001_0.png",
+                                                      "grid.png", "samples.json"]
+    assert iio.imread(out / "0000_0.mp4", plugin="FFMPEG").shape[:3] == (frames, res, res)
+    # the frames png is the trained policy's video, drawn from the same seeds
+    policy = load_trained_policy(tmp_path / "w").policy.eval()
+    videos = draw(policy, ["a cat walking on a beach", "a red ball rolling"], [0, 100], 2, cfg.sampler.shift)
+    assert videos.shape == (2, frames, 3, res, res)
+    for i in range(2):
+        assert np.array_equal(iio.imread(out / f"{i:04d}_0.png"), image_grid(videos[i], ncol=frames))
