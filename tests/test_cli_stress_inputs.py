@@ -384,3 +384,20 @@ def test_grid_captions_of_huge_prompts_are_cut(tmp_path):
     assert len(clip_caption(huge)) == MAX_CAPTION_CHARS and clip_caption(huge).endswith("…")
     assert clip_caption("a blue square") == "a blue square"
     assert grid_captions([huge], None, 1)[0][0] == huge  # captions keep the text; only drawing cuts it
+
+
+def test_divergence_names_the_first_broken_weight(tiny_config):
+    """The check after each iteration: finite samples and weights pass; a NaN weight is named."""
+    from types import SimpleNamespace
+
+    from flowgrpo.trainer.run import _divergence
+    from flowgrpo.trainer.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(tiny_config())
+    out = SimpleNamespace(images=torch.rand(2, 3, 8, 8), metrics={"loss": 0.5, "grad_norm": 1.0})
+    assert _divergence(trainer, out) is None
+    assert _divergence(trainer, SimpleNamespace(images=out.images, metrics={"loss": float("nan")})) == "loss is nan"
+    name, param = list(trainer.policy.named_trainable_parameters())[-1]
+    with torch.no_grad():
+        param.view(-1)[0] = float("inf")
+    assert _divergence(trainer, out) == f"trainable weight {name} holds NaN or infinite values"

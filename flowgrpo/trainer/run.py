@@ -42,6 +42,7 @@ from ..config import RunConfig, to_dict
 from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
+from ..sharded_tensors import is_sharded
 from .accelerator import start_trackers
 from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint, write_problem
 from .metrics import MetricsLogger, json_safe, read_metrics
@@ -286,10 +287,12 @@ def _divergence(trainer: GRPOTrainer, out) -> str | None:
         value = out.metrics.get(key)
         if isinstance(value, float) and not math.isfinite(value):
             return f"{key} is {value}"
-    with torch.no_grad():
-        for name, p in trainer.policy.named_trainable_parameters():
-            if not bool(torch.isfinite(p).all()):
-                return f"trainable weight {name} holds NaN or infinite values"
+    with torch.no_grad():  # this rank's slice of sharded weights (the caller sums the verdict over ranks)
+        params = [(n, p.to_local() if is_sharded(p) else p) for n, p in trainer.policy.named_trainable_parameters()]
+        finite = [torch.isfinite(p).all() for _, p in params]
+        if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):  # one sync
+            bad = next(n for (n, _), f in zip(params, finite) if not bool(f))
+            return f"trainable weight {bad} holds NaN or infinite values"
     return None
 
 
