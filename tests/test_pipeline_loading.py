@@ -86,3 +86,24 @@ def test_train_and_export_through_the_generic_adapter_are_quiet(qwen_dir, tmp_pa
     assert loud.returncode == 0, loud.stderr
     assert "Loading pipeline components" in loud.stderr
     assert not [n for n in ("torch_dtype", "FutureWarning", "negative_prompt is passed") if n in loud.stderr]
+
+
+def test_library_bars_follow_the_switch_and_respect_hf_hub_disable(monkeypatch):
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    from flowgrpo.policies.diffusers_common import show_library_progress
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    try:
+        show_library_progress(False)
+        assert not diffusers_logging.is_progress_bar_enabled() and not transformers_logging.is_progress_bar_enabled()
+        show_library_progress(True)
+        assert diffusers_logging.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
+        monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the user's own switch wins over log.progress=true
+        show_library_progress(False)
+        show_library_progress(True)
+        assert not diffusers_logging.is_progress_bar_enabled()
+    finally:
+        monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+        show_library_progress(True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
 
 import torch
@@ -123,6 +124,8 @@ def set_model_options(cfg, names: tuple[str, ...] = ("resolution", "max_sequence
 #: diffusers' FutureWarning for the ``torch_dtype=`` keyword (newer releases call it ``dtype=``; the
 #: releases flowgrpo supports from 0.32 know only ``torch_dtype=``, so it is passed and the warning dropped)
 _TORCH_DTYPE_WARNING = r"`torch_dtype` is deprecated"
+#: the values of HF_HUB_DISABLE_PROGRESS_BARS that turn the bars off (then log.progress=true leaves them off)
+TRUE_VALUES = ("1", "ON", "YES", "TRUE")
 #: whether the libraries' own progress bars print (:func:`show_library_progress`)
 _LIBRARY_BARS: dict[str, bool | None] = {"enabled": None}  # None: as the libraries are
 
@@ -145,6 +148,8 @@ def _apply_progress(library: str) -> None:
 
     if _LIBRARY_BARS["enabled"] is None:
         return
+    if _LIBRARY_BARS["enabled"] and os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").upper() in TRUE_VALUES:
+        return  # the user turned Hugging Face's bars off for good
     logging = importlib.import_module(f"{library}.utils.logging")
     (logging.enable_progress_bar if _LIBRARY_BARS["enabled"] else logging.disable_progress_bar)()
 
