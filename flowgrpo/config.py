@@ -27,8 +27,8 @@ from .samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
 
 @dataclass
 class ModelConfig:
-    name: str = _f("shapes", "policy adapter (shapes | sd3 | sd3-tiny | flux | wan, see `flowgrpo.policies.POLICIES`), or a diffusers pipeline directory / cached hub id whose model_index.json picks the adapter")
-    path: str | None = _f(None, "local weights directory (shapes: default shipped weights; sd3 / flux / wan: a diffusers pipeline folder)")
+    name: str = _f("shapes", "policy adapter (shapes | sd3 | sd3-tiny | flux | wan | pipeline, see `flowgrpo.policies.POLICIES`; pipeline: the generic adapter, for any flow-matching transformer pipeline in model.path), or a diffusers pipeline directory / cached hub id whose model_index.json picks the adapter (the generic one for a class without a dedicated adapter)")
+    path: str | None = _f(None, "local weights directory (shapes: default shipped weights; sd3 / flux / wan / pipeline: a diffusers pipeline folder)")
     train_mode: TrainMode = _f("lora", "lora (peft adapter) | full (all transformer weights)")
     lora_rank: int = _f(32, "LoRA rank r")
     lora_alpha: float = _f(64.0, "LoRA alpha (scale = alpha / r)")
