@@ -115,8 +115,10 @@ def _cmd_probe(args) -> int:
 
     start = time.time()
     res = run_probe(policy.model.encode, sample, num_prompts=args.prompts, seeds=args.seeds,
-                    passk_per_tag=args.passk_prompts, n=args.n, threshold=THRESHOLD if args.threshold is None else args.threshold)
+                    passk_per_tag=args.passk_prompts, n=args.n, threshold=THRESHOLD if args.threshold is None else args.threshold,
+                    labels=lambda prompt, _length: policy.model.token_labels(prompt))
     res["model"], res["seconds"] = desc, round(time.time() - start, 1)
+    res["text_encoder"] = policy.model.cfg.text_encoder
     res["settings"].update({"num_steps": args.steps, "shift": shift})
     print_tables(res, desc)
     out = Path(args.out)

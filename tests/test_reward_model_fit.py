@@ -6,6 +6,7 @@ checkpoint or LoRA is written."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import run_cli, tiny_overrides
 
 from flowgrpo.config import load_config
@@ -23,12 +24,18 @@ def test_shapes_reward_on_another_model_is_refused_up_front(reward):
     assert f"reward {reward!r}" in msg and "sd3-tiny" in msg and "reward.weights" in msg and "\n" not in msg
 
 
-def test_every_reward_nan_stops_the_run_with_one_line_and_writes_nothing(shapes_model_dir, tmp_path):
-    # in the world's vocabulary, but not prompts its verifier can parse: every image scores NaN
+def test_every_reward_nan_stops_the_run_with_one_line_and_writes_nothing(tmp_path):
+    # in the world's vocabulary, but not prompts its verifier can parse: every image scores NaN. A model
+    # with the word-level encoder (which reads any in-vocabulary words) draws them; the scene encoder
+    # refuses such prompts before sampling (tests/test_scene_text.py)
+    from flowgrpo.shapes.model import ShapesFlowModel, ShapesModelConfig
+
+    torch.manual_seed(0)
+    ShapesFlowModel(ShapesModelConfig(num_layers=1, text_encoder="words")).save(tmp_path / "words_model")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("red blue green\nleft of above\n")
     out = tmp_path / "runs"
-    args = ["train", *tiny_overrides(shapes_model_dir, **{"data.prompts": prompts, "eval.evaluator": "none"}),
+    args = ["train", *tiny_overrides(tmp_path / "words_model", **{"data.prompts": prompts, "eval.evaluator": "none"}),
             f"log.out_dir={out}", "log.run_name=allnan"]
     proc = run_cli(args)
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -21,27 +21,39 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..errors import UserError
+from .scene_text import SceneTextEncoder, SceneTokenizer, VocabularyError, prompt_words  # noqa: F401 (VocabularyError: re-exported)
 from .world import VOCAB
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
 
+#: the text sides a shapes model can have (``ShapesModelConfig.text_encoder``)
+TEXT_ENCODERS = ("scene", "words")
+
+
 @dataclass
 class ShapesModelConfig:
-    image_size: int = 32
-    patch_size: int = 8
-    num_layers: int = 6
-    attention_head_dim: int = 32
+    """Size and conditioning of the shapes model; written into ``config.json`` beside its weights.
+
+    The model's size is chosen at pretraining (``python -m flowgrpo.shapes.pretrain --layers N
+    --heads N --head-dim N --text-dim N``); training and evaluation read it back from the weights."""
+
+    image_size: int = 32  # pixels per side (the 4x4 grid of 8-pixel cells)
+    patch_size: int = 8  # one patch = one grid cell
+    num_layers: int = 6  # MMDiT blocks
+    attention_head_dim: int = 32  # width = heads x head_dim
     num_attention_heads: int = 4
-    text_dim: int = 64
-    text_layers: int = 2
-    max_tokens: int = 12
+    text_dim: int = 64  # width of the text tokens and the pooled vector
+    text_layers: int = 2  # Transformer layers of the text encoder
+    max_tokens: int = 12  # word encoder only: tokens per prompt
     prediction: str = "x0"  # what the transformer outputs: "x0" (clean image) or "v" (velocity)
+    # "scene": one token per parsed object group + a relation token (flowgrpo.shapes.scene_text);
+    # "words": the word-level bag-of-words encoder of the weights shipped before issue 29.
+    text_encoder: str = "scene"
 
-
-class VocabularyError(UserError, ValueError):
-    """A prompt with words the shapes-world model does not know (one line on the command line)."""
+    def __post_init__(self):
+        if self.text_encoder not in TEXT_ENCODERS:
+            raise ValueError(f"text_encoder must be one of {TEXT_ENCODERS}, got {self.text_encoder!r}")
 
 
 class WordTokenizer:
@@ -58,13 +70,7 @@ class WordTokenizer:
     def __call__(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         ids = torch.zeros(len(prompts), self.max_tokens, dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            words = prompt.lower().replace(",", " ").split()
-            bad = [w for w in words if w not in self.index]
-            if bad:
-                raise VocabularyError(
-                    f"prompt {prompt!r} uses words outside the shapes-world vocabulary: {bad}; "
-                    f"valid words: {', '.join(VOCAB[3:])}"
-                )
+            words = prompt_words(prompt)
             toks = [self.index["<bos>"]] + [self.index[w] for w in words] + [self.index["<eos>"]]
             toks = toks[: self.max_tokens]
             ids[row, : len(toks)] = torch.tensor(toks)
@@ -101,8 +107,12 @@ class ShapesFlowModel(nn.Module):
 
         self.cfg = cfg or ShapesModelConfig()
         c = self.cfg
-        self.tokenizer = WordTokenizer(c.max_tokens)
-        self.text_encoder = WordTextEncoder(c)
+        if c.text_encoder == "scene":
+            self.tokenizer = SceneTokenizer()
+            self.text_encoder = SceneTextEncoder(c.text_dim, c.text_layers)
+        else:
+            self.tokenizer = WordTokenizer(c.max_tokens)
+            self.text_encoder = WordTextEncoder(c)
         self.transformer = SD3Transformer2DModel(
             sample_size=c.image_size,
             patch_size=c.patch_size,
@@ -118,10 +128,20 @@ class ShapesFlowModel(nn.Module):
         )
 
     def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
-        """Prompts -> (hidden [B, L, text_dim], pooled [B, text_dim])."""
-        device = self.text_encoder.pos.device
+        """Prompts -> (hidden [B, L, text_dim], pooled [B, text_dim]); L = 3 slots (scene) or max_tokens (words)."""
+        device = next(self.text_encoder.parameters()).device
+        if self.cfg.text_encoder == "scene":
+            return self.text_encoder(self.tokenizer(prompts).to(device))
         ids, mask = self.tokenizer(prompts)
         return self.text_encoder(ids.to(device), mask.to(device))
+
+    def token_labels(self, prompt: str) -> list[str]:
+        """What each of the L tokens of ``prompt`` stands for (a word, or a slot's content), so that
+        the tokens of two prompts made of the same parts can be matched (the probe)."""
+        if self.cfg.text_encoder == "scene":
+            return SceneTokenizer.labels(prompt)
+        w = ["<bos>"] + prompt.lower().replace(",", " ").split() + ["<eos>"]
+        return (w + ["<pad>"] * self.cfg.max_tokens)[: self.cfg.max_tokens]
 
     def predict(self, x: Tensor, sigma: Tensor, hidden: Tensor, pooled: Tensor) -> Tensor:
         """The transformer's raw output for x [B, 3, H, W] at noise level sigma [B] (x0 or v, per config)."""
@@ -167,6 +187,7 @@ class ShapesFlowModel(nn.Module):
                 f"`python -m flowgrpo.shapes.pretrain --out {directory}`"
             )
         meta = json.loads((directory / "config.json").read_text())
-        model = cls(ShapesModelConfig(**meta["config"]))
+        # weights written before the scene encoder existed carry no text_encoder key: they are "words"
+        model = cls(ShapesModelConfig(**{"text_encoder": "words", **meta["config"]}))
         model.load_state_dict(load_file(str(weights)))
         return model

@@ -116,14 +116,15 @@ def _unit(x: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def pair_sensitivity(encode, pairs: list[tuple[str, str]]) -> list[dict]:
+def pair_sensitivity(encode, pairs: list[tuple[str, str]], labels=words_of) -> list[dict]:
     """Per pair of prompts: ``pooled_cos``, ``token_cos_min`` (over all L matched tokens, pads
     included: the transformer sees them) and ``token_change`` (mean relative L2 change of the
     matched non-pad tokens).
 
-    ``encode(prompts)`` -> (hidden [B, L, D], pooled [B, D]). Tokens are matched within the same
-    word (Hungarian on cosine), so the measure is blind to a permutation of the token states and
-    needs the two prompts to be made of the same words."""
+    ``encode(prompts)`` -> (hidden [B, L, D], pooled [B, D]); ``labels(prompt, L)`` -> what each token
+    stands for (default: the word tokenizer's layout; the scene encoder labels its slots by their
+    content). Tokens are matched within the same label (Hungarian on cosine), so the measure is blind
+    to a permutation of the token states and needs the two prompts to be made of the same parts."""
     from scipy.optimize import linear_sum_assignment
 
     if not pairs:
@@ -134,9 +135,9 @@ def pair_sensitivity(encode, pairs: list[tuple[str, str]]) -> list[dict]:
     out = []
     for i, (a, b) in enumerate(pairs):
         ha, hb = h[i], h[n + i]
-        wa, wb = words_of(a, length), words_of(b, length)
+        wa, wb = labels(a, length), labels(b, length)
         if sorted(wa) != sorted(wb):
-            raise ValueError(f"{a!r} and {b!r} are not made of the same words")
+            raise ValueError(f"{a!r} and {b!r} are not made of the same parts: {wa} / {wb}")
         cos_all = _unit(ha) @ _unit(hb).T  # [L, L]
         perm = np.zeros(length, dtype=int)
         for w in set(wa):
@@ -253,13 +254,14 @@ def class_ceiling(members: list[SceneSpec], renders: int = 4) -> float:
     return best
 
 
-def ceiling(encode, specs: list[SceneSpec], threshold: float = THRESHOLD, identity: dict | None = None) -> dict:
+def ceiling(encode, specs: list[SceneSpec], threshold: float = THRESHOLD, identity: dict | None = None,
+            labels=words_of) -> dict:
     """Evaluation ceiling of ``specs`` (the held-out evaluation prompts) given what ``encode``
     distinguishes, per tag and overall, beside the swap-blind ceiling and, with ``identity``
     ({"order_position": rate, "colour": rate}), the behavioural one (module docstring, part 4)."""
     groups = [swap_group(s) for s in specs]
     pairs = sorted({(g[i].prompt, g[j].prompt) for g in groups for i in range(len(g)) for j in range(i + 1, len(g))})
-    sens = {(r["a"], r["b"]): r for r in pair_sensitivity(encode, pairs)}
+    sens = {(r["a"], r["b"]): r for r in pair_sensitivity(encode, pairs, labels)}
 
     def same(a: str, b: str) -> bool:
         r = sens.get((a, b)) or sens[(b, a)]
@@ -297,7 +299,7 @@ def ceiling(encode, specs: list[SceneSpec], threshold: float = THRESHOLD, identi
 
 
 def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_tag: int = 3, n: int = 64,
-              threshold: float = THRESHOLD) -> dict:
+              threshold: float = THRESHOLD, labels=words_of) -> dict:
     """All five measurements on the first ``num_prompts`` held-out evaluation prompts.
 
     ``encode(prompts)`` -> (hidden [B, L, D], pooled [B, D]); ``sample(prompts, seeds)`` -> uint8
@@ -312,7 +314,7 @@ def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_t
     kinds = {k: v[:num_prompts] for k, v in swap_pairs(pool).items()}
     sensitivity = {}
     for kind, pairs in kinds.items():
-        rows = pair_sensitivity(encode, [(a.prompt, b.prompt) for a, b in pairs])
+        rows = pair_sensitivity(encode, [(a.prompt, b.prompt) for a, b in pairs], labels)
         sensitivity[kind] = {m: summarize([r[m] for r in rows]) for m in ("pooled_cos", "token_cos_min", "token_change")}
     seed_list = [7000 + j for j in range(seeds)]
     identity, relation_samples = {}, []
@@ -333,7 +335,7 @@ def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_t
         "same_seed_identity": identity,
         "pass_at_k": pk["per_tag"],
         "pass_at_k_prompts": pk["prompts"],
-        "ceiling": ceiling(encode, specs, threshold, {k: v["identical"] for k, v in identity.items()}),
+        "ceiling": ceiling(encode, specs, threshold, {k: v["identical"] for k, v in identity.items()}, labels),
         "relation_holds": relation_holds_rate(relation_samples),
         "settings": {"num_prompts": num_prompts, "seeds": seeds, "passk_prompts_per_tag": passk_per_tag, "n": n,
                      "threshold": threshold, "colours": list(COLORS)},

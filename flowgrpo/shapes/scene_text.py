@@ -1,0 +1,133 @@
+"""Structured prompt conditioning of the shapes model: one token per object group and one for the relation.
+
+The shapes grammar is closed and every prompt parses back into its :class:`SceneSpec`
+(:func:`~flowgrpo.shapes.prompts.parse_prompt`). The word-level encoder that came before it was a bag
+of words in practice (position embeddings 1/15 of the word embeddings' scale, a mean-pooled vector), so
+"A left of B" and "B left of A", or "red circle and blue square" and "blue circle and red square",
+conditioned the model identically and no RL could steer order or binding (issue 29). This encoder
+builds the conditioning from the parse instead:
+
+* **Slot tokens.** Token 0 is the *subject* group (the first one named), token 1 the *object* group
+  (the second, or an empty slot), token 2 the relation ("left of" ... or none). A group token is the
+  sum of field embeddings: its role, its count, its colour ("any" when the prompt leaves it free) and
+  its shape. Colour and shape meet in one token, so binding is explicit; the count is its own field,
+  shared by every noun, so "four yellow triangles" is an interpolation of what "four" and "yellow
+  triangle" mean elsewhere even when that combination was never a caption.
+* **Field embeddings at one scale.** Every table is an ``nn.Embedding`` (unit-variance init), the
+  role included, so the role is as loud as the words (the old position embeddings were at 0.02).
+* **Contextualised, order-keeping.** A small Transformer encoder lets the relation token read the two
+  groups; ``pooled`` is a linear map of the *concatenated* slot states, so swapping the groups changes
+  it (a mean would not).
+* The empty prompt (classifier-free guidance's unconditional branch) is the all-null slot layout.
+
+``SceneTokenizer(prompts)`` -> ``ids [B, 3, 5]`` long (per slot: role, count, colour, shape,
+relation; 0 = null); ``SceneTextEncoder(ids)`` -> ``(hidden [B, 3, text_dim], pooled [B, text_dim])``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UserError
+from .prompts import parse_prompt
+from .world import COLORS, NUMBERS, RELATIONS, SHAPES, VOCAB
+
+#: slot roles (index 0 = the null slot of an empty prompt)
+ROLES = ("<null>", "subject", "object", "relation", "<none>")
+COUNTS = ("<none>", "1", *map(str, NUMBERS))
+COLOUR_FIELD = ("<none>", "any", *COLORS)
+SHAPE_FIELD = ("<none>", *SHAPES)
+RELATION_FIELD = ("<none>", "<no relation>", *RELATIONS)
+FIELDS = (ROLES, COUNTS, COLOUR_FIELD, SHAPE_FIELD, RELATION_FIELD)
+NUM_SLOTS = 3
+
+
+class VocabularyError(UserError, ValueError):
+    """A prompt the shapes-world model cannot represent (one line on the command line)."""
+
+
+def prompt_words(prompt: str) -> list[str]:
+    """The words of ``prompt`` (lower case, commas as spaces); :class:`VocabularyError` naming the
+    words outside the closed vocabulary, with the valid ones."""
+    words = prompt.lower().replace(",", " ").split()
+    bad = [w for w in words if w not in VOCAB[3:]]
+    if bad:
+        raise VocabularyError(f"prompt {prompt!r} uses words outside the shapes-world vocabulary: {bad}; "
+                              f"valid words: {', '.join(VOCAB[3:])}")
+    return words
+
+
+class SceneVocabularyError(VocabularyError):
+    """A prompt in the vocabulary that the shapes grammar cannot parse."""
+
+
+class SceneTokenizer:
+    """Prompts -> slot field ids ``[B, 3, 5]`` long (role, count, colour, shape, relation; 0 = null).
+
+    ``""`` (the unconditional prompt) gives the all-null layout. A prompt outside the grammar raises
+    :class:`SceneVocabularyError` with the parser's reason and the vocabulary."""
+
+    def __call__(self, prompts: list[str]) -> Tensor:
+        return torch.tensor([self.slots(p) for p in prompts], dtype=torch.long).view(len(prompts), NUM_SLOTS, len(FIELDS))
+
+    @staticmethod
+    def slots(prompt: str) -> list[list[int]]:
+        """The [3][5] field ids of one prompt."""
+        if not prompt.strip():
+            return [[0] * len(FIELDS) for _ in range(NUM_SLOTS)]
+        try:
+            spec = parse_prompt(" ".join(prompt_words(prompt)))
+        except VocabularyError:
+            raise
+        except ValueError as exc:
+            raise SceneVocabularyError(f"{exc}; the scene encoder reads prompts of the shapes grammar only "
+                                       "(docs/shapes_world.md)") from None
+        rows = []
+        for i in range(2):
+            if i < len(spec.objects):
+                o = spec.objects[i]
+                rows.append([ROLES.index("subject" if i == 0 else "object"), COUNTS.index(str(o.count)),
+                             COLOUR_FIELD.index(o.color or "any"), SHAPE_FIELD.index(o.shape), 0])
+            else:
+                rows.append([ROLES.index("<none>"), 0, 0, 0, 0])
+        rel = RELATION_FIELD.index(spec.relation) if spec.relation else RELATION_FIELD.index("<no relation>")
+        rows.append([ROLES.index("relation"), 0, 0, 0, rel])
+        return rows
+
+    @staticmethod
+    def labels(prompt: str) -> list[str]:
+        """The kind of each of the 3 slots ("<group>", "<none>", "<relation>"): the probe
+        (:func:`flowgrpo.shapes.probe.pair_sensitivity`) matches tokens within a kind, so two group
+        tokens count as the same only if they match in either order (the MMDiT's joint attention gives
+        text tokens no position: a permutation of them is invisible to it)."""
+        if not prompt.strip():
+            return ["<null>"] * NUM_SLOTS
+        n = len(parse_prompt(prompt.replace(",", " ")).objects)
+        return ["<group>"] * n + ["<none>"] * (2 - n) + ["<relation>"]
+
+
+class SceneTextEncoder(nn.Module):
+    """Field embeddings -> per-slot MLP -> ``layers`` Transformer layers; pooled = Linear(concat(slots)).
+
+    ``forward(ids [B, 3, 5])`` -> ``(hidden [B, 3, dim], pooled [B, dim])``."""
+
+    def __init__(self, dim: int, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.fields = nn.ModuleList(nn.Embedding(len(f), dim) for f in FIELDS)
+        self.mix = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        layer = nn.TransformerEncoderLayer(dim, nhead=heads, dim_feedforward=2 * dim, batch_first=True,
+                                           norm_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.pool = nn.Linear(NUM_SLOTS * dim, dim)
+
+    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        h = sum(emb(ids[..., k]) for k, emb in enumerate(self.fields))  # [B, 3, dim]
+        h = h + self.mix(h)  # nonlinear within a slot: colour x shape x count, before slots exchange anything
+        h = self.norm(self.encoder(h))
+        return h, self.pool(h.flatten(1))
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.weight.device
