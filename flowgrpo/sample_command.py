@@ -24,6 +24,7 @@ Everything is written to a temporary folder beside ``--out`` and renamed into pl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -32,6 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -87,7 +89,7 @@ def _check_options(opts: SampleOptions) -> list[dict]:
     return rows
 
 
-def _grid(images: Tensor, prompts: list[str], seeds: list[int], per_prompt: int) -> "object":
+def _grid(images: Tensor, prompts: list[str], seeds: list[int], per_prompt: int) -> np.ndarray:
     """``grid.png``'s pixels: a row per prompt (its images, or a video's frames), captioned with the prompt
     and each image's seed."""
     from .plots import captioned_grid
@@ -150,7 +152,8 @@ def sample_run(run: str | Path, opts: SampleOptions, progress: bool = True) -> d
               "iteration": trained.weights.iteration, "weights": trained.weights.kind, "steps": steps,
               "guidance": cfg.model.guidance_scale, "shift": cfg.sampler.shift, "solver": "euler",
               "seed": opts.seed, "files": []}
-    out = Path(opts.out)
+    out = Path(opts.out).absolute()
+    made = [d for d in out.parents if not d.exists()]  # folders this call creates (innermost first)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -159,8 +162,12 @@ def sample_run(run: str | Path, opts: SampleOptions, progress: bool = True) -> d
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:  # nothing half-written: not even the parents made for it
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     return record
 
 

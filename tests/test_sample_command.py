@@ -136,6 +136,22 @@ def test_sample_errors_are_one_line_and_write_nothing(sd3_run, tmp_path, capsys)
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
 
 
+def test_a_failure_while_drawing_leaves_nothing(sd3_run, tmp_path, monkeypatch):
+    import flowgrpo.sample_command as command
+
+    _, run_dir, prompts = sd3_run
+
+    def fail(folder, *args):
+        (folder / "0000_0.png").write_bytes(b"half")
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(command, "_sample_into", fail)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        main(["sample", str(run_dir), "--prompts", str(prompts), "--out", str(tmp_path / "new" / "deeper" / "out"),
+              "--quiet"])
+    assert list(tmp_path.iterdir()) == []  # neither the files, nor the temporary folder, nor the parents made
+
+
 def test_sample_a_shapes_world_run(shapes_model_dir, tmp_path):
     from flowgrpo.shapes.evaluate import generate_ode
     from flowgrpo.trainer.checkpoint import load_trained_policy
