@@ -137,17 +137,21 @@ def test_guard_reweighting_on_two_processes_makes_the_one_process_update(tmp_pat
 
 OBJECTIVES = {"nft": {"loss.objective": "nft", "loss.nft.timesteps": 2},
               "awm": {"loss.objective": "awm", "loss.awm.timesteps": 2},
-              "dgpo": {"loss.objective": "dgpo", "loss.dgpo.timesteps": 2}}
+              "dgpo": {"loss.objective": "dgpo", "loss.dgpo.timesteps": 2},
+              # Flow-DPPO trains the SDE transitions of Flow-GRPO's rollouts; Diffusion-DPO pairs the best and
+              # worst sample of a group, which may lie on the two ranks
+              "flow_dppo": {"loss.objective": "flow_dppo", "sampler.strategy": "flow_grpo"},
+              "diffusion_dpo": {"loss.objective": "diffusion_dpo", "loss.diffusion_dpo.timesteps": 2}}
 
 
 @pytest.mark.parametrize("objective,engine", [("nft", "ddp"), ("awm", "ddp"), ("dgpo", "ddp"), ("nft", "fsdp"),
-                                              ("dgpo", "fsdp")])
+                                              ("dgpo", "fsdp"), ("flow_dppo", "ddp"), ("diffusion_dpo", "ddp")])
 def test_forward_objectives_on_two_processes_make_the_one_process_update(shapes_model_dir, tmp_path, objective, engine):
     """Rows are seeded per leaf and DGPO's group margins are gathered over ranks: 2 processes (a group
     spans both) make the 1-process update; under FSDP the extra no-grad passes stay in lock-step."""
     extra = {"data.prompts_per_iteration": 3, "data.trees_per_prompt": 4, "train.micro_batch": 5,
              "sampler.strategy": "ode", "reward.weights": "{test_brightness: 1.0}", "log.trackers": "[]"}
-    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **ONE_NODE_PER_CALL, **extra, **OBJECTIVES[objective])
+    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **ONE_NODE_PER_CALL, **{**extra, **OBJECTIVES[objective]})
     one = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "one"), "2", *ov], env=cli_env(),
                          capture_output=True, text=True, timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -163,8 +167,11 @@ def test_forward_objectives_on_two_processes_make_the_one_process_update(shapes_
                 assert (r["weights"][it][name] - w).abs().max() <= 1e-6, (objective, it, name)
             moved = max(moved, float((w - a["weights"][0][name]).abs().max()))
     assert moved > 1e-4
+    # Diffusion-DPO's loss is log 2 + beta / 4 * d at the start: beta / 4 = 1250 times the float32 rounding
+    # of errors computed in other batch compositions (1.8e-5 relative measured; the weights agree to 1e-6)
+    loss_tol = 1e-4 if objective == "diffusion_dpo" else 1e-5
     for r in ranks:
-        assert math.isclose(r["metrics"][0]["loss"], a["metrics"][0]["loss"], rel_tol=1e-5, abs_tol=1e-7)
+        assert math.isclose(r["metrics"][0]["loss"], a["metrics"][0]["loss"], rel_tol=loss_tol, abs_tol=1e-7)
 
 
 # ----------------------------------------------------------------------------- the CLI
