@@ -143,7 +143,9 @@ def bench_config(preset: str, *, prompts_file: str, num_steps: int = NUM_STEPS, 
     from flowgrpo.config import load_config
     from flowgrpo.samplers.strategies import build_strategy
 
-    probe = load_config(preset, None, _overrides(model, prompts_file, num_steps, 1, prompts_per_iteration, resolution),
+    # the probe only reads the plan's leaves per tree; 2 trees keep it a config that trains (one chain
+    # per prompt is refused: a group of one has no advantage)
+    probe = load_config(preset, None, _overrides(model, prompts_file, num_steps, 2, prompts_per_iteration, resolution),
                         recipe="shapes")
     leaves = build_strategy(probe.sampler, probe.strategy).plan(0).leaves_per_tree
     trees = max(1, round(group_size / leaves))

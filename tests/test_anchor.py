@@ -32,7 +32,9 @@ def test_anchor_covers_the_ode_steps_and_is_zero_on_the_base_model(shapes_model_
     # window of 2 SDE steps at the start of 6: depths 2..5 take ODE steps, depth 6 is the leaf
     assert ode_depths(ro, plan) == [2, 3, 4, 5]
     loss = ode_anchor_loss(trainer.policy, ro, plan, cond, 1.0, 2, np.random.default_rng(0))
-    assert loss is not None and float(loss.detach()) == 0.0
+    # zero up to float32 round-off (velocities agree to ~5e-7; the scene model's 3 text tokens take
+    # another attention kernel path than the old 12 word tokens, which happened to agree bit for bit)
+    assert loss is not None and float(loss.detach()) < 1e-10
 
 
 def test_anchor_pulls_a_drifted_policy_back(shapes_model_dir):
@@ -60,4 +62,4 @@ def test_anchor_pulls_a_drifted_policy_back(shapes_model_dir):
 def test_trainer_logs_the_anchor_term(shapes_model_dir):
     trainer = _trainer(shapes_model_dir)
     m = [trainer.iteration_step().metrics for _ in range(2)]
-    assert m[0]["anchor_loss"] == 0.0 and m[1]["anchor_loss"] > 0.0
+    assert m[0]["anchor_loss"] < 1e-10 and m[1]["anchor_loss"] > 1e-8  # the first: round-off, as above

@@ -136,7 +136,7 @@ def test_bad_import_paths_are_one_line_naming_the_key():
         f"config key 'sampler.strategy': sampling strategy '{MOD}:HalfGRPO': class HalfGRPO is not a subclass of "
         "flowgrpo.samplers.Strategy")
     assert _error("loss.objective=grpoo").startswith(
-        "config key 'loss.objective': unknown objective 'grpoo'; valid choices: awm, dgpo, grpo, nft")
+        "config key 'loss.objective': unknown objective 'grpoo'; valid choices: awm, dgpo, diffusion_dpo, flow_dppo, grpo, nft")
     for msg in (_error(f"loss.objective={MOD}:nothing"), _error("reward.weights={'a.b:c': 1}")):
         assert "\n" not in msg
 
