@@ -273,11 +273,12 @@ def test_a_new_objective_plugs_in_without_touching_the_trainer(tiny_config):
 def test_nft_low_noise_rows_train_only_the_anchor(objective_trainer):
     """policy_min_t: rows below it carry anchor_beta * mean((v - v_ref)^2) instead of the NFT loss;
     on a 4-step grid (t = 1, .75, .5, .25) and policy_min_t = 0.6, half the rows are anchors, and at
-    the base weights the anchor is 0."""
+    the base weights the anchor is 0 (up to float32 round-off: the policy's and the reference's
+    forwards agree to ~5e-7, not bit for bit)."""
     trainer = objective_trainer("nft", **{"loss.nft.timesteps": 0, "loss.nft.policy_min_t": 0.6,
                                           "loss.nft.anchor_beta": 2.0, "loss.nft.kl_beta": 0.0})
     assert trainer.objective.needs_reference
     m0 = trainer.iteration_step().metrics
-    assert m0["anchor_rows"] == pytest.approx(0.5) and m0["kl"] == 0.0
+    assert m0["anchor_rows"] == pytest.approx(0.5) and m0["kl"] < 1e-10  # 0 up to float32 round-off
     m1 = trainer.iteration_step().metrics
     assert m1["kl"] > 0  # the weights moved away from the base; the anchor now pulls back
