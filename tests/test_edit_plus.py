@@ -63,6 +63,7 @@ def test_euler_matches_the_stock_pipeline_prompt_by_prompt(plus_dir):
     assert all((other[i] - ours[i]).abs().max() > 1e-3 for i in range(2))
 
 
+@pytest.mark.slow  # ~2 min on 2 cores; the default suite keeps the equivalence test above
 def test_a_lora_run_trains_and_samples(plus_dir, tmp_path):
     prompts, _ = edit_prompt_file(tmp_path)
     argv = ["train", "--preset", "shapes", "--recipe", "shapes", f"model.name={plus_dir}", "model.train_mode=lora",
