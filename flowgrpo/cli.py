@@ -24,7 +24,6 @@ problem and exits with code 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import json
 import os
@@ -34,144 +33,7 @@ from pathlib import Path
 
 from .bench_command import add_bench_parser
 from .errors import UserError
-
-
-def _cmd_train(args) -> int:
-    from .trainer.launch import in_launched_process, launch
-
-    if args.help_config is not None:
-        from .config_help import explain_config
-
-        return explain_config(args.help_config or None)
-    if args.num_processes > 1 and not in_launched_process():
-        argv = args.raw_argv[args.raw_argv.index("train") + 1:]
-        return launch(args.num_processes, _drop_option(argv, "--num-processes", "--accelerate-config"),
-                      args.accelerate_config)
-    if in_launched_process():
-        return _train_in_launched_process(args)
-    return _run_train(args)
-
-
-def _run_train(args) -> int:
-    """Train (or resume) in this process and print the outcome (the main process's)."""
-    from .trainer.checkpoint import read_run_config
-    from .trainer.run import train
-
-    if args.resume:
-        run_dir = Path(args.resume)
-        cfg = read_run_config(run_dir)
-        if args.overrides:
-            from .config import apply_dict, parse_override, validate
-
-            for ov in args.overrides:
-                apply_dict(cfg, parse_override(ov))
-            validate(cfg)
-        summary = train(cfg, run_dir, resume=True)
-    else:
-        summary = _train_fresh(_fresh_config(args))
-    if "rank" in summary:  # a non-main rank of a multi-process run: the main process reports
-        return 0
-    done = f"done: {summary['iterations']} iterations, {summary['train_seconds'] / 60:.1f} min of training"
-    if summary["eval_before"] is None:
-        print(f"{done}; {summary['evaluation']}")
-    else:
-        b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
-        print(f"{done}; held-out accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
-    return 0
-
-
-def _fresh_config(args):
-    """The validated config of ``train``'s layers; a UserError when the recipe needs keys the run left unset."""
-    from .config import compose_config, validate
-    from .config_layers import RECIPE_METHOD, check_needs
-
-    if args.config:
-        _check_text_file(Path(args.config), "config file")
-    composed = compose_config(args.preset or RECIPE_METHOD, args.config, args.overrides, args.recipe)
-    validate(composed.config)
-    check_needs(composed)
-    return composed.config
-
-
-def _check_text_file(path: Path, what: str) -> None:
-    """A UserError unless ``path`` (when it is a file) reads as UTF-8 text."""
-    if not path.is_file():
-        return  # the reader names a missing file
-    try:
-        path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{what} {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
-                        f"{exc.start}); is it a binary file?") from None
-
-
-def _train_fresh(cfg) -> dict:
-    """Train a new run. The main process makes the run folder first, and removes it again (with the
-    ``log.out_dir`` it made) when the run fails before anything of value is in it: no checkpoint,
-    no exported LoRA, no summary. A folder that was there before is never removed."""
-    import shutil
-
-    from .trainer.run import make_run_dir, train
-
-    if os.environ.get("RANK", "0") != "0":  # another rank: the main process names the folder
-        return train(cfg)
-    out = Path(cfg.log.out_dir)
-    out_existed = out.is_dir()
-    before = set(out.iterdir()) if out_existed else set()
-    run_dir = make_run_dir(cfg)
-    try:
-        return train(cfg, run_dir)
-    except Exception:
-        if run_dir not in before and not _holds_results(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
-            if not out_existed:
-                with contextlib.suppress(OSError):  # only when empty
-                    out.rmdir()
-        raise
-
-
-def _holds_results(run_dir: Path) -> bool:
-    """Whether a run folder holds anything a run leaves of value: a checkpoint, a LoRA, a summary."""
-    from .export import LORA_DIRNAME
-    from .trainer.checkpoint import list_checkpoints
-
-    checkpoints = run_dir / "checkpoints"
-    return bool(list_checkpoints(run_dir) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
-                or (run_dir / LORA_DIRNAME).exists() or (run_dir / "summary.json").exists())
-
-
-def _drop_option(argv: list[str], *names: str) -> list[str]:
-    """``argv`` without the options ``names`` (``--name value`` or ``--name=value``)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in names:
-            skip = True
-        elif not any(a.startswith(n + "=") for n in names):
-            out.append(a)
-    return out
-
-
-def _train_in_launched_process(args) -> int:
-    """One rank of a multi-process run: a failed collective ends this rank with one line and
-    :data:`~flowgrpo.trainer.launch.PEER_LOST_EXIT` (the launcher names the rank that caused it)."""
-    import torch.distributed as dist
-
-    from .trainer.launch import PEER_LOST_EXIT, is_collective_failure
-
-    rank = os.environ.get("RANK", "?")
-    args_single = argparse.Namespace(**{**vars(args), "num_processes": 1})
-    try:
-        return _run_train(args_single)
-    except Exception as exc:  # noqa: BLE001 - anything a collective raises ends this rank the same way
-        if not is_collective_failure(exc):
-            raise
-        print(f"flowgrpo: rank {rank}: lost contact with another process ({str(exc).splitlines()[0][:160]}); "
-              "stopping", file=sys.stderr)
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):  # the group is already broken: nothing to tidy
-                dist.destroy_process_group()
-        os._exit(PEER_LOST_EXIT)  # skip atexit hooks that would wait on the dead peers
+from .train_command import check_text_file, cmd_train
 
 
 def _cmd_eval(args) -> int:
@@ -238,7 +100,7 @@ def _cmd_config_show(args) -> int:
     from .config_show import show_config
 
     if args.config:
-        _check_text_file(Path(args.config), "config file")
+        check_text_file(Path(args.config), "config file")
     return show_config(args.preset or RECIPE_METHOD, args.recipe, args.config, args.overrides)
 
 
@@ -296,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on N processes (one per GPU; gloo processes on a CPU-only machine) through accelerate launch")
     t.add_argument("--accelerate-config", default=None, metavar="FILE",
                    help="accelerate config for --num-processes (e.g. configs/accelerate/fsdp.yaml)")
-    t.set_defaults(fn=_cmd_train)
+    t.set_defaults(fn=cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a run or checkpoint (deterministic)")
     e.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
     e.add_argument("--json", default=None)
