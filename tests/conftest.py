@@ -220,3 +220,30 @@ class TinyPolicy(Policy):
 @pytest.fixture
 def tiny_policy() -> TinyPolicy:
     return TinyPolicy()
+
+
+# --------------------------------------------------------------------------- a trained tiny SD3 LoRA run
+
+
+def train_tiny_sd3_lora_run(root: Path, prompts: list[str], *, seq: int, steps: int, guidance: float,
+                            extra: tuple[str, ...] = ()):
+    """(base pipeline dir, run dir, prompt file, config): a 2-iteration tiny SD3 LoRA run (rank 4, lr
+    3e-2 and EMA 0.5 so the weights visibly move, a checkpoint per iteration) on ``prompts``, in ``root``."""
+    from flowgrpo.config import load_config
+    from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+    from flowgrpo.trainer.run import train
+
+    base = root / "base"
+    tiny_sd3_pipeline(seed=0).save_pretrained(base)
+    prompt_file = root / "prompts.txt"
+    prompt_file.write_text("\n".join(prompts) + "\n")
+    cfg = load_config("shapes", None, [
+        "model.name=sd3", f"model.path={base}", "model.train_mode=lora", "model.resolution=64",
+        f"model.max_sequence_length={seq}", "model.lora_rank=4", "model.lora_alpha=8", f"model.guidance_scale={guidance}",
+        "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompt_file}", "data.prompts_per_iteration=2",
+        "data.trees_per_prompt=2", f"sampler.num_steps={steps}", "sampler.strategy=flow_grpo", "train.iterations=2",
+        "train.threads=1", "train.lr=3e-2", "train.ema_decay=0.5", "log.progress=false", "log.trackers=[]",
+        "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run", *extra,
+    ], recipe="shapes")
+    train(cfg)
+    return base, root / "run", prompt_file, cfg

@@ -14,10 +14,11 @@ from flowgrpo.config import ModelConfig, load_config
 from flowgrpo.errors import UserError
 from flowgrpo.policies import build_policy
 from flowgrpo.policies.sd3 import SD3Policy
-from flowgrpo.policies.sd3_tiny import tiny_sd3_components, tiny_sd3_pipeline
+from flowgrpo.policies.sd3_tiny import tiny_sd3_components
 from flowgrpo.samplers.solvers import solve_ode
 from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint
-from flowgrpo.trainer.run import train
+
+from conftest import train_tiny_sd3_lora_run
 
 SEQ, STEPS, GUIDANCE = 16, 3, 2.0
 PROMPTS = ["a photo of a cat", "a mountain lake at dawn"]
@@ -26,21 +27,9 @@ PROMPTS = ["a photo of a cat", "a mountain lake at dawn"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(base pipeline dir, run dir, config): a 2-iteration tiny SD3 LoRA run with a high lr and a fast EMA."""
-    root = tmp_path_factory.mktemp("lora_run")
-    base = root / "base"
-    tiny_sd3_pipeline(seed=0).save_pretrained(base)
-    prompts = root / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    cfg = load_config("shapes", None, [
-        "model.name=sd3", f"model.path={base}", "model.train_mode=lora", "model.resolution=64", f"model.max_sequence_length={SEQ}",
-        "model.lora_rank=4", "model.lora_alpha=8", f"model.guidance_scale={GUIDANCE}",
-        "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts}", "data.prompts_per_iteration=2",
-        "data.trees_per_prompt=2", f"sampler.num_steps={STEPS}", "sampler.strategy=flow_grpo", "train.iterations=2", "train.threads=1",
-        "train.lr=3e-2", "train.ema_decay=0.5", "log.progress=false", "log.trackers=[]",
-        "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run",
-    ], recipe="shapes")
-    train(cfg)
-    return base, root / "run", cfg
+    base, run_dir, _, cfg = train_tiny_sd3_lora_run(tmp_path_factory.mktemp("lora_run"), PROMPTS, seq=SEQ,
+                                                    steps=STEPS, guidance=GUIDANCE)
+    return base, run_dir, cfg
 
 
 def policy_images(cfg, weights, noise) -> torch.Tensor:

@@ -15,13 +15,12 @@ from flowgrpo.cli import main
 from flowgrpo.config import load_config
 from flowgrpo.images import to_uint8
 from flowgrpo.policies import build_policy
-from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
 from flowgrpo.drawing import noise_seed
 from flowgrpo.samplers.solvers import solve_ode
 from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from flowgrpo.trainer.run import train
 
-from conftest import tiny_overrides
+from conftest import tiny_overrides, train_tiny_sd3_lora_run
 
 SEQ, STEPS, GUIDANCE = 16, 3, 2.0
 PROMPTS = ["a photo of a cat", "a mountain lake at dawn", "a red cube"]
@@ -30,22 +29,9 @@ PROMPTS = ["a photo of a cat", "a mountain lake at dawn", "a red cube"]
 @pytest.fixture(scope="module")
 def sd3_run(tmp_path_factory):
     """(base pipeline dir, run dir, prompt file): a 2-iteration tiny SD3 LoRA run with an EMA, no evaluator."""
-    root = tmp_path_factory.mktemp("sample_run")
-    base = root / "base"
-    tiny_sd3_pipeline(seed=0).save_pretrained(base)
-    prompts = root / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    cfg = load_config("shapes", None, [
-        "model.name=sd3", f"model.path={base}", "model.train_mode=lora", "model.resolution=64",
-        f"model.max_sequence_length={SEQ}", "model.lora_rank=4", "model.lora_alpha=8",
-        f"model.guidance_scale={GUIDANCE}",
-        "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts}", "data.prompts_per_iteration=2",
-        "data.trees_per_prompt=2", f"sampler.num_steps={STEPS}", "sampler.strategy=flow_grpo", "train.iterations=2",
-        "train.threads=1", "train.lr=3e-2", "train.ema_decay=0.5", "log.progress=false", "log.trackers=[]",
-        "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run", "eval.evaluator=none",
-    ], recipe="shapes")
-    train(cfg)
-    return base, root / "run", prompts
+    base, run_dir, prompts, _ = train_tiny_sd3_lora_run(tmp_path_factory.mktemp("sample_run"), PROMPTS, seq=SEQ,
+                                                         steps=STEPS, guidance=GUIDANCE, extra=("eval.evaluator=none",))
+    return base, run_dir, prompts
 
 
 def pixels(folder, name) -> np.ndarray:
@@ -69,7 +55,7 @@ def test_sample_draws_the_trained_policy_and_the_stock_pipeline_with_its_lora(sd
     assert files.shape == (3, 64, 64, 3)
 
     # the trained policy's own ODE sampling: its EMA weights, the run's grid, steps and guidance
-    cfg = load_config("shapes", None, [f"model.name=sd3", f"model.path={base}", "model.train_mode=lora",
+    cfg = load_config("shapes", None, ["model.name=sd3", f"model.path={base}", "model.train_mode=lora",
                                        "model.resolution=64", f"model.max_sequence_length={SEQ}", "model.lora_rank=4",
                                        "model.lora_alpha=8", f"model.guidance_scale={GUIDANCE}"], recipe="shapes")
     state = load_checkpoint(latest_checkpoint(run_dir))["trainer"]
