@@ -295,6 +295,9 @@ def test_a_killed_rank_stops_the_run_with_one_line_and_resume_matches(shapes_mod
 
 ACCELERATE_CONFIGS = {"fsdp": FSDP_CONFIG, "deepspeed": FSDP_CONFIG.parent / "zero2.yaml"}
 ENGINES = ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)]
+# the resume round trip under DeepSpeed takes about 2 minutes on 2 cores: kept out of the default run
+# (CI budget) and run by `pytest -m slow`; the FSDP round trip and DeepSpeed's layout stay in it
+RESUME_ENGINES = ["fsdp", pytest.param("deepspeed", marks=[needs_deepspeed, pytest.mark.slow])]
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +364,7 @@ def test_the_engine_gives_the_same_advantages_and_update_as_one_process(sharded_
             assert math.isclose(r["metrics"][0][key], one["metrics"][0][key], rel_tol=1e-5, abs_tol=1e-7), key
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", RESUME_ENGINES)
 def test_a_sharded_run_resumes_to_the_same_summary_as_1_process(engine, shapes_model_dir, one_process_run, tmp_path):
     how = ["--num-processes", "2", "--accelerate-config", str(ACCELERATE_CONFIGS[engine])]
     # 2 iterations, then resumed to 3 under the same engine and on 1 process: the checkpoint holds whole
@@ -403,7 +406,7 @@ def test_diffusion_nft_resumes_under_fsdp_to_the_uninterrupted_fsdp_run(shapes_m
 def test_fsdp_lora_export_equals_the_1_process_one(tmp_path):
     from safetensors.torch import load_file
 
-    from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+    from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
 
     tiny_sd3_pipeline(seed=0).save_pretrained(tmp_path / "base")
     (tmp_path / "prompts.txt").write_text("a photo of a cat\na mountain lake at dawn\n")
