@@ -19,6 +19,11 @@ from .fields import as_number, check_choices, check_ranges, field_ranges, help_f
 from .objectives.diffusion_dpo import DiffusionDPOOptions
 from .objectives.flow_dppo import FlowDPPOOptions
 from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
+from .objectives.terms.anchor import AnchorOptions
+from .objectives.terms.base import term_field
+from .objectives.terms.clip_schedule import ClipOptions
+from .objectives.terms.sft import SFTOptions
+from .objectives.terms.step_weights import StepWeightOptions
 from .policies.base import TrainMode
 from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_dir, preset_names, read_preset  # noqa: F401 (re-exported)
 from .recipes import recipe_names, read_recipe  # noqa: F401 (re-exported)
@@ -92,18 +97,19 @@ class AdvantageConfig:
 @dataclass
 class LossConfig:
     objective: str = _f("grpo", "training objective (flowgrpo.objectives): grpo (clipped log-prob ratios on SDE transitions; the keys below) | nft (DiffusionNFT, loss.nft.*) | awm (Advantage Weighted Matching, loss.awm.*) | dgpo (Direct Group Preference Optimization, loss.dgpo.*) | flow_dppo (Flow-DPPO: grpo's rows, an exact-KL trust region instead of the clip, loss.flow_dppo.*) | diffusion_dpo (Diffusion-DPO on preference pairs, online or from a file, loss.diffusion_dpo.*)")
-    clip_range: float = _f(1e-4, "PPO clip epsilon on the importance ratio", gt=0.0)
-    clip_adapt: float = _f(0.0, "reward-adaptive clip (Dynamic-TreeRPO): eps = clip_range * (1 + clip_adapt * (1 - clamp(mean reward, 0, 1))); 0 = fixed", ge=0.0)
+    # the loss terms' keys (help, range and default live on each term's options, flowgrpo.objectives.terms)
+    clip_range: float = term_field(ClipOptions, "clip_range")
+    clip_adapt: float = term_field(ClipOptions, "clip_adapt")
     beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass", ge=0.0)
     kl_sigma: Literal["sigma_t", "transition_std"] = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide beta by ~T to match)")
     batched_reference: bool = _f(True, "KL reference velocities of a minibatch's rows in no-grad batches of train.micro_batch before its micro-batches, computed once per iteration and reused by every inner epoch, so epochs after the first make no reference call (false: one reference call per micro-batch and epoch; same values up to float rounding; lock-step engines such as FSDP always use the per-micro-batch path)")
     cfg_uncond_grad: bool = _f(True, "with classifier-free guidance in the update: gradients flow through the unconditional pass too (false: it runs without gradient in its own call, as Flow-GRPO's train_sd3.py detaches noise_pred_uncond; the same velocities, about 1.5x less backward work; SD3 / SD3.5 and Wan 2.1 adapters)")
     guard: bool = _f(False, "GRPO-Guard ratio normalisation (with the gaussian log-prob: not with sampler.cps_log_prob=mse)")
-    guard_reweight: bool = _f(False, "GRPO-Guard per-step gradient reweighting (weight proportional to 1/|dt|, mean 1)")
-    tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to the transition std, mean 1)")
-    sft_weight: float = _f(0.0, "weight of the best-path SFT term (Dynamic-TreeRPO / LayerTuning-RL, flowgrpo.sft); 0 = off", ge=0.0)
-    anchor_weight: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.anchor)", ge=0.0)
-    anchor_steps: int = _f(2, "ODE depths per update on which the anchor term is evaluated")
+    guard_reweight: bool = term_field(StepWeightOptions, "guard_reweight")
+    tempflow_weight: bool = term_field(StepWeightOptions, "tempflow_weight")
+    sft_weight: float = term_field(SFTOptions, "sft_weight")
+    anchor_weight: float = term_field(AnchorOptions, "anchor_weight")
+    anchor_steps: int = term_field(AnchorOptions, "anchor_steps")
     backend: Literal["auto", "reference", "fused"] = _f("auto", "auto (fused op where built, else reference) | reference | fused")
     nft: NFTOptions = field(default_factory=NFTOptions, metadata={"help": "DiffusionNFT options (loss.objective=nft)"})
     awm: AWMOptions = field(default_factory=AWMOptions, metadata={"help": "Advantage Weighted Matching options (loss.objective=awm)"})

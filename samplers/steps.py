@@ -70,7 +70,7 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std, dtype: torch.dtype = torch.f
     """Log N(x; mean, std^2) **averaged** over the non-batch dims, constants included:
     ``-gaussian_exponent - log(std) - log(sqrt(2 pi))``. The one Gaussian log-density of the project:
     rollouts, the plug-in's scheduler and the reference GRPO loss score with it, the best-path SFT
-    term (:mod:`flowgrpo.sft`) takes its :func:`gaussian_exponent`.
+    term (:mod:`flowgrpo.objectives.terms.sft`) takes its :func:`gaussian_exponent`.
 
     Args: x, mean [B, ...]; std a number or [B] (per-sample std). ``dtype``: what it is computed
     and returned in (float32; the reference loss passes float64 for its float64 ground truth).

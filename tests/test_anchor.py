@@ -1,4 +1,4 @@
-"""The anchor term (flowgrpo.anchor): it covers exactly the ODE steps, is zero while the policy equals
+"""The anchor term (flowgrpo.objectives.terms.anchor): it covers exactly the ODE steps, is zero while the policy equals
 the base model, and pulls a drifted policy back."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flowgrpo.anchor import ode_anchor_loss, ode_depths
+from flowgrpo.objectives.terms.anchor import ode_anchor_loss, ode_depths
 from flowgrpo.config import load_config
 from flowgrpo.trainer.trainer import GRPOTrainer
 

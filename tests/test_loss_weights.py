@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from flowgrpo.config import LossConfig
-from flowgrpo.loss_weights import (guard_step_weights, iteration_trained_steps, tempflow_step_weights,
-                                   transition_weights)
+from flowgrpo.objectives.terms.step_weights import (guard_step_weights, iteration_trained_steps, tempflow_step_weights,
+                                                      transition_weights)
 from flowgrpo.ops import grpo_loss_ref
 from flowgrpo.samplers.plan import SamplingPlan, StepSpec
 from flowgrpo.samplers.schedule import sigma_grid

@@ -19,8 +19,8 @@ from flowgrpo.samplers.rollout import ForestSampler
 from flowgrpo.samplers.schedule import sigma_grid
 from flowgrpo.samplers.strategies import STRATEGIES, build_strategy
 from flowgrpo.advantages.trees import fused_node_rewards
-from flowgrpo.clip_schedule import clip_range_for
-from flowgrpo.sft import best_path_sft_loss, best_paths
+from flowgrpo.objectives.terms.clip_schedule import clip_range_for
+from flowgrpo.objectives.terms.sft import best_path_sft_loss, best_paths
 
 PROMPTS = ["a red circle", "two blue squares"]
 REWARD_CFG = RewardConfig(weights={"r": 1.0})

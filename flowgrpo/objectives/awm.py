@@ -11,7 +11,8 @@ enters a PPO objective with the old policy (the weights that drew the rollout):
           + kl_beta * KL + ema_kl_beta * mean((v_theta - v_ema)^2),
 
 with KL = mean((v_theta - v_ref)^2) to the frozen base model, optionally divided by 2 sigma_t^2,
-sigma_t = 0.7 sqrt(t / (1 - t)) (the Flow-GRPO SDE's noise scale at t). ``ratio_mode=mean`` clips
+sigma_t = a sqrt(t / (1 - t)) (the Flow-GRPO SDE's noise scale at t; a = ``kl_noise_level``, the
+authors' 0.7). Both KL terms are :class:`~.terms.kl.VelocityKL`. ``ratio_mode=mean`` clips
 the ratio of the sample's mean surrogate over its times instead of each (sample, t) ratio.
 
 Authors' defaults (SD3.5, GenEval): K = 6 times per sample, one from each of 6 strata of the
@@ -38,9 +39,7 @@ from .base import MicroLoss, Objective, UpdateContext
 from .forward_rows import (SampleRows, build_sample_rows, grid_strata_times, logit_normal_times, per_row_mean,
                            rollout_times, uniform_times)
 from .old_policy import DecaySchedule, OldPolicy
-
-#: the Flow-GRPO SDE noise level behind the KL's optional 1 / (2 sigma_t^2)
-KL_NOISE_LEVEL = 0.7
+from .terms.kl import KLOptions, VelocityKL
 
 
 def time_sampler(opt, sigmas: torch.Tensor):
@@ -83,12 +82,6 @@ def ppo_clip_loss(log_ratio: torch.Tensor, adv: torch.Tensor, clip_range: float)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()
 
 
-def kl_sigma_factor(t: torch.Tensor, noise_level: float = KL_NOISE_LEVEL) -> torch.Tensor:
-    """1 / (2 sigma_t^2) with sigma_t = a sqrt(t / (1 - min(t, 0.99))) (t floored at 1e-4)."""
-    t = t.clamp(min=1e-4)
-    return 1.0 / (2 * noise_level**2 * t / (1 - t.clamp(max=0.99)))
-
-
 class AWMObjective(Objective):
     """AWM with ``loss.awm`` options (:class:`~flowgrpo.objectives.options.AWMOptions`)."""
 
@@ -97,7 +90,10 @@ class AWMObjective(Objective):
     def __init__(self, cfg):
         self.opt = cfg.loss.awm
         self.seed = cfg.train.seed
-        self.needs_reference = self.opt.kl_beta > 0
+        self.kl = VelocityKL.from_config(self.opt)
+        # the lagging copy's KL: no sigma weighting (the authors' ema KL is a plain mean square)
+        self.ema_kl = VelocityKL(KLOptions(kl_beta=self.opt.ema_kl_beta), reference="ema")
+        self.needs_reference = "base" in self.kl.references
         self.old: OldPolicy | None = None
         self.ema: OldPolicy | None = None
         self.schedule = DecaySchedule(0, self.opt.ema_decay_rate, self.opt.ema_decay_cap)
@@ -107,7 +103,7 @@ class AWMObjective(Objective):
 
     def setup(self, policy) -> None:
         self._policy = policy
-        if self.opt.ema_kl_beta > 0:
+        if self.ema_kl.active:
             self.ema = OldPolicy(policy)
 
     def rows(self, ctx: UpdateContext) -> SampleRows | None:
@@ -141,16 +137,14 @@ class AWMObjective(Objective):
             log_ratio = mean_lr[inv]
         loss, clipped = ppo_clip_loss(log_ratio, adv, o.clip_range)
         stats = {"ratio": torch.exp(log_ratio).detach(), "clipfrac": clipped.float(), "fm_loss": -ll.detach()}
-        if o.kl_beta > 0:
+        if self.kl.active:
             v_ref = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
-            kl = per_row_mean((v - v_ref) ** 2)
-            if o.kl_sigma_weighting:
-                kl = kl * kl_sigma_factor(t)
-            loss = loss + o.kl_beta * kl
+            term, kl = self.kl.value(v, v_ref, t)
+            loss = loss + term
             stats["kl"] = kl.detach()
         if v_ema is not None:
-            ema_kl = per_row_mean((v - v_ema) ** 2)
-            loss = loss + o.ema_kl_beta * ema_kl
+            term, ema_kl = self.ema_kl.value(v, v_ema, t)
+            loss = loss + term
             stats["ema_kl"] = ema_kl.detach()
         return MicroLoss(loss=loss.mean(), stats=stats)
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from .base import MicroLoss, Objective, UpdateContext
 from .forward_rows import SampleRows, build_sample_rows, per_row_mean
 from .old_policy import DecaySchedule, OldPolicy
+from .terms.kl import VelocityKL
 
 
 def _set_weights(adv: torch.Tensor, group: torch.Tensor):
@@ -78,7 +79,8 @@ class DGPOObjective(Objective):
         self.seed = cfg.train.seed
         self.micro = cfg.train.micro_batch
         # the base model serves the KL, and the DPO reference unless that is the EMA
-        self.needs_reference = self.opt.kl_beta > 0 or self.opt.reference == "frozen"
+        self.kl = VelocityKL.from_config(self.opt)  # always to the base model, as the authors
+        self.needs_reference = "base" in self.kl.references or self.opt.reference == "frozen"
         self.keeps_ema = self.opt.reference == "ema" or self.opt.ema_rollouts_after >= 0
         self.schedule = DecaySchedule(0, self.opt.ema_decay_rate, self.opt.ema_decay)
         self.ema: OldPolicy | None = None
@@ -171,11 +173,11 @@ class DGPOObjective(Objective):
         loss = coef * err  # its gradient is the group loss's (see the module docstring)
         losses, margin = self._group_stats
         stats = {"fm_loss": err.detach()}
-        if o.kl_beta > 0:  # always to the base model, as the authors (the EMA is only the DPO reference)
+        if self.kl.active:  # always to the base model, as the authors (the EMA is only the DPO reference)
             with torch.no_grad():
                 v_base = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
-            kl = per_row_mean((v - v_base) ** 2)
-            loss = loss + o.kl_beta * kl
+            term, kl = self.kl.value(v, v_base, rows.t)
+            loss = loss + term
             stats["kl"] = kl.detach()
         stats["dgpo_group_loss"] = losses.float().mean().expand(len(rows))
         stats["dgpo_margin"] = margin.float().mean().expand(len(rows))
@@ -188,7 +190,7 @@ class DGPOObjective(Objective):
         c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
         with ctx.autocast():
             v = policy.velocity(x, t, c, self.opt.train_guidance).float()
-            if self.opt.kl_beta > 0:
+            if self.kl.active:
                 with torch.no_grad():
                     policy.reference_velocity(x, t, c, self.opt.train_guidance)
         return v.sum() * 0.0

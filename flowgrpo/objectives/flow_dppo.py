@@ -43,6 +43,7 @@ from .base import MicroLoss, UpdateContext
 from .grpo import GRPOObjective
 from .grpo_stats import UpdateStatsCollector
 from .lora_fold import lora_folded
+from .terms.kl import gaussian_mean_kl
 
 
 @dataclass
@@ -66,15 +67,6 @@ class FlowDPPOLossOutput(GRPOLossOutput):
 
     kl_old: Tensor = None
     outside: Tensor = None
-
-
-def gaussian_mean_kl(mean: Tensor, other: Tensor, std: Tensor) -> Tensor:
-    """KL between N(other, s^2 I) and N(mean, s^2 I) per element: mean_D((mean - other)^2) / (2 s^2), [N].
-
-    Args: mean, other [N, ...]; std [N] (the shared std of both). Computed in mean's dtype."""
-    n = mean.shape[0]
-    diff = (mean - other.to(mean.dtype)).reshape(n, -1)
-    return (diff**2).mean(1) / (2 * std.to(mean.dtype).reshape(n) ** 2)
 
 
 def flow_dppo_loss(prev_sample: Tensor, mean: Tensor, mean_old: Tensor, std: Tensor, logp_std: Tensor,

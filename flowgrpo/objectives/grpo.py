@@ -5,9 +5,9 @@ credit stage's selected steps and edges. Per micro-batch the model is re-run on 
 the sampler layer turns the velocity into the transitions' means
 (:func:`~flowgrpo.samplers.recompute.transition_means`), and the GRPO op (:mod:`flowgrpo.ops`,
 fused or reference) gives the clipped surrogate with optional KL to the reference and GRPO-Guard
-ratio normalisation. Per-row weights (GRPO-Guard reweighting, TempFlow, :mod:`flowgrpo.loss_weights`),
-the best-path SFT term (:mod:`flowgrpo.sft`) and the minibatch-level anchor term
-(:mod:`flowgrpo.anchor`) are added here, so the trainer knows none of them.
+ratio normalisation. The objective composes the loss terms of :mod:`.terms`: the clip schedule,
+per-row weights (GRPO-Guard reweighting, TempFlow), the best-path SFT term and the minibatch-level
+anchor term, so the trainer knows none of them.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import functools
 
 import torch
 
-from ..anchor import ode_anchor_loss
-from ..clip_schedule import clip_range_for
-from ..loss_weights import iteration_trained_steps, transition_weights
 from ..ops import grpo_loss, grpo_loss_ref
 from ..samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
-from ..sft import best_path_sft_loss, best_paths
 from .base import MicroLoss, Objective, UpdateContext
 from .grpo_stats import UpdateStatsCollector
 from .lora_fold import lora_folded
+from .terms.anchor import ODEAnchor
+from .terms.clip_schedule import ClipSchedule
+from .terms.sft import BestPathSFT, best_paths
+from .terms.step_weights import StepWeights, iteration_trained_steps
 
 
 class GRPOObjective(Objective):
@@ -40,7 +40,10 @@ class GRPOObjective(Objective):
 
     def __init__(self, loss_cfg, device=None):
         self.cfg = loss_cfg
-        self.needs_reference = loss_cfg.beta > 0 or loss_cfg.anchor_weight > 0
+        self.clip, self.weights = ClipSchedule.from_config(loss_cfg), StepWeights.from_config(loss_cfg)
+        self.sft, self.anchor = BestPathSFT.from_config(loss_cfg), ODEAnchor.from_config(loss_cfg)
+        refs = frozenset().union(*(t.references for t in (self.clip, self.weights, self.sft, self.anchor)))
+        self.needs_reference = loss_cfg.beta > 0 or "base" in refs
         if loss_cfg.backend == "reference":
             self.loss_fn = grpo_loss_ref
         elif loss_cfg.backend == "fused":
@@ -67,14 +70,14 @@ class GRPOObjective(Objective):
                                         allow_empty=ctx.dp.world > 1)
         plan = col.plan
         it = self._it
-        it["clip"] = clip_range_for(self.cfg.clip_range, self.cfg.clip_adapt, col.rewards)
+        it["clip"] = self.clip.value(col.rewards)
         steps = None  # one process: the batch's own steps are the iteration's
         if self.cfg.guard_reweight and ctx.dp.world > 1:  # normalise over every rank's steps
             steps = iteration_trained_steps(view.whole, adv.edge_advantages, cr.steps, cr.edge_masks)
-        it["weights"] = transition_weights(batch, plan, self.cfg, steps)
+        it["weights"] = self.weights.value(batch, plan, steps)
         it["logp_std"] = transition_log_prob_std(batch, plan)
         it["best"] = None
-        if self.cfg.sft_weight > 0:
+        if self.sft.active:
             best = best_paths(view.whole, adv.leaf_advantages, adv.leaf_mask)
             it["best"] = [view.local(d, b) for d, b in enumerate(best)]
         it["level_sizes"] = [len(lv) for lv in view.whole.levels] if ctx.dp.world > 1 else None
@@ -110,7 +113,7 @@ class GRPOObjective(Objective):
                            kl_sigma=None if kl_sigma is None else kl_sigma.to(dev), beta=cfg.beta)
         loss = out.loss
         if it["best"] is not None:
-            sft = best_path_sft_loss(mb, mean, it["best"], cfg.sft_weight)
+            sft = self.sft.value(mb, mean, it["best"])
             if sft is not None:
                 loss = loss + sft
         return MicroLoss(loss=loss, record=out)
@@ -151,11 +154,10 @@ class GRPOObjective(Objective):
         return calls
 
     def minibatch_terms(self, ctx: UpdateContext) -> dict:
-        if self.cfg.anchor_weight <= 0:
+        if not self.anchor.active:
             return {}
         col = ctx.collected
-        anchor = ode_anchor_loss(ctx.policy, col.rollout, col.plan, col.cond, self.cfg.anchor_weight,
-                                 self.cfg.anchor_steps, ctx.rng, self._it.get("level_sizes"))
+        anchor = self.anchor.value(ctx.policy, col.rollout, col.plan, col.cond, ctx.rng, self._it.get("level_sizes"))
         return {} if anchor is None else {"anchor_loss": anchor}
 
     def after_update(self, ctx: UpdateContext) -> dict[str, float]:

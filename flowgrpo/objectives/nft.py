@@ -41,6 +41,8 @@ import torch
 from .base import MicroLoss, Objective, UpdateContext
 from .forward_rows import SampleRows, build_sample_rows, per_row_mean, rollout_times
 from .old_policy import DecaySchedule, OldPolicy
+from .terms.anchor import LowNoiseAnchor
+from .terms.kl import VelocityKL
 
 
 def nft_optimality(adv: torch.Tensor, adv_clip: float, mode: str = "all") -> torch.Tensor:
@@ -90,7 +92,8 @@ class NFTObjective(Objective):
     def __init__(self, cfg):
         self.opt = cfg.loss.nft
         self.seed = cfg.train.seed
-        self.needs_reference = self.opt.kl_beta > 0 or (self.opt.policy_min_t > 0 and self.opt.anchor_beta > 0)
+        self.kl, self.anchor = VelocityKL.from_config(self.opt), LowNoiseAnchor.from_config(self.opt)
+        self.needs_reference = "base" in self.kl.references | self.anchor.references
         self.schedule = DecaySchedule(self.opt.decay_flat, self.opt.decay_rate, self.opt.decay_cap)
         self.old: OldPolicy | None = None
         self._policy = None
@@ -125,13 +128,11 @@ class NFTObjective(Objective):
         stats = {"nft_r": r.detach(), **parts, "v_old_dev": per_row_mean((v - v_old).abs()).detach()}
         if self.needs_reference:
             v_ref = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
-            kl = per_row_mean((v - v_ref) ** 2)
+            kl_term, kl = self.kl.value(v, v_ref, t)
             stats["kl"] = kl.detach()
-            if o.policy_min_t > 0:  # low-noise rows: the anchor to the base model replaces the NFT loss
-                low = t < o.policy_min_t
-                loss = torch.where(low, o.anchor_beta * kl, loss)
-                stats["anchor_rows"] = low.float()
-            loss = loss + o.kl_beta * kl
+            if self.anchor.active:  # low-noise rows: the anchor to the base model replaces the NFT loss
+                loss, stats["anchor_rows"] = self.anchor.value(loss, kl, t)
+            loss = loss + kl_term
         return MicroLoss(loss=loss.mean(), stats=stats)
 
     def idle_pass(self, ctx: UpdateContext) -> torch.Tensor:

@@ -12,6 +12,9 @@ from typing import Literal
 
 from ..errors import ConfigError
 from ..fields import help_field as _f
+from .terms.anchor import LowNoiseAnchorOptions
+from .terms.base import term_field
+from .terms.kl import KLOptions
 
 #: ``loss.{nft,awm,dgpo}.rows``: which samples become training rows (one help, one default, three keys)
 ROWS_HELP = ("which samples train: all (the authors: every sample with a finite reward; a group whose rewards have "
@@ -28,14 +31,14 @@ def _rows_field():
 @dataclass
 class NFTOptions:
     beta: float = _f(1.0, "beta: strength of the implicit policies v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v (the authors: 1; 0.1 for OCR)")
-    kl_beta: float = _f(1e-4, "weight of the KL term mean((v - v_ref)^2) against the frozen base model (0: no reference pass)")
+    kl_beta: float = term_field(KLOptions, "kl_beta", 1e-4)
     adv_clip: float = _f(5.0, "A_max: advantages are clipped to +-A_max and mapped to the optimality r = clip(A / A_max / 2 + 1/2, 0, 1)")
     adv_mode: Literal["all", "positive_only", "negative_only", "binary"] = _f("all", "which advantages train: all | positive_only (A < 0 -> 0) | negative_only (A > 0 -> 0) | binary (A -> sign(A), as the authors: r = 1/2 +- 1 / (2 A_max), 0.6 / 0.4 at A_max = 5)")
     rows: Literal["all", "signal"] = _rows_field()
     timesteps: int = _f(0, "training times per sample, taken from the rollout's grid (0: all T grid times; K < T: a random subset of K per sample; the authors train 9 of 10)")
     sample_with_old: bool = _f(True, "roll out with the old policy, as the authors do (false: with the trained weights)")
-    policy_min_t: float = _f(0.0, "rows at times t below this train only mean((v - v_ref)^2) to the base model instead of the NFT loss, with weight anchor_beta + kl_beta (the KL term applies to every row): low-noise detail stays the base model's (0: every row trains the NFT loss, as the authors; needs anchor_beta > 0 or kl_beta > 0)")
-    anchor_beta: float = _f(1.0, "weight of the low-noise anchor (rows with t < policy_min_t), added to kl_beta on those rows")
+    policy_min_t: float = term_field(LowNoiseAnchorOptions, "policy_min_t")
+    anchor_beta: float = term_field(LowNoiseAnchorOptions, "anchor_beta")
     decay_flat: int = _f(0, "old-policy EMA schedule d(step) = min(max(step - flat, 0) * rate, cap): flat")
     decay_rate: float = _f(0.001, "old-policy EMA schedule: rate per update")
     decay_cap: float = _f(0.5, "old-policy EMA schedule: cap (0 with rate 0: the old policy is the previous update's weights)")
@@ -46,9 +49,10 @@ class NFTOptions:
 @dataclass
 class AWMOptions:
     clip_range: float = _f(1.0, "PPO clip epsilon on the ratio exp(l - l_old) (the authors: 1; on-policy with one step per iteration the ratio is 1 anyway)")
-    kl_beta: float = _f(1e-3, "weight of the KL term mean((v - v_ref)^2) against the frozen base model (the authors: 1e-3 GenEval, 3e-3 OCR, 1e-4 PickScore; 0: no reference pass)")
-    kl_sigma_weighting: bool = _f(False, "divide the KL term by 2 sigma_t^2, sigma_t = 0.7 sqrt(t / (1 - min(t, 0.99))) (the authors' ELBO option)")
-    ema_kl_beta: float = _f(1.0, "weight of a KL term mean((v - v_ema)^2) to a lagging copy of the trained weights (0: off)")
+    kl_beta: float = term_field(KLOptions, "kl_beta", 1e-3, "the authors: 1e-3 GenEval, 3e-3 OCR, 1e-4 PickScore")
+    kl_sigma_weighting: bool = term_field(KLOptions, "kl_sigma_weighting")
+    kl_noise_level: float = term_field(KLOptions, "kl_noise_level")
+    ema_kl_beta: float = _f(1.0, "weight of a KL term mean((v - v_ema)^2) to a lagging copy of the trained weights (0: off)", ge=0.0)
     ema_decay_rate: float = _f(0.001, "lagging copy: decay d(n) = min(n * rate, cap) after each iteration, n = optimizer steps so far")
     ema_decay_cap: float = _f(0.3, "lagging copy: cap of the decay")
     timesteps: int = _f(6, "training times per sample")
@@ -67,7 +71,7 @@ class AWMOptions:
 @dataclass
 class DGPOOptions:
     beta_dpo: float = _f(100.0, "beta of the group-level Bradley-Terry likelihood log sigmoid(R(G+) - R(G-)), r_i = -beta d_i (the authors: 100 with CFG rollouts, 10 PickScore, 2000-5000 with an EMA reference)")
-    kl_beta: float = _f(1e-3, "weight of the KL term mean((v - v_base)^2) against the frozen base model, whatever the DPO reference (0: no KL pass)")
+    kl_beta: float = term_field(KLOptions, "kl_beta", 1e-3, "always the base model, whatever the DPO reference")
     reference: Literal["frozen", "ema"] = _f("frozen", "the DPO reference: the frozen base model, or an EMA of the trained weights (the KL still goes to the base model, as the authors)")
     ema_decay: float = _f(0.3, "cap of the EMA's decay: after optimizer step n the EMA moves with d(n) = min(ema_decay, ema_decay_rate * n) (the authors: 0.3)")
     ema_decay_rate: float = _f(0.001, "growth of the EMA's decay per optimizer step (the authors: 0.001)")
@@ -91,9 +95,7 @@ def check_objective_options(loss_cfg) -> None:
 
     n, a, d = loss_cfg.nft, loss_cfg.awm, loss_cfg.dgpo
     need(n.beta > 0, "nft.beta", n.beta, "> 0")
-    for key, v in (("nft.kl_beta", n.kl_beta), ("awm.kl_beta", a.kl_beta), ("awm.ema_kl_beta", a.ema_kl_beta),
-                   ("dgpo.kl_beta", d.kl_beta), ("nft.decay_rate", n.decay_rate)):
-        need(v >= 0, key, v, ">= 0")
+    need(n.decay_rate >= 0, "nft.decay_rate", n.decay_rate, ">= 0")  # the KL weights' ranges sit on their fields
     for key, v in (("nft.adv_clip", n.adv_clip), ("awm.adv_clip", a.adv_clip), ("awm.clip_range", a.clip_range),
                    ("dgpo.beta_dpo", d.beta_dpo), ("nft.weight_floor", n.weight_floor), ("awm.time_shift", a.time_shift),
                    ("dgpo.time_shift", d.time_shift), ("awm.logit_std", a.logit_std), ("dgpo.logit_std", d.logit_std),
@@ -104,8 +106,6 @@ def check_objective_options(loss_cfg) -> None:
         need(0 <= v < 1, key, v, "in [0, 1)")
     need(d.ema_decay_rate >= 0, "dgpo.ema_decay_rate", d.ema_decay_rate, ">= 0")
     need(d.ema_rollouts_after >= -1, "dgpo.ema_rollouts_after", d.ema_rollouts_after, ">= -1 (-1: never)")
-    need(0 <= n.policy_min_t < 1, "nft.policy_min_t", n.policy_min_t, "in [0, 1)")
-    need(n.anchor_beta >= 0, "nft.anchor_beta", n.anchor_beta, ">= 0")
     need(n.policy_min_t == 0 or n.anchor_beta > 0 or n.kl_beta > 0, "nft.policy_min_t", n.policy_min_t,
          "0 when loss.nft.anchor_beta and loss.nft.kl_beta are both 0 (the low-noise rows would have no loss)")
     need(n.decay_flat >= 0, "nft.decay_flat", n.decay_flat, ">= 0")

@@ -8,7 +8,18 @@ resumed run computes the same bounds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
+
+from ...fields import help_field as _f
+from .base import LossTerm
+
+
+@dataclass
+class ClipOptions:
+    clip_range: float = _f(1e-4, "PPO clip epsilon on the importance ratio", gt=0.0)
+    clip_adapt: float = _f(0.0, "reward-adaptive clip (Dynamic-TreeRPO): eps = clip_range * (1 + clip_adapt * (1 - clamp(mean reward, 0, 1))); 0 = fixed", ge=0.0)
 
 
 def clip_range_for(base: float, adapt: float, rewards: dict[str, Tensor] | None) -> float:
@@ -25,3 +36,18 @@ def clip_range_for(base: float, adapt: float, rewards: dict[str, Tensor] | None)
         return base
     q = min(max(sum(means) / len(means), 0.0), 1.0)
     return base * (1.0 + adapt * (1.0 - q))
+
+
+class ClipSchedule(LossTerm):
+    """The iteration's ratio clip epsilon (:func:`clip_range_for`); always active (a fixed clip when clip_adapt = 0)."""
+
+    name = "clip"
+    Options = ClipOptions
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def value(self, rewards: dict[str, Tensor] | None) -> float:
+        """The clip epsilon for an iteration with leaf ``rewards`` ({name: [L]})."""
+        return clip_range_for(self.opt.clip_range, self.opt.clip_adapt, rewards)

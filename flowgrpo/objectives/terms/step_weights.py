@@ -21,10 +21,20 @@ gathered to rows; with both options on the weights multiply.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from .samplers.sde import DEFAULT_NOISE_LEVEL, sde_kind
+from ...fields import help_field as _f
+from ...samplers.sde import DEFAULT_NOISE_LEVEL, sde_kind
+from .base import LossTerm
+
+
+@dataclass
+class StepWeightOptions:
+    guard_reweight: bool = _f(False, "GRPO-Guard per-step gradient reweighting (weight proportional to 1/|dt|, mean 1)")
+    tempflow_weight: bool = _f(False, "TempFlow noise-aware weighting (weight proportional to the transition std, mean 1)")
 
 
 def _reference_spec(plan) -> tuple[float, str]:
@@ -70,7 +80,8 @@ def tempflow_step_weights(plan) -> Tensor:
 
 
 def transition_weights(batch, plan, loss_cfg, trained_steps: list[int] | None = None) -> Tensor:
-    """Weights [M] for the transitions of ``batch`` (ones unless a weighting option is on).
+    """Weights [M] for the transitions of ``batch`` (ones unless a weighting option of ``loss_cfg``, a
+    :class:`StepWeightOptions` or any object with its fields, is on).
 
     ``trained_steps``: the plan steps trained in this update on every rank, over which the GRPO-Guard
     weights are normalised (default: the steps of ``batch``). Under several processes a rank's batch
@@ -102,3 +113,18 @@ def iteration_trained_steps(forest, edge_advantages, steps: list[int], edge_mask
     are selected but whose edges are all masked (no signal, backward-only pruning) are left out."""
     batch = forest.transitions(edge_advantages, steps, edge_masks, allow_empty=True)
     return sorted(set(batch.step.tolist()))
+
+
+class StepWeights(LossTerm):
+    """Per-transition weights [M] of the GRPO surrogate (:func:`transition_weights`); ones when inactive."""
+
+    name = "step_weights"
+    Options = StepWeightOptions
+
+    @property
+    def active(self) -> bool:
+        return self.opt.guard_reweight or self.opt.tempflow_weight
+
+    def value(self, batch, plan, trained_steps: list[int] | None = None) -> Tensor:
+        """:func:`transition_weights` of ``batch`` under this term's options."""
+        return transition_weights(batch, plan, self.opt, trained_steps)

@@ -1,4 +1,10 @@
-"""The anchor term: keep the policy equal to the base model on the steps the policy gradient skips.
+"""Anchor terms: keep the policy equal to the base model where the policy loss should not act.
+
+* :class:`ODEAnchor` (GRPO's ``loss.anchor_weight``): on the rollout's untrained ODE steps.
+* :class:`LowNoiseAnchor` (DiffusionNFT's ``loss.nft.policy_min_t``): on the forward-process rows at
+  low-noise times, which then train the anchor instead of the policy loss.
+
+The ODE anchor, in detail:
 
 Strategies that explore and train only some steps (a MixGRPO window, TempFlow branch points) leave
 the other steps as deterministic ODE steps without a log-prob, so no policy-gradient signal reaches
@@ -17,9 +23,26 @@ steps to the GRPO loss (and its optional KL term).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
+
+from ...fields import help_field as _f
+from .base import LossTerm
+
+
+@dataclass
+class AnchorOptions:
+    anchor_weight: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.objectives.terms.anchor)", ge=0.0)
+    anchor_steps: int = _f(2, "ODE depths per update on which the anchor term is evaluated")
+
+
+@dataclass
+class LowNoiseAnchorOptions:
+    policy_min_t: float = _f(0.0, "rows at times t below this train only mean((v - v_ref)^2) to the base model instead of the policy loss, with weight anchor_beta + kl_beta (the KL term applies to every row): low-noise detail stays the base model's (0: every row trains the policy loss, as the authors; needs anchor_beta > 0 or kl_beta > 0)", ge=0.0, lt=1.0)
+    anchor_beta: float = _f(1.0, "weight of the low-noise anchor (rows with t < policy_min_t), added to kl_beta on those rows", ge=0.0)
 
 
 def ode_depths(rollout, plan) -> list[int]:
@@ -65,3 +88,45 @@ def ode_anchor_loss(policy, rollout, plan, cond, weight: float, num_steps: int,
             term = term * (len(lv.x) / level_sizes[d])
         total = term if total is None else total + term
     return weight * total / len(chosen)
+
+
+class ODEAnchor(LossTerm):
+    """GRPO's minibatch-level anchor to the base model on the rollout's ODE depths (:func:`ode_anchor_loss`)."""
+
+    name = "anchor"
+    Options = AnchorOptions
+
+    @property
+    def active(self) -> bool:
+        return self.opt.anchor_weight > 0
+
+    @property
+    def references(self) -> frozenset[str]:
+        return frozenset({"base"}) if self.active else frozenset()
+
+    def value(self, policy, rollout, plan, cond, rng: np.random.Generator,
+              level_sizes: list[int] | None = None) -> Tensor | None:
+        """:func:`ode_anchor_loss` with this term's weight and depth count (None: no ODE depth)."""
+        return ode_anchor_loss(policy, rollout, plan, cond, self.opt.anchor_weight, self.opt.anchor_steps, rng,
+                               level_sizes)
+
+
+class LowNoiseAnchor(LossTerm):
+    """Rows at t < ``policy_min_t`` train ``anchor_beta * KL`` to the base model instead of the policy loss."""
+
+    name = "low_noise_anchor"
+    Options = LowNoiseAnchorOptions
+
+    @property
+    def active(self) -> bool:
+        return self.opt.policy_min_t > 0
+
+    @property
+    def references(self) -> frozenset[str]:
+        return frozenset({"base"}) if self.active and self.opt.anchor_beta > 0 else frozenset()
+
+    def value(self, loss: Tensor, kl: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        """(per-row loss [R] with the low rows' ``loss`` replaced by anchor_beta * kl, the low-row mask
+        [R] float) for the policy loss [R], the rows' KL to the base model [R] and times t [R]."""
+        low = t.to(loss.device) < self.opt.policy_min_t
+        return torch.where(low, self.opt.anchor_beta * kl, loss), low.float()

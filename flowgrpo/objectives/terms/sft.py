@@ -11,11 +11,19 @@ loss it is added to.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .samplers.steps import gaussian_exponent
+from ...fields import help_field as _f
+from ...samplers.steps import gaussian_exponent
+from .base import LossTerm
+
+
+@dataclass
+class SFTOptions:
+    sft_weight: float = _f(0.0, "weight of the best-path SFT term (Dynamic-TreeRPO / LayerTuning-RL, flowgrpo.objectives.terms.sft); 0 = off", ge=0.0)
 
 
 def best_paths(rollout, leaf_values: Tensor, leaf_mask: Tensor) -> list[Tensor]:
@@ -67,3 +75,18 @@ def best_path_sft_loss(batch, mean: Tensor, best: list[Tensor], weight: float) -
     x_next = batch.prev_sample[rows].to(mean.device)
     nll = gaussian_exponent(x_next, mean[rows.to(mean.device)], batch.std[rows].to(mean.device))
     return weight * nll.sum() / len(batch)
+
+
+class BestPathSFT(LossTerm):
+    """The SFT pull toward each tree's best path (:func:`best_path_sft_loss`); needs no reference."""
+
+    name = "sft"
+    Options = SFTOptions
+
+    @property
+    def active(self) -> bool:
+        return self.opt.sft_weight > 0
+
+    def value(self, batch, mean: Tensor, best: list[Tensor]) -> Tensor | None:
+        """:func:`best_path_sft_loss` of a micro-batch with this term's weight (None: no row on a path)."""
+        return best_path_sft_loss(batch, mean, best, self.opt.sft_weight)
