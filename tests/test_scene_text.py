@@ -94,6 +94,38 @@ def test_order_swapped_position_prompts_have_different_field_ids():
         assert not torch.equal(tok([spec.prompt]), tok([order_swap(spec).prompt]))
 
 
+def test_each_group_token_carries_the_relation_from_its_own_side():
+    """"A left of B": the subject slot says "left of", the object slot "right of", and the order swap
+    "B left of A" gives B the subject's side, so which cells a group goes to is one field of its own
+    token; prompts without a relation leave the field empty, and ``group_relation=False`` (the first
+    scene weights) leaves it empty everywhere."""
+    from flowgrpo.shapes.scene_text import RELATION_FIELD
+    from flowgrpo.shapes.world import FLIPPED, RELATIONS
+
+    tok = SceneTokenizer()
+    for spec in [s for s in split_specs("position")[0] if s.relation in RELATIONS][:24]:
+        ids = tok([spec.prompt])[0]
+        assert RELATION_FIELD[int(ids[0, 4])] == spec.relation
+        assert RELATION_FIELD[int(ids[1, 4])] == FLIPPED[spec.relation]
+        assert RELATION_FIELD[int(ids[2, 4])] == spec.relation  # the relation token itself
+        swapped = tok([order_swap(spec).prompt])[0]
+        assert torch.equal(swapped[0, 1:4], ids[1, 1:4]) and RELATION_FIELD[int(swapped[0, 4])] == spec.relation
+    assert tok(["a red circle and a blue square"])[0, :2, 4].tolist() == [0, 0]
+    old = SceneTokenizer(group_relation=False)(["a red circle left of a blue square"])[0]
+    assert old[:2, 4].tolist() == [0, 0] and RELATION_FIELD[int(old[2, 4])] == "left of"
+
+
+def test_scene_weights_without_group_relation_key_load_as_trained(tmp_path):
+    """The first scene weights (no ``group_relation`` in config.json) read prompts as they were trained."""
+    ShapesFlowModel(ShapesModelConfig(num_layers=1)).save(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    assert meta["config"]["group_relation"] is True
+    del meta["config"]["group_relation"]
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    loaded = ShapesFlowModel.load(tmp_path)
+    assert loaded.cfg.group_relation is False and loaded.tokenizer.group_relation is False
+
+
 def test_weights_without_text_encoder_key_load_as_the_word_encoder(tmp_path):
     """config.json files written before the scene encoder (no ``text_encoder`` key) are word models."""
     old = ShapesFlowModel(ShapesModelConfig(num_layers=1, text_encoder="words"))

@@ -50,6 +50,9 @@ class ShapesModelConfig:
     # "scene": one token per parsed object group + a relation token (flowgrpo.shapes.scene_text);
     # "words": the word-level bag-of-words encoder of the weights shipped before issue 29.
     text_encoder: str = "scene"
+    # scene encoder only: group tokens carry the relation from their side (see scene_text); weights
+    # whose config.json lacks the key were trained without it and load with False
+    group_relation: bool = True
 
     def __post_init__(self):
         if self.text_encoder not in TEXT_ENCODERS:
@@ -108,7 +111,7 @@ class ShapesFlowModel(nn.Module):
         self.cfg = cfg or ShapesModelConfig()
         c = self.cfg
         if c.text_encoder == "scene":
-            self.tokenizer = SceneTokenizer()
+            self.tokenizer = SceneTokenizer(group_relation=c.group_relation)
             self.text_encoder = SceneTextEncoder(c.text_dim, c.text_layers)
         else:
             self.tokenizer = WordTokenizer(c.max_tokens)
@@ -187,7 +190,8 @@ class ShapesFlowModel(nn.Module):
                 f"`python -m flowgrpo.shapes.pretrain --out {directory}`"
             )
         meta = json.loads((directory / "config.json").read_text())
-        # weights written before the scene encoder existed carry no text_encoder key: they are "words"
-        model = cls(ShapesModelConfig(**{"text_encoder": "words", **meta["config"]}))
+        # weights written before the scene encoder existed carry no text_encoder key: they are "words";
+        # scene weights written before group_relation existed were trained without it
+        model = cls(ShapesModelConfig(**{"text_encoder": "words", "group_relation": False, **meta["config"]}))
         model.load_state_dict(load_file(str(weights)))
         return model

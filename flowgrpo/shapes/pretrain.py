@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="shift of the logit-normal noise-level sampler toward high noise (1 = SD3's unshifted)")
     ap.add_argument("--text-encoder", default="scene", choices=TEXT_ENCODERS,
                     help="scene: a token per object group + a relation token; words: the old word-level encoder")
+    ap.add_argument("--no-group-relation", dest="group_relation", action="store_false",
+                    help="scene encoder: leave the group tokens' relation field empty (as the first scene weights; "
+                         "the MMDiT then does not learn relations)")
     d = ShapesModelConfig()
     ap.add_argument("--layers", type=int, default=d.num_layers, help="MMDiT blocks of the model")
     ap.add_argument("--heads", type=int, default=d.num_attention_heads, help="attention heads")
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     model_cfg = ShapesModelConfig(num_layers=args.layers, num_attention_heads=args.heads,
                                   attention_head_dim=args.head_dim, text_dim=args.text_dim,
-                                  text_encoder=args.text_encoder)
+                                  text_encoder=args.text_encoder, group_relation=args.group_relation)
     model = ShapesFlowModel(model_cfg)
     if args.init_transformer:
         init = ShapesFlowModel.load(args.init_transformer)
