@@ -77,7 +77,7 @@ def run_bench_plugin(json_path: str | None = None, out: str | None = None, promp
     """Time both paths (see the module docstring); print a table, write CSV/PNG to ``out``, JSON to ``json_path``."""
     from diffusers import StableDiffusion3Pipeline
 
-    from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+    from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

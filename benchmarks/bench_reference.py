@@ -1,6 +1,6 @@
 """`flowgrpo bench reference --flow-grpo PATH`: flowgrpo against Flow-GRPO's own code on the same model.
 
-Both sides run the same tiny random SD3 (:func:`flowgrpo.policies.sd3_tiny.tiny_sd3_components`,
+Both sides run the same tiny random SD3 (:func:`flowgrpo.policies.tiny.sd3.tiny_sd3_components`,
 seed 0: identical weights), with the same LoRA (rank 32, alpha 64, flowgrpo's SD3 targets, B = 0 at
 start), prompts, group size, CFG scale, SDE noise level, sigma grid (the pipeline scheduler's), T,
 resolution, KL weight and clips. The Flow-GRPO side is its ``pipeline_with_logprob`` and
@@ -68,7 +68,7 @@ def settings_for(num_steps: int = 10, resolution: int = 64, guidance_scale: floa
                  beta: float = 0.04) -> ReferenceSettings:
     """The shared settings: Flow-GRPO's SD3 defaults (CFG 4.5, a = 0.7, clip 1e-4, advantages clipped
     at 5, gradient norm 1) at the tiny model's own sequence length (32 T5 tokens)."""
-    from flowgrpo.policies.sd3_tiny import TINY_MAX_SEQUENCE_LENGTH
+    from flowgrpo.policies.tiny.sd3 import TINY_MAX_SEQUENCE_LENGTH
 
     return ReferenceSettings(num_steps=num_steps, guidance_scale=guidance_scale, noise_level=0.7, beta=beta,
                              clip_range=1e-4, adv_clip_max=5.0, max_grad_norm=1.0,
@@ -134,7 +134,7 @@ class ReferenceSide:
     """Flow-GRPO's functions on a stock SD3 pipeline over the same components (default: the tiny SD3's)."""
 
     def __init__(self, code, s: ReferenceSettings, group: int, lora_targets: list[str], components: dict | None = None):
-        from flowgrpo.policies.sd3_tiny import tiny_sd3_components
+        from flowgrpo.policies.tiny.sd3 import tiny_sd3_components
 
         self.code, self.s, self.group = code, s, group
         self.pipe = reference_pipeline(components or tiny_sd3_components(seed=0), 32, 64.0, lora_targets)
@@ -191,7 +191,7 @@ def run_bench_reference(flow_grpo_path: str | Path, json_path=None, *, num_steps
                         repeats: int = 5, warmup: int = 1, variants: dict[str, list[str]] | None = None,
                         out_dir=None, quiet: bool = False) -> dict:
     """Time both sides (module docstring); print a table, write CSV, PNG and JSON. Returns the JSON dict."""
-    from flowgrpo.policies.sd3 import SD3_LORA_TARGETS
+    from flowgrpo.policies.diffusers.sd3 import SD3_LORA_TARGETS
 
     if repeats < 1:
         raise ValueError("repeats must be >= 1")

@@ -92,7 +92,7 @@ def run_models_stage(device: torch.device, dtype: torch.dtype, size: ModelSize, 
     Returns {"settings", "model", "rows" (bench reference's rows: medians in s and ratios),
     "rollout_ratio", "update_ratio", "iteration_ratio", "max_latent_diff", "max_logprob_diff",
     "memory_gib": {...}, "rounds_timed"}."""
-    from flowgrpo.policies.sd3 import SD3_LORA_TARGETS
+    from flowgrpo.policies.diffusers.sd3 import SD3_LORA_TARGETS
 
     began = time.perf_counter()
     s = replace(settings_for(num_steps, size.resolution), max_sequence_length=size.max_sequence_length)

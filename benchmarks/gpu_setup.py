@@ -8,10 +8,10 @@ Two model sizes share every line of construction (:func:`build_components`):
   1280 wide: pooled 2048; a T5 4096 wide: the joint width; two layers each, tiny vocabularies) and
   the real SD3 VAE configuration (16 latent channels, 8x down-sampling) with random weights;
 * ``tiny``: the same builder with the transformer's config keys overridden to the tiny SD3 of
-  :mod:`flowgrpo.policies.sd3_tiny` and narrow encoders / VAE (the CPU form of the test suite).
+  :mod:`flowgrpo.policies.tiny.sd3` and narrow encoders / VAE (the CPU form of the test suite).
 
 :func:`registered_components` makes the components the ``model.name=bench-gpu-sd3`` policy of
-flowgrpo's trainer (an :class:`~flowgrpo.policies.sd3.SD3Policy` over them), so the flowgrpo side is
+flowgrpo's trainer (an :class:`~flowgrpo.policies.diffusers.sd3.SD3Policy` over them), so the flowgrpo side is
 the trainer's own path; the Flow-GRPO side gets a deep copy (the same weights, its own modules).
 """
 
@@ -35,7 +35,7 @@ SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, down_block_typ
                act_fn="silu", norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609,
                use_quant_conv=False, use_post_quant_conv=False)
 TINY_VAE = dict(SD3_VAE, block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4, sample_size=64)
-#: the tiny SD3 of flowgrpo.policies.sd3_tiny as overrides of SD3.5-Medium's transformer config
+#: the tiny SD3 of flowgrpo.policies.tiny.sd3 as overrides of SD3.5-Medium's transformer config
 TINY_TRANSFORMER = dict(sample_size=8, num_layers=2, attention_head_dim=16, num_attention_heads=4,
                         caption_projection_dim=64, joint_attention_dim=96, pooled_projection_dim=80,
                         pos_embed_max_size=32, dual_attention_layers=(0,))
@@ -81,7 +81,7 @@ def build_components(size: ModelSize, device: torch.device, dtype: torch.dtype, 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    from flowgrpo.policies.sd3_tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from flowgrpo.policies.tiny.sd3 import tiny_clip_tokenizer, tiny_t5_tokenizer
     from flowgrpo.realsize.configs import build_transformer
 
     tok = tiny_clip_tokenizer(max_length=size.clip_max_length)
@@ -121,9 +121,9 @@ def parameter_count(module: torch.nn.Module) -> int:
 
 def _build_bench_policy(cfg):
     """The ``model.name=bench-gpu-sd3`` factory: an SD3Policy over the components last registered."""
-    from flowgrpo.policies.diffusers_common import set_model_options
-    from flowgrpo.policies.sd3 import SD3Policy
-    from flowgrpo.policies.switches import runtime_options, torch_dtype
+    from flowgrpo.policies.diffusers.common import set_model_options
+    from flowgrpo.policies.diffusers.sd3 import SD3Policy
+    from flowgrpo.policies.diffusers.switches import runtime_options, torch_dtype
 
     if "components" not in _PENDING:
         raise RuntimeError(f"model.name={BENCH_MODEL} is built by `flowgrpo bench gpu` only (no components registered)")

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     out, args = Path(argv[0]), argv[1:]
     if args == ["--imports-only"]:
         import diffusers.pipelines.stable_diffusion_3  # noqa: F401
-        import flowgrpo.policies.sd3  # noqa: F401
+        import flowgrpo.policies.diffusers.sd3  # noqa: F401
         import flowgrpo.trainer.trainer  # noqa: F401
 
         code = 0

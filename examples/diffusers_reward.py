@@ -7,7 +7,7 @@ in code: the function is handed to the trainer as a part (no registry, no import
 PIPELINE_DIR is any flow-matching diffusers pipeline folder (``model_index.json`` picks the adapter:
 SD3 / SD3.5, FLUX.1, Wan 2.1, ...). Without real weights, make a tiny random SD3 folder first::
 
-    python -c "from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline; tiny_sd3_pipeline(seed=0).save_pretrained('tiny_sd3')"
+    python -c "from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline; tiny_sd3_pipeline(seed=0).save_pretrained('tiny_sd3')"
     python examples/diffusers_reward.py tiny_sd3 model.resolution=64 model.max_sequence_length=16
 """
 

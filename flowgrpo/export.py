@@ -46,8 +46,8 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     import torch
 
     from .policies import build_policy, resolve_adapter
-    from .policies.diffusers_common import load_pipeline
-    from .policies.sd3 import torch_dtype
+    from .policies.diffusers.common import load_pipeline
+    from .policies.diffusers.sd3 import torch_dtype
 
     cfg, trained = checkpoint_weights(Path(run_dir), checkpoint, raw)
     weights, which, ckpt = trained.weights, trained.kind, trained.path

@@ -205,7 +205,7 @@ def _sample_into(folder: Path, policy, rows: list[dict], opts: SampleOptions, st
 
 
 def _cmd_sample(args) -> int:
-    from .policies.diffusers_common import show_library_progress
+    from .policies.diffusers.common import show_library_progress
 
     show_library_progress(not args.quiet)
     opts = SampleOptions(prompts=args.prompts, out=args.out, weights=args.weights, seed=args.seed, steps=args.steps,

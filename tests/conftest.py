@@ -230,7 +230,7 @@ def train_tiny_sd3_lora_run(root: Path, prompts: list[str], *, seq: int, steps: 
     """(base pipeline dir, run dir, prompt file, config): a 2-iteration tiny SD3 LoRA run (rank 4, lr
     3e-2 and EMA 0.5 so the weights visibly move, a checkpoint per iteration) on ``prompts``, in ``root``."""
     from flowgrpo.config import load_config
-    from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+    from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
     from flowgrpo.trainer.run import train
 
     base = root / "base"

@@ -8,7 +8,7 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.errors import ConfigError
-from flowgrpo.policies.families_tiny import save_tiny_pipeline
+from flowgrpo.policies.tiny.families import save_tiny_pipeline
 from flowgrpo.trainer.trainer import Trainer
 
 

@@ -18,10 +18,10 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from flowgrpo.diffusers import FlowGRPOScheduler, ensure_flowgrpo_scheduler, rollout
-from flowgrpo.policies.flux_tiny import tiny_flux_pipeline
+from flowgrpo.policies.tiny.flux import tiny_flux_pipeline
 from flowgrpo.ops import grpo_loss_ref
-from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
-from flowgrpo.policies.wan_tiny import tiny_wan_pipeline
+from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
+from flowgrpo.policies.tiny.wan import tiny_wan_pipeline
 from flowgrpo.samplers.steps import sde_step
 
 KW = {"sd3": dict(height=32, width=32, max_sequence_length=32, guidance_scale=4.5),

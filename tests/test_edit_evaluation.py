@@ -16,7 +16,7 @@ from flowgrpo.edit_evaluator import EditEvaluator
 from flowgrpo.errors import ConfigError, UserError
 from flowgrpo.images import to_uint8
 from flowgrpo.policies import build_policy
-from flowgrpo.policies.families_tiny import save_tiny_pipeline
+from flowgrpo.policies.tiny.families import save_tiny_pipeline
 from flowgrpo.references import resize_references
 from flowgrpo.rewards import build_reward
 

@@ -30,8 +30,8 @@ from flowgrpo.config import ModelConfig
 from flowgrpo.data import PromptSource
 from flowgrpo.errors import UserError
 from flowgrpo.policies import build_policy, resolve_adapter
-from flowgrpo.policies.families_tiny import save_tiny_pipeline
-from flowgrpo.policies.generic import PipelinePolicy
+from flowgrpo.policies.tiny.families import save_tiny_pipeline
+from flowgrpo.policies.diffusers.generic.adapter import PipelinePolicy
 from flowgrpo.references import quantize, resize_references, to_pil
 from flowgrpo.rewards import build_reward
 from flowgrpo.samplers.solvers import solve_ode

@@ -1,5 +1,5 @@
 """Qwen-Image-Edit-Plus through the generic adapter: diffusers 0.42.1's QwenImageEditPlusPipeline takes one
-prompt per call, so the adapter probes, encodes and replays it one prompt at a time (policies/row_calls.py).
+prompt per call, so the adapter probes, encodes and replays it one prompt at a time (flowgrpo/diffusers/replay/row_calls.py).
 On a tiny random pipeline: Euler at noise 0 through flowgrpo = the stock pipeline run prompt by prompt
 from the same latents (prompts of different text lengths in one batch); a LoRA run trains and samples."""
 
@@ -26,7 +26,7 @@ PROMPTS = ["make the sky red", "add a small cat on the left please"]
 def plus_dir(tmp_path_factory):
     from diffusers import QwenImageEditPlusPipeline
 
-    from flowgrpo.policies.families_tiny_edit import tiny_qwen_image_edit_components
+    from flowgrpo.policies.tiny.families_edit import tiny_qwen_image_edit_components
 
     path = tmp_path_factory.mktemp("plus") / "qwen-image-edit-plus"
     QwenImageEditPlusPipeline(**tiny_qwen_image_edit_components(0)).save_pretrained(str(path))

@@ -48,7 +48,7 @@ def test_custom_objective_by_import_path_trains(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_pipeline_dir(tmp_path_factory) -> Path:
-    from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+    from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
 
     folder = tmp_path_factory.mktemp("pipeline") / "tiny_sd3"
     tiny_sd3_pipeline(seed=0).save_pretrained(folder)

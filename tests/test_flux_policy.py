@@ -10,8 +10,8 @@ import torch
 
 from flowgrpo.config import ModelConfig, load_config
 from flowgrpo.policies import build_policy
-from flowgrpo.policies.flux import FluxPolicy
-from flowgrpo.policies.flux_tiny import save_tiny_flux_pipeline
+from flowgrpo.policies.diffusers.flux import FluxPolicy
+from flowgrpo.policies.tiny.flux import save_tiny_flux_pipeline
 
 RES, SEQ, GUIDANCE = 32, 16, 3.5
 PROMPTS = ["a photo of a cat", "a red circle on a white table"]

@@ -13,8 +13,8 @@ from flowgrpo.cli import main
 from flowgrpo.config import ModelConfig, load_config
 from flowgrpo.errors import UserError
 from flowgrpo.policies import build_policy
-from flowgrpo.policies.sd3 import SD3Policy
-from flowgrpo.policies.sd3_tiny import tiny_sd3_components
+from flowgrpo.policies.diffusers.sd3 import SD3Policy
+from flowgrpo.policies.tiny.sd3 import tiny_sd3_components
 from flowgrpo.samplers.solvers import solve_ode
 from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint
 

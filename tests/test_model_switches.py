@@ -1,7 +1,7 @@
 """Every model switch of ``ModelConfig`` works the same on the tiny SD3, FLUX and Wan adapters.
 
-One implementation (:mod:`flowgrpo.policies.switches`, plus the dtype handling of
-:mod:`flowgrpo.policies.diffusers_common`) serves the three adapters; each test is parametrised over
+One implementation (:mod:`flowgrpo.policies.diffusers.switches`, plus the dtype handling of
+:mod:`flowgrpo.policies.diffusers.common`) serves the three adapters; each test is parametrised over
 them and compares the switch on with the switch off. Tolerances (max abs difference):
 
 * gradient_checkpointing: velocity and LoRA gradients within 1e-5 (recomputation in the same
@@ -30,14 +30,14 @@ import torch
 from flowgrpo.config import ModelConfig
 from flowgrpo.errors import ConfigError
 from flowgrpo.policies import build_policy
-from flowgrpo.policies import switches as switches_mod
-from flowgrpo.policies.flux import FluxPolicy
-from flowgrpo.policies.flux_tiny import save_tiny_flux_pipeline, tiny_flux_components
-from flowgrpo.policies.sd3 import SD3Policy
-from flowgrpo.policies.sd3_tiny import tiny_sd3_components, tiny_sd3_pipeline
-from flowgrpo.policies.switches import SWITCHES, runtime_options
-from flowgrpo.policies.wan import WanPolicy
-from flowgrpo.policies.wan_tiny import save_tiny_wan, tiny_wan_components
+from flowgrpo.policies.diffusers import switches as switches_mod
+from flowgrpo.policies.diffusers.flux import FluxPolicy
+from flowgrpo.policies.tiny.flux import save_tiny_flux_pipeline, tiny_flux_components
+from flowgrpo.policies.diffusers.sd3 import SD3Policy
+from flowgrpo.policies.tiny.sd3 import tiny_sd3_components, tiny_sd3_pipeline
+from flowgrpo.policies.diffusers.switches import SWITCHES, runtime_options
+from flowgrpo.policies.diffusers.wan import WanPolicy
+from flowgrpo.policies.tiny.wan import save_tiny_wan, tiny_wan_components
 
 PROMPTS = ["a photo of a cat", "a red ball rolling"]
 MODELS = {  # adapter, component builder, policy options (SD3 and Wan with classifier-free guidance)

@@ -25,8 +25,8 @@ SMALL = ["data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from flowgrpo.policies.flux_tiny import save_tiny_flux_pipeline
-    from flowgrpo.policies.wan_tiny import save_tiny_wan
+    from flowgrpo.policies.tiny.flux import save_tiny_flux_pipeline
+    from flowgrpo.policies.tiny.wan import save_tiny_wan
 
     return {"flux": save_tiny_flux_pipeline(tmp_path_factory.mktemp("flux"), seed=0, guidance_embeds=True),
             "wan": save_tiny_wan(tmp_path_factory.mktemp("wan") / "tiny-wan")}

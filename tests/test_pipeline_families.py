@@ -27,10 +27,10 @@ from flowgrpo.cli import main
 from flowgrpo.config import ModelConfig, load_config
 from flowgrpo.errors import UserError
 from flowgrpo.policies import build_policy, resolve_adapter
-from flowgrpo.policies.families import family_of
-from flowgrpo.policies.families_tiny import save_tiny_pipeline
-from flowgrpo.policies.generic import PipelinePolicy
-from flowgrpo.policies.wan_tiny import save_tiny_wan
+from flowgrpo.policies.diffusers.generic.families import family_of
+from flowgrpo.policies.tiny.families import save_tiny_pipeline
+from flowgrpo.policies.diffusers.generic.adapter import PipelinePolicy
+from flowgrpo.policies.tiny.wan import save_tiny_wan
 from flowgrpo.samplers.solvers import solve_ode
 from flowgrpo.trainer import run as run_module
 from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint

@@ -10,8 +10,8 @@ import pytest
 
 from flowgrpo.config import load_config
 from flowgrpo.errors import UserError
-from flowgrpo.policies.families_tiny import save_tiny_pipeline
-from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+from flowgrpo.policies.tiny.families import save_tiny_pipeline
+from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
 
 from conftest import run_cli
 
@@ -33,8 +33,8 @@ def _no_load(*args, **kwargs):
 @pytest.mark.parametrize("component", ["transformer", "vae"])
 def test_an_incomplete_pipeline_folder_is_named_before_anything_loads(qwen_dir, tmp_path, monkeypatch, capsys,
                                                                       component):
-    import flowgrpo.policies.diffusers_common as common
-    import flowgrpo.policies.generic as generic
+    import flowgrpo.policies.diffusers.common as common
+    import flowgrpo.policies.diffusers.generic.adapter as generic
     from flowgrpo.cli import main
 
     monkeypatch.setattr(common, "load_pipeline", _no_load)
@@ -54,7 +54,7 @@ def test_an_incomplete_pipeline_folder_is_named_before_anything_loads(qwen_dir, 
 
 
 def test_a_dedicated_adapter_checks_its_model_path_before_loading(tmp_path, monkeypatch):
-    import flowgrpo.policies.diffusers_common as common
+    import flowgrpo.policies.diffusers.common as common
     from flowgrpo.policies import build_policy
 
     monkeypatch.setattr(common, "load_pipeline", _no_load)
@@ -92,7 +92,7 @@ def test_library_bars_follow_the_switch_and_respect_hf_hub_disable(monkeypatch):
     import diffusers.utils.logging as diffusers_logging
     import transformers.utils.logging as transformers_logging
 
-    from flowgrpo.policies.diffusers_common import show_library_progress
+    from flowgrpo.policies.diffusers.common import show_library_progress
 
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
     try:

@@ -23,9 +23,9 @@ from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
 
 from flowgrpo.diffusers import FlowGRPOScheduler, StepRecorder, ensure_flowgrpo_scheduler, rollout
 from flowgrpo.errors import UserError
-from flowgrpo.policies.flux_tiny import tiny_flux_pipeline
-from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
-from flowgrpo.policies.wan_tiny import tiny_wan_pipeline
+from flowgrpo.policies.tiny.flux import tiny_flux_pipeline
+from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
+from flowgrpo.policies.tiny.wan import tiny_wan_pipeline
 
 KW = {"sd3": dict(height=32, width=32, max_sequence_length=32, guidance_scale=4.5),
       "flux": dict(height=32, width=32, max_sequence_length=32),

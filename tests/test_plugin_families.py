@@ -19,7 +19,7 @@ from test_pipeline_families import CASES, STEPS, stock  # noqa: E402
 
 from flowgrpo.diffusers import rollout  # noqa: E402
 from flowgrpo.diffusers.rollout import ensure_flowgrpo_scheduler  # noqa: E402
-from flowgrpo.policies.families_tiny import save_tiny_pipeline  # noqa: E402
+from flowgrpo.policies.tiny.families import save_tiny_pipeline  # noqa: E402
 
 EDIT_KWARGS = {  # the stock options of the tiny edit pipelines (as tests/test_edit_families.py)
     "flux-kontext": dict(resolution=32, guidance_scale=3.0, max_area=32 * 32, _auto_resize=False),

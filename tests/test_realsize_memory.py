@@ -45,9 +45,9 @@ def test_meta_counts_equal_a_real_model(recipe, config):
 
 
 def test_lora_targets_are_the_adapters_own():
-    from flowgrpo.policies.sd3 import SD3_LORA_TARGETS
-    from flowgrpo.policies.wan import WAN_LORA_TARGETS
-    from flowgrpo.policies.families import family_of
+    from flowgrpo.policies.diffusers.sd3 import SD3_LORA_TARGETS
+    from flowgrpo.policies.diffusers.wan import WAN_LORA_TARGETS
+    from flowgrpo.policies.diffusers.generic.families import family_of
 
     assert transformer_config("sd35-medium").lora_targets == SD3_LORA_TARGETS
     assert transformer_config("wan21-t2v-1.3b").lora_targets == WAN_LORA_TARGETS

@@ -108,7 +108,7 @@ def test_real_recipes_leave_the_sigma_grid_to_the_pipeline(recipe):
 
 
 def test_a_method_without_a_recipe_on_another_model_gets_a_real_models_settings(tmp_path):
-    from flowgrpo.policies.sd3_tiny import tiny_sd3_pipeline
+    from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
 
     folder = tmp_path / "sd3"
     tiny_sd3_pipeline(seed=0).save_pretrained(folder)

@@ -179,7 +179,7 @@ def tiny_pickscore(tmp_path_factory):
     """A tiny transformers CLIPModel and a CLIPProcessor (offline BPE tokenizer) saved to folders."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from flowgrpo.policies.sd3_tiny import tiny_clip_tokenizer
+    from flowgrpo.policies.tiny.sd3 import tiny_clip_tokenizer
 
     d = tmp_path_factory.mktemp("tiny_pickscore")
     tok = tiny_clip_tokenizer(num_merges=500, max_length=77)

@@ -162,7 +162,7 @@ def test_sample_a_shapes_world_run(shapes_model_dir, tmp_path):
 def test_sample_a_video_run(tmp_path):
     from flowgrpo.drawing import draw
     from flowgrpo.images import image_grid
-    from flowgrpo.policies.wan_tiny import save_tiny_wan
+    from flowgrpo.policies.tiny.wan import save_tiny_wan
     from flowgrpo.trainer.checkpoint import load_trained_policy
 
     frames, res = 5, 32

@@ -11,8 +11,8 @@ import torch
 from flowgrpo.config import ModelConfig
 from flowgrpo.errors import UserError
 from flowgrpo.policies import build_policy
-from flowgrpo.policies.sd3 import SD3Policy, build_sd3_policy
-from flowgrpo.policies.sd3_tiny import tiny_sd3_components, tiny_sd3_pipeline
+from flowgrpo.policies.diffusers.sd3 import SD3Policy, build_sd3_policy
+from flowgrpo.policies.tiny.sd3 import tiny_sd3_components, tiny_sd3_pipeline
 
 PROMPTS = ["a red circle left of a blue square", "two green triangles", "a photo of a cat", ""]
 SEQ = 32  # T5 tokens
@@ -251,7 +251,7 @@ def test_unset_sizes_are_the_adapters_own_defaults(tmp_path):
     folder, the tiny model's own for sd3-tiny (the config used to pass 64 px and 32 T5 tokens)."""
     import inspect
 
-    from flowgrpo.policies.sd3_tiny import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
+    from flowgrpo.policies.tiny.sd3 import TINY_MAX_SEQUENCE_LENGTH, TINY_RESOLUTION
 
     tiny_sd3_pipeline(seed=0).save_pretrained(tmp_path / "pipe")
     cfg = ModelConfig(name=str(tmp_path / "pipe"), lora_rank=4)

@@ -16,7 +16,7 @@ FRAMES, RES = 5, 32
 
 @pytest.fixture(scope="module")
 def wan_dir(tmp_path_factory):
-    from flowgrpo.policies.wan_tiny import save_tiny_wan
+    from flowgrpo.policies.tiny.wan import save_tiny_wan
 
     return save_tiny_wan(tmp_path_factory.mktemp("wan") / "tiny-wan")
 

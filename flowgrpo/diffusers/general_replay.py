@@ -5,9 +5,9 @@
 positionally (Z-Image), pass the sample as a list or with extra channels (HunyuanVideo 1.5) or with a
 reference image's tokens appended (FLUX.1-Kontext), and combine the outputs otherwise (Z-Image's
 negated c + g (c - u), Qwen-Image's true CFG with norm rescale). For those the recorder uses the
-generic adapter's pieces: a :class:`~flowgrpo.policies.call_replay.CallLayout` learnt from each
+generic adapter's pieces: a :class:`~flowgrpo.diffusers.replay.call_replay.CallLayout` learnt from each
 recorded call and the step's sample rebuilds the call on new latents, and
-:func:`~flowgrpo.policies.velocity_combine.infer_combine` finds the scheme that turns the recorded
+:func:`~flowgrpo.diffusers.replay.velocity_combine.infer_combine` finds the scheme that turns the recorded
 outputs into exactly the velocity the pipeline stepped with. Every argument other than the latent
 input (timesteps included) is replayed as recorded, since a step is replayed at its own time.
 """
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..policies.call_replay import CallLayout, sample_part
-from ..policies.step_record import TransformerCall
-from ..policies.velocity_combine import Combine, infer_combine
+from .replay.call_replay import CallLayout, sample_part
+from .replay.step_record import TransformerCall
+from .replay.velocity_combine import Combine, infer_combine
 
 
 def latent_key(call: TransformerCall):

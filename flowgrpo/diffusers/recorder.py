@@ -32,7 +32,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ..policies.step_record import TransformerCall
+from .replay.step_record import TransformerCall
 from .general_replay import GeneralStep, learn_step
 
 #: denoiser attributes of a pipeline that get a forward pre-hook (Wan 2.2 has two experts)

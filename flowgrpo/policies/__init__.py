@@ -5,8 +5,12 @@ code is imported only when its name is asked for. ``model.name`` is an adapter n
 diffusers pipeline directory (or a hub id already in the local cache), whose ``model_index.json``
 names the pipeline class and so the adapter (:data:`PIPELINE_ADAPTERS`; a Wan 2.2 ``WanPipeline``
 goes to the generic one); any other pipeline class goes to the generic adapter (``pipeline``,
-:mod:`flowgrpo.policies.generic`), which trains it when its scheduler is flow-matching (or a
-multistep solver on flow sigmas, as Wan's UniPC) or says in one line what it lacks.
+:mod:`flowgrpo.policies.diffusers.generic`), which trains it when its scheduler is flow-matching
+(or a multistep solver on flow sigmas, as Wan's UniPC) or says in one line what it lacks.
+
+Subpackages: :mod:`.base` (the interface and what every adapter inherits), :mod:`.diffusers` (the
+adapters over diffusers pipelines), :mod:`.tiny` (tiny random pipelines for tests and benchmarks).
+The shapes model's adapter lives with its world, in :mod:`flowgrpo.shapes.policy`.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from .base import Conditioning, Policy
 
 POLICIES: Registry[Policy] = Registry("model")
 for _name, _target in (("shapes", "flowgrpo.shapes.policy:build_shapes_policy"),
-                       ("sd3", "flowgrpo.policies.sd3:build_sd3_policy"),
-                       ("sd3-tiny", "flowgrpo.policies.sd3_tiny:build_tiny_sd3_policy"),
-                       ("flux", "flowgrpo.policies.flux:build_flux_policy"),
-                       ("wan", "flowgrpo.policies.wan:build_wan_policy"),
-                       ("pipeline", "flowgrpo.policies.generic:build_pipeline_policy")):
+                       ("sd3", "flowgrpo.policies.diffusers.sd3:build_sd3_policy"),
+                       ("sd3-tiny", "flowgrpo.policies.tiny.sd3:build_tiny_sd3_policy"),
+                       ("flux", "flowgrpo.policies.diffusers.flux:build_flux_policy"),
+                       ("wan", "flowgrpo.policies.diffusers.wan:build_wan_policy"),
+                       ("pipeline", "flowgrpo.policies.diffusers.generic.adapter:build_pipeline_policy")):
     POLICIES.register_lazy(_name, _target)
 
 #: diffusers pipeline class (``_class_name`` of ``model_index.json``) -> adapter name

@@ -186,7 +186,7 @@ def build_transformer(recipe: str | RealTransformer, device: str | torch.device 
     """
     import diffusers
 
-    from ..policies.diffusers_common import cast_module
+    from ..policies.diffusers.common import cast_module
 
     entry = transformer_config(recipe) if isinstance(recipe, str) else recipe
     cls = getattr(diffusers, entry.class_name)
@@ -203,17 +203,17 @@ def build_transformer(recipe: str | RealTransformer, device: str | torch.device 
 # ---------------------------------------------------------------------------- LoRA targets
 def lora_targets_of(pipeline: str, adapter: str):
     """The default peft ``target_modules`` of ``adapter`` for a ``pipeline`` (a list of names, or a
-    regex string): the lists the adapters hand :func:`~flowgrpo.policies.diffusers_common.make_trainable`."""
+    regex string): the lists the adapters hand :func:`~flowgrpo.policies.diffusers.common.make_trainable`."""
     if adapter == "sd3":
-        from ..policies.sd3 import SD3_LORA_TARGETS
+        from ..policies.diffusers.sd3 import SD3_LORA_TARGETS
         return list(SD3_LORA_TARGETS)
     if adapter == "wan":
-        from ..policies.wan import WAN_LORA_TARGETS
+        from ..policies.diffusers.wan import WAN_LORA_TARGETS
         return list(WAN_LORA_TARGETS)
     if adapter == "flux":
-        from ..policies.flux import FLUX_LORA_TARGETS
+        from ..policies.diffusers.flux import FLUX_LORA_TARGETS
         return FLUX_LORA_TARGETS
-    from ..policies.families import family_of
+    from ..policies.diffusers.generic.families import family_of
     return list(family_of(pipeline).lora_targets)
 
 

@@ -62,8 +62,8 @@ def largest_block_bytes(model: torch.nn.Module) -> int:
 
 def wrap_lora(model: torch.nn.Module, entry: RealTransformer, rank: int, alpha: float | None = None) -> None:
     """Attach the recipe's LoRA to ``model`` (a meta model stays on meta) with the project's own
-    :func:`flowgrpo.policies.lora.add_lora` and the targets its adapter uses."""
-    from ..policies.lora import add_lora
+    :func:`flowgrpo.policies.base.lora.add_lora` and the targets its adapter uses."""
+    from ..policies.base.lora import add_lora
 
     with torch.device(next(model.parameters()).device):
         add_lora(model, rank, float(alpha if alpha is not None else 2 * rank), entry.lora_targets)

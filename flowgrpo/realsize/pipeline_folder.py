@@ -11,8 +11,8 @@
   pooled, T5 4096; FLUX.2: Mistral-3 5120 (layers 10 / 20 / 30 stacked = 15360); Z-Image: Qwen3
   2560 (``cap_feat_dim``); Qwen-Image (-Edit): Qwen2.5-VL 3584; Wan: UMT5 4096 (``text_dim``);
   HunyuanVideo 1.5: Qwen2.5-VL 3584 and ByT5 1472;
-* tokenizers built offline (:mod:`flowgrpo.policies.sd3_tiny`'s CLIP BPE and T5 Unigram ones, CLIP
-  at its real 77 tokens; the byte-level Qwen one of :mod:`flowgrpo.policies.families_tiny`);
+* tokenizers built offline (:mod:`flowgrpo.policies.tiny.sd3`'s CLIP BPE and T5 Unigram ones, CLIP
+  at its real 77 tokens; the byte-level Qwen one of :mod:`flowgrpo.policies.tiny.families`);
 * a small VAE with the real latent channels and compression (SD3 / FLUX.1 / Z-Image / Qwen-Image:
   16 channels, 8x; FLUX.2: 32, 8x; Wan 2.1: 16 channels, 8x spatial / 4x temporal; Wan 2.2 TI2V-5B:
   48 channels, 16x / 4x; HunyuanVideo 1.5: 32, 16x / 4x), the stock scheduler.
@@ -58,7 +58,7 @@ def sd3_components(entry: RealTransformer) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import T5Config, T5EncoderModel
 
-    from ..policies.sd3_tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from ..policies.tiny.sd3 import tiny_clip_tokenizer, tiny_t5_tokenizer
 
     cfg = entry.config
     clip_l, clip_g, t5_width = 768, 1280, cfg["joint_attention_dim"]
@@ -95,8 +95,8 @@ def flux_components(entry: RealTransformer) -> dict:
     transformer takes the 2x2-packed 64 channels) and dynamic-shift scheduler."""
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from ..policies.flux import default_flux_scheduler
-    from ..policies.sd3_tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from ..policies.diffusers.flux import default_flux_scheduler
+    from ..policies.tiny.sd3 import tiny_clip_tokenizer, tiny_t5_tokenizer
 
     cfg = entry.config
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(max_length=CLIP_TOKENS), tiny_t5_tokenizer(max_length=512)
@@ -115,7 +115,7 @@ def zimage_components(entry: RealTransformer) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3Model
 
-    from ..policies.families_tiny import tiny_qwen_tokenizer
+    from ..policies.tiny.families import tiny_qwen_tokenizer
 
     cfg = entry.config
     tokenizer = tiny_qwen_tokenizer(max_length=512)
@@ -134,8 +134,8 @@ def wan_components(entry: RealTransformer) -> dict:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from ..policies.families_tiny_video import WAN22_BOUNDARY
-    from ..policies.sd3_tiny import tiny_t5_tokenizer
+    from ..policies.tiny.families_video import WAN22_BOUNDARY
+    from ..policies.tiny.sd3 import tiny_t5_tokenizer
 
     cfg = entry.config
     tokenizer = tiny_t5_tokenizer(max_length=512)
@@ -174,7 +174,7 @@ def qwen_image_components(entry: RealTransformer) -> dict:
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor,
                               Qwen2VLProcessor, Qwen2VLVideoProcessor)
 
-    from ..policies.families_tiny import tiny_qwen_tokenizer
+    from ..policies.tiny.families import tiny_qwen_tokenizer
 
     cfg, channels = entry.config, entry.config["out_channels"]
     tokenizer = tiny_qwen_tokenizer(max_length=2048)
@@ -216,7 +216,7 @@ def flux2_components(entry: RealTransformer) -> dict:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from ..policies.families_tiny import tiny_pixtral_processor
+    from ..policies.tiny.families import tiny_pixtral_processor
 
     cfg = entry.config
     width, stacked = cfg["joint_attention_dim"] // 3, 30
@@ -250,7 +250,7 @@ def hunyuan_video15_components(entry: RealTransformer) -> dict:
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
-    from ..policies.families_tiny import tiny_qwen_tokenizer
+    from ..policies.tiny.families import tiny_qwen_tokenizer
 
     cfg = entry.config
     width = cfg["text_embed_dim"]
@@ -289,7 +289,7 @@ def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> 
 
     import diffusers
 
-    from ..policies.diffusers_common import cast_module
+    from ..policies.diffusers.common import cast_module
 
     entry = transformer_config(recipe)
     entry = dataclasses.replace(entry, config={**entry.config, **overrides})

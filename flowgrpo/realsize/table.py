@@ -35,7 +35,7 @@ def recipe_geometry(recipe: str, resolution: int | None = None, frames: int | No
     ``model.lora_rank``); a size the recipe leaves null is the adapter's default. Explicit arguments win.
     Returns ``(geometry, info)``; ``info`` holds ``source``, ``checkpointing``, ``cfg`` and ``rank``.
     """
-    from ..policies.families import family_of
+    from ..policies.diffusers.generic.families import family_of
 
     entry = transformer_config(recipe)
     family = family_of(entry.pipeline)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..errors import UserError
-from ..policies.diffusers_common import make_trainable
-from ..policies.trained import TrainedPolicy
+from ..policies.diffusers.common import make_trainable
+from ..policies.base.trained import TrainedPolicy
 from .model import ShapesFlowModel
 
 # Attention and feed-forward projections of SD3's MMDiT blocks (image and text streams).

@@ -114,7 +114,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
     """Run (or resume) training. Returns the summary dict (also written to RUN_DIR/summary.json).
     ``trainer``: one assembled from parts (:class:`~flowgrpo.trainer.trainer.Trainer`; default: the one
     ``cfg`` describes); its callbacks see every iteration, evaluation and checkpoint (:mod:`.callbacks`)."""
-    from ..policies.diffusers_common import show_library_progress
+    from ..policies.diffusers.common import show_library_progress
 
     show_library_progress(cfg.log.progress)  # diffusers' and transformers' own bars follow log.progress
     if trainer is None:

@@ -17,12 +17,11 @@ Together, ``load_frozen`` and ``make_trainable`` are the ``model.dtype`` handlin
 transformer and text encoders in the model dtype (but for the submodules their library keeps in
 float32), the VAE in float32, LoRA master weights in float32 (peft runs the adapter in float32 and
 casts its output back to the layer's dtype). The
-memory and speed switches are :mod:`flowgrpo.policies.switches`.
+memory and speed switches are :mod:`flowgrpo.policies.diffusers.switches`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import warnings
@@ -30,9 +29,9 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from ..errors import UserError
-from .base import TRAIN_MODES, check_train_mode  # noqa: F401  (the adapters import them from here)
-from .lora import add_lora
+from ...errors import UserError
+from ..base import TRAIN_MODES, check_train_mode  # noqa: F401  (the adapters import them from here)
+from ..base.lora import add_lora
 
 
 def float32_submodules(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
@@ -152,22 +151,6 @@ def _apply_progress(library: str) -> None:
         return  # the user turned Hugging Face's bars off for good
     logging = importlib.import_module(f"{library}.utils.logging")
     (logging.enable_progress_bar if _LIBRARY_BARS["enabled"] else logging.disable_progress_bar)()
-
-
-@contextlib.contextmanager
-def pipeline_warnings_off():
-    """diffusers' log warnings off (errors still show) for the duration: around the stock pipeline calls an
-    adapter makes internally (a probe, prompt encoding, decoding), whose warnings, such as Qwen-Image's
-    "negative_prompt is passed but classifier-free guidance is not enabled", are about calls the user
-    never made."""
-    from diffusers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
 
 
 def load_pipeline(pipeline_cls, path, dtype: torch.dtype):

@@ -4,10 +4,10 @@ Every component has the real class and wiring of ``WanPipeline`` — ``WanTransf
 (patch (1, 2, 2), RMS q/k norm across heads, cross-attention norm), an ``AutoencoderKLWan`` with
 Wan's 4x temporal / 8x spatial compression and 16 latent channels, and a ``UMT5EncoderModel`` —
 but with a few thousand random weights each. The tokenizer is the offline T5-style Unigram
-tokenizer of :mod:`flowgrpo.policies.sd3_tiny` (Wan's real one is UMT5's SentencePiece model).
+tokenizer of :mod:`flowgrpo.policies.tiny.sd3` (Wan's real one is UMT5's SentencePiece model).
 
 The scheduler is Wan's stock one (``UniPCMultistepScheduler`` with flow sigmas and ``flow_shift``);
-:class:`~flowgrpo.policies.wan.WanPolicy` reads only its ``flow_shift`` (see ``WanPolicy.sigma_grid``).
+:class:`~flowgrpo.policies.diffusers.wan.WanPolicy` reads only its ``flow_shift`` (see ``WanPolicy.sigma_grid``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .sd3_tiny import tiny_t5_tokenizer
+from .sd3 import tiny_t5_tokenizer
 
 TEXT_DIM = 32
 #: a 2-layer UMT5 encoder of width TEXT_DIM (real Wan 2.1: umt5-xxl, 4096 wide, 24 layers)

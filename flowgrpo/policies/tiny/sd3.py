@@ -153,12 +153,12 @@ def tiny_sd3_pipeline(seed: int = 0, shift: float = 3.0):
 
 
 def build_tiny_sd3_policy(cfg):
-    """Factory for ``model.name=sd3-tiny``: an :class:`~flowgrpo.policies.sd3.SD3Policy` over random tiny
+    """Factory for ``model.name=sd3-tiny``: an :class:`~flowgrpo.policies.diffusers.sd3.SD3Policy` over random tiny
     weights. Unset ``model.resolution`` / ``model.max_sequence_length`` are this model's own
     :data:`TINY_RESOLUTION` / :data:`TINY_MAX_SEQUENCE_LENGTH` (SD3's 512 px would only slow it down)."""
-    from .diffusers_common import set_model_options
-    from .sd3 import SD3Policy
-    from .switches import runtime_options, torch_dtype
+    from ..diffusers.common import set_model_options
+    from ..diffusers.sd3 import SD3Policy
+    from ..diffusers.switches import runtime_options, torch_dtype
 
     sizes = {"resolution": TINY_RESOLUTION, "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, **set_model_options(cfg)}
     return SD3Policy.from_components(

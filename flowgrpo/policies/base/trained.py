@@ -1,7 +1,7 @@
 """What every adapter shares about *training* one network: the ``train_mode`` logic.
 
 :class:`TrainedPolicy` is the base of every adapter (the shapes model, and through
-:class:`~flowgrpo.policies.diffusers_policy.DiffusersPolicy` every diffusers pipeline). The trained
+:class:`~flowgrpo.policies.diffusers.policy.DiffusersPolicy` every diffusers pipeline). The trained
 network (the denoiser) sits at the dotted attribute path :attr:`TrainedPolicy.denoiser_path`
 (``"transformer"`` for diffusers pipelines, ``"model.transformer"`` for the shapes model); from it
 the base gives, for each ``train_mode``:
@@ -25,7 +25,7 @@ import copy
 
 from torch import nn
 
-from .base import Policy, check_train_mode
+from . import Policy, check_train_mode
 from .lora import lora_disabled
 
 

@@ -1,10 +1,10 @@
 """The model switches of :class:`~flowgrpo.config.ModelConfig`, implemented once for every diffusers adapter.
 
 :class:`SwitchedPolicy` is a base class of every diffusers adapter (through
-:class:`~flowgrpo.policies.diffusers_policy.DiffusersPolicy`); each calls
+:class:`~flowgrpo.policies.diffusers.policy.DiffusersPolicy`); each calls
 :meth:`SwitchedPolicy.apply_switches` at the end of its constructor (after
-:func:`~flowgrpo.policies.diffusers_common.load_frozen` has set the dtypes and
-:func:`~flowgrpo.policies.diffusers_common.make_trainable` the adapter), and implements
+:func:`~flowgrpo.policies.diffusers.common.load_frozen` has set the dtypes and
+:func:`~flowgrpo.policies.diffusers.common.make_trainable` the adapter), and implements
 :meth:`SwitchedPolicy._encode_now` (its own prompt recipe) instead of ``_encode``.
 
 =========================  =====================================================================
@@ -39,8 +39,8 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError, UserError
-from .trained import TrainedPolicy
+from ...errors import ConfigError, UserError
+from ..base.trained import TrainedPolicy
 
 #: the ``ModelConfig`` fields every diffusers adapter takes as keyword arguments (:func:`runtime_options`)
 SWITCHES = ("gradient_checkpointing", "vae_slicing", "vae_tiling", "offload_text_encoders", "attention_backend",

@@ -25,7 +25,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .diffusers_common import pipeline_warnings_off
+
+@contextlib.contextmanager
+def pipeline_warnings_off():
+    """diffusers' log warnings off (errors still show) for the duration: around the stock pipeline calls an
+    adapter makes internally (a probe, prompt encoding, decoding), whose warnings, such as Qwen-Image's
+    "negative_prompt is passed but classifier-free guidance is not enabled", are about calls the user
+    never made."""
+    from diffusers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Tiny random video pipelines of the families the generic adapter trains, built offline (tests).
 
 * Wan 2.2 A14B layout: ``WanPipeline`` with two experts of Wan 2.1's tiny transformer layout
-  (:mod:`~flowgrpo.policies.wan_tiny`): ``transformer`` for high noise and ``transformer_2`` below
+  (:mod:`~flowgrpo.policies.tiny.wan`): ``transformer`` for high noise and ``transformer_2`` below
   ``boundary_ratio`` = 0.875 (the A14B T2V value), Wan's UniPC scheduler on flow sigmas;
 * Wan 2.2 TI2V-5B layout: ``WanPipeline`` with one transformer over 48 latent channels, the Wan 2.2
   VAE (residual, 2x2 patchified input, 16x spatial compression) and per-token timesteps
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .wan_tiny import TRANSFORMER_TINY, tiny_wan_components
+from .wan import TRANSFORMER_TINY, tiny_wan_components
 
 #: the A14B text-to-video boundary: ``transformer`` while t >= 0.875 * 1000
 WAN22_BOUNDARY = 0.875
@@ -56,7 +56,7 @@ def tiny_hunyuan_video15_pipeline(seed: int = 0, guidance_scale: float = 6.0):
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
-    from .families_tiny import tiny_qwen_tokenizer
+    from .families import tiny_qwen_tokenizer
 
     tokenizer, tokenizer_2 = tiny_qwen_tokenizer(max_length=2048), ByT5Tokenizer()
     with torch.random.fork_rng(devices=[]):

@@ -1,6 +1,6 @@
 """Replaying a recorded transformer call on new latents and sigmas, with gradients.
 
-A :class:`CallLayout` is learnt from one recorded call (:mod:`flowgrpo.policies.step_record`) of a
+A :class:`CallLayout` is learnt from one recorded call (:mod:`flowgrpo.diffusers.replay.step_record`) of a
 pipeline that denoised ``B`` prompts, the call's batch being ``k * B`` (k = 2 when the pipeline
 concatenates its conditional and unconditional passes, else 1). Each top-level argument is one of:
 

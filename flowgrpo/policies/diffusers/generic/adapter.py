@@ -1,24 +1,24 @@
 """The generic adapter: any local diffusers pipeline folder with a flow-matching scheduler, no per-family class.
 
 At construction, :class:`PipelinePolicy` runs the stock pipeline for two steps on three probe
-prompts (:func:`~flowgrpo.policies.step_record.record_pipeline`) and learns from what it saw:
+prompts (:func:`~flowgrpo.diffusers.replay.step_record.record_pipeline`) and learns from what it saw:
 
 * the latent layout: the scheduler's sample [B, ...] (packed tokens for FLUX / Qwen-Image, the VAE
   grid for SD3 / Z-Image); :attr:`latent_shape` is its shape without B. Where the pipeline's
   ``latents=`` argument has another layout (FLUX.2 packs it itself), :attr:`layout`
-  (:mod:`~flowgrpo.policies.latent_layout`) maps between the two (:meth:`pipeline_latents`);
-* per transformer call of a step, how each argument is rebuilt (:class:`~flowgrpo.policies.call_replay.CallLayout`);
+  (:mod:`~flowgrpo.diffusers.replay.latent_layout`) maps between the two (:meth:`pipeline_latents`);
+* per transformer call of a step, how each argument is rebuilt (:class:`~flowgrpo.diffusers.replay.call_replay.CallLayout`);
 * the timestep the transformer gets: ``a * sigma + b`` fitted from the two steps (SD3 / Wan ``1000
   sigma``, FLUX / Qwen-Image ``sigma``, Z-Image ``1 - sigma``), snapped to integers;
 * how the step combines the call outputs into the velocity
-  (:func:`~flowgrpo.policies.velocity_combine.infer_combine`).
+  (:func:`~flowgrpo.diffusers.replay.velocity_combine.infer_combine`).
 
 Prompt encoding runs the stock pipeline with the transformer stubbed (zeros) up to its first
 scheduler step and keeps the prompt-dependent arguments; the training forward replays the recorded
 calls on the policy's latents and sigmas with gradients. The sigma grid is the one the pipeline sets
 on its scheduler. Decoding runs the stock pipeline's own tail: one step at zero velocity from the
 given latents, ``output_type="pt"``. What a family needs beyond this is a
-:class:`~flowgrpo.policies.families.PipelineFamily` entry.
+:class:`~flowgrpo.policies.diffusers.generic.families.PipelineFamily` entry.
 """
 
 from __future__ import annotations
@@ -32,21 +32,22 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..errors import UserError
-from ..references import probe_references, quantize, resize_references, to_pil
-from .base import Conditioning
-from .call_replay import CallLayout, sample_part
-from .diffusers_common import load_pipeline, make_trainable
-from .diffusers_policy import DiffusersPolicy
-from .families import PipelineFamily, family_of
+from flowgrpo.diffusers.replay.call_replay import CallLayout, sample_part
+from flowgrpo.diffusers.replay.latent_layout import learn_layout
+from flowgrpo.diffusers.replay.row_calls import mark_per_prompt, row, stack_rows
+from flowgrpo.diffusers.replay.step_record import record_pipeline
+from flowgrpo.diffusers.replay.velocity_combine import infer_combine
+from flowgrpo.errors import UserError
+from flowgrpo.references import probe_references, quantize, resize_references, to_pil
+
+from ...base import Conditioning
+from ...base.lora import lora_disabled
+from ..common import load_pipeline, make_trainable
+from ..policy import DiffusersPolicy
+from ..switches import COMPILE_BACKEND_ENV, runtime_options, torch_dtype
+from ..wan import wan_euler_scheduler
 from .experts import ExpertSwitch, route_rows
-from .latent_layout import learn_layout
-from .lora import lora_disabled
-from .row_calls import mark_per_prompt, row, stack_rows
-from .step_record import record_pipeline
-from .switches import COMPILE_BACKEND_ENV, runtime_options, torch_dtype
-from .velocity_combine import infer_combine
-from .wan import wan_euler_scheduler
+from .families import PipelineFamily, family_of
 
 PROBE_PROMPTS = ("a red cube on a table", "two blue spheres", "a photo of a cat")
 
@@ -63,10 +64,10 @@ class PipelinePolicy(DiffusersPolicy):
 
     Args:
         pipeline: the stock pipeline (its modules become the policy's; it is kept, never trained).
-        family: its :class:`~flowgrpo.policies.families.PipelineFamily` entry.
+        family: its :class:`~flowgrpo.policies.diffusers.generic.families.PipelineFamily` entry.
         resolution: image side in pixels; guidance_scale: the value of ``family.guidance_kwarg``.
         train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch, switches: as
-            :class:`~flowgrpo.policies.sd3.SD3Policy` (``lora_targets`` default: the family's; a LoRA
+            :class:`~flowgrpo.policies.diffusers.sd3.SD3Policy` (``lora_targets`` default: the family's; a LoRA
             goes on every expert, and ``full`` needs a single one).
         max_sequence_length, num_frames: text tokens and video frames, passed to the pipeline when its
             ``__call__`` takes them.
@@ -167,7 +168,7 @@ class PipelinePolicy(DiffusersPolicy):
         self.combine = combine
 
     def _record(self, call_kwargs: dict, guidance: float | None = None, **options):
-        """:func:`~flowgrpo.policies.step_record.record_pipeline` of this pipeline and its experts; where
+        """:func:`~flowgrpo.diffusers.replay.step_record.record_pipeline` of this pipeline and its experts; where
         the family's guidance is a pipeline attribute (``guidance_attr``), it holds ``guidance`` (default:
         the policy's) for the call."""
         options = {"experts": self.switch.names, "sample_shape": getattr(self, "latent_shape", None), **options}

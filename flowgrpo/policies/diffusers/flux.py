@@ -28,7 +28,7 @@ a copy of the scheduler; ``sampler.shift`` is ignored, as for SD3.
 
 LoRA, reference model, full fine-tuning, LoRA export and decoding (the unpacked latents go to the VAE
 as ``FluxPipeline``'s tail does: ``z / scaling + shift``) are
-:class:`~flowgrpo.policies.diffusers_policy.DiffusersPolicy`'s.
+:class:`~flowgrpo.policies.diffusers.policy.DiffusersPolicy`'s.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import UserError
-from .diffusers_common import load_policy, scheduler_grid
-from .diffusers_policy import DiffusersPolicy
+from ...errors import UserError
+from .common import load_policy, scheduler_grid
+from .policy import DiffusersPolicy
 from .switches import runtime_options, torch_dtype
 
 #: every linear layer of FLUX's double-stream blocks (both streams: attention and feed-forward) and
@@ -85,7 +85,7 @@ class FluxPolicy(DiffusersPolicy):
         max_sequence_length: T5 tokens (FLUX.1-dev: 512, schnell: 256).
         dtype: dtype of the transformer and text encoders (VAE in float32, LoRA weights in float32).
         decode_batch: largest VAE decode batch.
-        switches: the model switches, as :meth:`~flowgrpo.policies.switches.SwitchedPolicy.apply_switches`
+        switches: the model switches, as :meth:`~flowgrpo.policies.diffusers.switches.SwitchedPolicy.apply_switches`
             (the same for every adapter).
     """
 

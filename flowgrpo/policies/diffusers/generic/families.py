@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..registry import Registry
+from flowgrpo.registry import Registry
 
 #: attention projections of diffusers' ``Attention`` modules (every transformer here has them)
 ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -41,7 +41,7 @@ class PipelineFamily:
             (FLUX.1-Kontext's ``max_area`` rescales any height / width to 1024^2 by default).
         prompts_per_call: 1 for a pipeline that refuses several prompts in one call
             (QwenImageEditPlusPipeline): it is probed, encoded and replayed one prompt at a time
-            (:mod:`~flowgrpo.policies.row_calls`); None: any batch.
+            (:mod:`~flowgrpo.diffusers.replay.row_calls`); None: any batch.
     """
 
     pipeline: str

@@ -1,7 +1,7 @@
 """Tiny random image-editing pipelines for the generic adapter, built offline (tests, benchmarks).
 
 * FLUX.1-Kontext: ``FluxKontextPipeline`` around the tiny FLUX.1 components of
-  :mod:`~flowgrpo.policies.flux_tiny` (the same transformer class; Kontext concatenates the reference
+  :mod:`~flowgrpo.policies.tiny.flux` (the same transformer class; Kontext concatenates the reference
   image's packed latents to the sample's tokens and gives them their own RoPE ids);
 * Qwen-Image-Edit: ``QwenImageEditPipeline`` (the Qwen-Image tiny transformer and VL text encoder,
   a ``Qwen2VLProcessor`` that shows the VL encoder the reference, a 32x VAE; see
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from .flux_tiny import tiny_flux_components
+from .flux import tiny_flux_components
 
 
 def tiny_flux_kontext_pipeline(seed: int = 0):
-    """A stock ``FluxKontextPipeline`` over :func:`~flowgrpo.policies.flux_tiny.tiny_flux_components`
+    """A stock ``FluxKontextPipeline`` over :func:`~flowgrpo.policies.tiny.flux.tiny_flux_components`
     (guidance-distilled, as FLUX.1-Kontext-dev; no IP-adapter image encoder)."""
     from diffusers import FluxKontextPipeline
 
@@ -40,7 +40,7 @@ def tiny_qwen_image_edit_components(seed: int = 0) -> dict:
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor,
                               Qwen2VLProcessor, Qwen2VLVideoProcessor)
 
-    from .families_tiny import tiny_qwen_image_components, tiny_qwen_tokenizer
+    from .families import tiny_qwen_image_components, tiny_qwen_tokenizer
 
     tokenizer = tiny_qwen_tokenizer(max_length=2048)
     markers = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

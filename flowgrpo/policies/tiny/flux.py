@@ -5,7 +5,7 @@ Every component has the real class and wiring of ``FluxPipeline`` — ``FluxTran
 FLUX.1-dev), a 16-channel ``AutoencoderKL`` with 8x downsampling and FLUX's scaling/shift factors,
 a ``CLIPTextModel`` (pooled text feature) and a ``T5EncoderModel`` (token features), and FLUX's
 dynamic-shifting ``FlowMatchEulerDiscreteScheduler`` — with a few thousand random weights each.
-VAE, text encoders and their offline tokenizers come from :mod:`flowgrpo.policies.sd3_tiny`.
+VAE, text encoders and their offline tokenizers come from :mod:`flowgrpo.policies.tiny.sd3`.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from .flux import default_flux_scheduler
-from .sd3_tiny import CLIP_MAX_LENGTH, tiny_sd3_components
+from ..diffusers.flux import default_flux_scheduler
+from .sd3 import CLIP_MAX_LENGTH, tiny_sd3_components
 
 
 def tiny_flux_components(seed: int = 0, guidance_embeds: bool = True, clip_max_length: int = CLIP_MAX_LENGTH) -> dict:
     """Random tiny FLUX components keyed as ``FluxPipeline`` expects (scheduler included).
 
-    The VAE, CLIP and T5 are those of :func:`~flowgrpo.policies.sd3_tiny.tiny_sd3_components` (FLUX.1
+    The VAE, CLIP and T5 are those of :func:`~flowgrpo.policies.tiny.sd3.tiny_sd3_components` (FLUX.1
     and SD3 share the 16-channel VAE architecture; FLUX uses CLIP-L's text tower without its
     projection, pooled output only), with FLUX.1's VAE scaling and shift factors. The transformer
     is a tiny ``FluxTransformer2DModel``. ``guidance_embeds=True`` is the FLUX.1-dev flavour

@@ -4,6 +4,9 @@ A policy wraps one text-to-image (or video) flow model: it encodes prompts once,
 velocity v = eps - x0 at (x_sigma, sigma) with classifier-free guidance, exposes the trainable
 parameters (a LoRA adapter through peft, or the full transformer), gives the reference velocity
 with the adapter disabled (for the KL term) and decodes latents to images.
+
+What every adapter inherits beside this interface: :class:`~.trained.TrainedPolicy` (the
+``train_mode`` logic, the shapes model's base too) and :mod:`.lora` (peft LoRA adapters).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from typing import Iterator, Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from ..errors import UserError
-from ..sharded_tensors import like_param
+from ...errors import UserError
+from ...sharded_tensors import like_param
 
 
 #: What ``model.train_mode`` can train: a peft LoRA adapter on the transformer, or all its weights.
@@ -118,7 +121,7 @@ class Policy(nn.Module, ABC):
 
         Default: uniform in sigma, then shifted by ``shift`` (:func:`flowgrpo.samplers.sigma_grid`).
         Adapters of pipelines that own their scheduler return the scheduler's grid instead."""
-        from ..samplers.schedule import sigma_grid
+        from ...samplers.schedule import sigma_grid
 
         return sigma_grid(num_steps, shift)
 

@@ -3,7 +3,7 @@
 Wan 2.2 A14B denoises with two transformers of one architecture: ``transformer`` while the
 scheduler's timestep is at or above ``boundary_ratio * num_train_timesteps`` (high noise), then
 ``transformer_2``. :class:`ExpertSwitch` is that rule, read from the pipeline's config (the family
-entry names the key, :attr:`~flowgrpo.policies.families.PipelineFamily.boundary_config`) and checked
+entry names the key, :attr:`~flowgrpo.policies.diffusers.generic.families.PipelineFamily.boundary_config`) and checked
 against the experts the pipeline was seen to call. The generic adapter routes every row of a batch
 to its expert, so the trained steps decide which experts get gradients.
 """

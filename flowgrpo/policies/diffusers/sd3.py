@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..errors import UserError
-from .diffusers_common import load_policy, scheduler_grid
-from .diffusers_policy import DiffusersPolicy
+from ...errors import UserError
+from .common import load_policy, scheduler_grid
+from .policy import DiffusersPolicy
 from .switches import runtime_options, torch_dtype
 
 # Attention (both streams, and the second attention of SD3.5-M dual-attention blocks, which share
@@ -62,7 +62,7 @@ class SD3Policy(DiffusersPolicy):
         decode_batch: largest VAE decode batch.
         switches: the model switches (``gradient_checkpointing``, ``vae_slicing``, ``vae_tiling``,
             ``offload_text_encoders``, ``attention_backend``, ``compile_transformer``,
-            ``prompt_cache_size``), as :meth:`~flowgrpo.policies.switches.SwitchedPolicy.apply_switches`.
+            ``prompt_cache_size``), as :meth:`~flowgrpo.policies.diffusers.switches.SwitchedPolicy.apply_switches`.
         scheduler: the pipeline's scheduler; it defines the rollout sigma grid (:meth:`sigma_grid`)
             and is never stepped or modified. None: SD3's stock one (:func:`default_sd3_scheduler`).
     """

@@ -1,11 +1,11 @@
 """The base of every adapter over a diffusers transformer pipeline (SD3, FLUX, Wan, the generic one).
 
-:class:`DiffusersPolicy` adds to :class:`~flowgrpo.policies.switches.SwitchedPolicy` (the model
-switches) and :class:`~flowgrpo.policies.trained.TrainedPolicy` (the ``train_mode`` logic) what
+:class:`DiffusersPolicy` adds to :class:`~flowgrpo.policies.diffusers.switches.SwitchedPolicy` (the model
+switches) and :class:`~flowgrpo.policies.base.trained.TrainedPolicy` (the ``train_mode`` logic) what
 every diffusers pipeline has in common:
 
 * :meth:`DiffusersPolicy.setup_modules`: the pipeline's modules on the policy, frozen and in their
-  dtypes, then the trainable part for ``train_mode`` (``diffusers_common.load_frozen`` and
+  dtypes, then the trainable part for ``train_mode`` (``common.load_frozen`` and
   ``make_trainable``);
 * :meth:`DiffusersPolicy.train`: only the transformer follows train/eval; the frozen VAE and text
   encoders stay in eval (T5's dropout is 0.1);
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .diffusers_common import load_frozen, make_trainable
+from .common import load_frozen, make_trainable
 from .switches import SwitchedPolicy, torch_dtype
 
 
@@ -32,7 +32,7 @@ class DiffusersPolicy(SwitchedPolicy):
     """A policy over a diffusers pipeline's ``transformer`` (trained), ``vae`` and ``text_encoder*`` (frozen).
 
     Subclasses call :meth:`setup_modules` in their constructor, then set their geometry, then
-    :meth:`make_trainable` and :meth:`~flowgrpo.policies.switches.SwitchedPolicy.apply_switches`.
+    :meth:`make_trainable` and :meth:`~flowgrpo.policies.diffusers.switches.SwitchedPolicy.apply_switches`.
     """
 
     #: peft adapter name of the LoRA on the transformer
@@ -42,13 +42,13 @@ class DiffusersPolicy(SwitchedPolicy):
 
     def setup_modules(self, train_mode: str, dtype: torch.dtype | str, **modules: nn.Module | None) -> None:
         """``train_mode`` and ``dtype`` checked and set; ``modules`` on the policy, frozen
-        (``diffusers_common.load_frozen``: VAE in float32, the rest in ``dtype``)."""
+        (``common.load_frozen``: VAE in float32, the rest in ``dtype``)."""
         self.set_train_mode(train_mode)
         self.dtype = torch_dtype(dtype)
         load_frozen(self, self.dtype, **modules)
 
     def make_trainable(self, *, lora_rank: int, lora_alpha: float, lora_targets) -> None:
-        """The trainable part of the transformer for ``self.train_mode`` (``diffusers_common.make_trainable``)."""
+        """The trainable part of the transformer for ``self.train_mode`` (``common.make_trainable``)."""
         make_trainable(self.denoiser, self.train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
                        lora_targets=lora_targets, adapter_name=self.adapter_name)
 

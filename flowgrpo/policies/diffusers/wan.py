@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..errors import UserError
-from .diffusers_common import load_policy, scheduler_grid, set_model_options
-from .diffusers_policy import DiffusersPolicy
+from ...errors import UserError
+from .common import load_policy, scheduler_grid, set_model_options
+from .policy import DiffusersPolicy
 from .switches import runtime_options, torch_dtype
 
 # self- (attn1) and cross-attention (attn2) projections and the feed-forward of every Wan block
@@ -56,9 +56,9 @@ class WanPolicy(DiffusersPolicy):
             scheduler only sets the sigma grid's shift; it is never stepped).
         resolution: frame side in pixels (square frames); num_frames: frames per video (4k + 1).
         guidance_scale, train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch: as
-            :class:`~flowgrpo.policies.sd3.SD3Policy`.
+            :class:`~flowgrpo.policies.diffusers.sd3.SD3Policy`.
         max_sequence_length: UMT5 tokens (the stock pipeline uses 512).
-        switches: the model switches, as :meth:`~flowgrpo.policies.switches.SwitchedPolicy.apply_switches`
+        switches: the model switches, as :meth:`~flowgrpo.policies.diffusers.switches.SwitchedPolicy.apply_switches`
             (the same for every adapter; Wan's ``AutoencoderKLWan`` slices and tiles like the image VAEs).
     """
 

@@ -1,7 +1,7 @@
 """Tiny random pipelines of the families the generic adapter trains, built offline (tests, benchmarks).
 
 * SD3.5-Large: ``StableDiffusion3Pipeline`` with SD3.5-Large's transformer layout (no dual-attention
-  blocks, RMS q/k norm, more heads than the SD3.5-M flavour of :mod:`~flowgrpo.policies.sd3_tiny`);
+  blocks, RMS q/k norm, more heads than the SD3.5-M flavour of :mod:`~flowgrpo.policies.tiny.sd3`);
 * Z-Image: ``ZImagePipeline`` (``ZImageTransformer2DModel``, a ``Qwen3Model`` text encoder with a
   byte-level BPE tokenizer and a chat template built in memory, the 16-channel ``AutoencoderKL``);
 * Qwen-Image: ``QwenImagePipeline`` (``QwenImageTransformer2DModel``, a
@@ -12,8 +12,8 @@
 * FLUX.2: ``Flux2Pipeline`` (``Flux2Transformer2DModel`` with one double- and one single-stream
   block, a 30-layer ``Mistral3ForConditionalGeneration`` 16 wide with a one-layer Pixtral vision
   tower, a ``PixtralProcessor`` over the byte-level tokenizer, a two-level ``AutoencoderKLFlux2``);
-* the video families (Wan 2.2's two layouts, HunyuanVideo 1.5): :mod:`~flowgrpo.policies.families_tiny_video`;
-* the image-editing families (FLUX.1-Kontext, Qwen-Image-Edit): :mod:`~flowgrpo.policies.families_tiny_edit`.
+* the video families (Wan 2.2's two layouts, HunyuanVideo 1.5): :mod:`~flowgrpo.policies.tiny.families_video`;
+* the image-editing families (FLUX.1-Kontext, Qwen-Image-Edit): :mod:`~flowgrpo.policies.tiny.families_edit`.
 
 Each is deterministic in ``seed`` and leaves the caller's global RNG state untouched.
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..registry import Registry
-from .sd3_tiny import _bytes_to_unicode, tiny_sd3_components
+from ...registry import Registry
+from .sd3 import _bytes_to_unicode, tiny_sd3_components
 
 #: a minimal ChatML template (what ZImagePipeline's ``apply_chat_template`` needs)
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -64,7 +64,7 @@ def tiny_qwen_tokenizer(max_length: int = 64):
 
 
 def tiny_sd35_large_components(seed: int = 0) -> dict:
-    """:func:`~flowgrpo.policies.sd3_tiny.tiny_sd3_components` with SD3.5-Large's transformer layout."""
+    """:func:`~flowgrpo.policies.tiny.sd3.tiny_sd3_components` with SD3.5-Large's transformer layout."""
     from diffusers import SD3Transformer2DModel
 
     comps = tiny_sd3_components(seed)
@@ -188,11 +188,11 @@ register_tiny("sd35-large", "StableDiffusion3Pipeline", tiny_sd35_large_componen
 register_tiny("z-image", "ZImagePipeline", tiny_zimage_components)
 register_tiny("qwen-image", "QwenImagePipeline", tiny_qwen_image_components)
 register_tiny("flux2", "Flux2Pipeline", tiny_flux2_components)
-TINY_PIPELINES.register_lazy("wan22-a14b", "flowgrpo.policies.families_tiny_video:tiny_wan22_a14b_pipeline")
-TINY_PIPELINES.register_lazy("wan22-5b", "flowgrpo.policies.families_tiny_video:tiny_wan22_5b_pipeline")
-TINY_PIPELINES.register_lazy("hunyuan-video15", "flowgrpo.policies.families_tiny_video:tiny_hunyuan_video15_pipeline")
-TINY_PIPELINES.register_lazy("flux-kontext", "flowgrpo.policies.families_tiny_edit:tiny_flux_kontext_pipeline")
-TINY_PIPELINES.register_lazy("qwen-image-edit", "flowgrpo.policies.families_tiny_edit:tiny_qwen_image_edit_pipeline")
+TINY_PIPELINES.register_lazy("wan22-a14b", "flowgrpo.policies.tiny.families_video:tiny_wan22_a14b_pipeline")
+TINY_PIPELINES.register_lazy("wan22-5b", "flowgrpo.policies.tiny.families_video:tiny_wan22_5b_pipeline")
+TINY_PIPELINES.register_lazy("hunyuan-video15", "flowgrpo.policies.tiny.families_video:tiny_hunyuan_video15_pipeline")
+TINY_PIPELINES.register_lazy("flux-kontext", "flowgrpo.policies.tiny.families_edit:tiny_flux_kontext_pipeline")
+TINY_PIPELINES.register_lazy("qwen-image-edit", "flowgrpo.policies.tiny.families_edit:tiny_qwen_image_edit_pipeline")
 
 
 def save_tiny_pipeline(family: str, directory: str | Path, seed: int = 0) -> Path:
