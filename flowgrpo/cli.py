@@ -19,6 +19,9 @@ installed code.
 
 Bad input (config keys, values, presets, prompt files, missing weights) prints one line naming the
 problem and exits with code 2.
+
+This module parses and dispatches; the commands with code of their own live in
+:mod:`flowgrpo.commands` (train, sample, export, bench, shapes probe).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ import sys
 import threading
 from pathlib import Path
 
-from .bench_command import add_bench_parser
+from .commands.bench import add_bench_parser
 from .errors import UserError
-from .train_command import check_text_file, cmd_train
+from .commands.train import check_text_file, cmd_train
 
 
 def _cmd_eval(args) -> int:
@@ -66,7 +69,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from .export import export_run
+    from .commands.export import export_run
 
     export_run(args.run_dir, args.to, fuse=args.fuse, checkpoint=args.checkpoint, raw=args.raw)
     return 0
@@ -229,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_unigenbench(sub)
     __import__("flowgrpo.realsize.cli", fromlist=["register"]).register(sub)  # flowgrpo realsize ...
-    __import__("flowgrpo.probe_command", fromlist=["register"]).register(sub)  # flowgrpo shapes probe
-    __import__("flowgrpo.sample_command", fromlist=["register"]).register(sub)  # flowgrpo sample
+    __import__("flowgrpo.commands.probe", fromlist=["register"]).register(sub)  # flowgrpo shapes probe
+    __import__("flowgrpo.commands.sample", fromlist=["register"]).register(sub)  # flowgrpo sample
     return ap
 
 

@@ -3,7 +3,7 @@
 ``eval.evaluator=edit`` with ``eval.options.prompts`` a ``.jsonl`` prompt file whose lines name each
 prompt's reference image (the ``image`` column, as a training file of an edit run; prompts the run
 does not train on). Each of ``eval.num_prompts`` prompts (spread evenly over the file) is drawn
-``eval.seeds_per_prompt`` times with its reference by :func:`~flowgrpo.drawing.draw` (the ODE of
+``eval.seeds_per_prompt`` times with its reference by :func:`~flowgrpo.output.drawing.draw` (the ODE of
 ``eval.num_steps`` steps from the seeds ``noise_seed(options.seed, i, j)``), and every image is
 scored by a reward (``options.reward``, default ``edit_consistency``, with ``options.reward_options``)
 that is given the references, resized to the images' size, when it asks for them
@@ -65,7 +65,7 @@ class EditEvaluator:
 
     def evaluate(self, policy, split: str = "heldout", keep_images: bool = False) -> EvalResult:
         """Draw every held-out edit prompt with its reference and score the images (see the module docstring)."""
-        from .drawing import draw, noise_seed
+        from .output.drawing import draw, noise_seed
         from .references import read_reference, resize_references
         from .rewards.base import wants_references
 

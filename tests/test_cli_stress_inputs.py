@@ -342,7 +342,7 @@ def test_metrics_lines_are_strict_json(tmp_path):
     assert row == {"iteration": 0, "reward_mean": None, "loss": None, "kl": None, "grad_norm": 0.5,
                    "nan_rewards_dropped": 8, "per": [1.0, None], "ok": True, "note": None}
     # what reads the lines back takes the nulls (an iteration whose every reward was dropped)
-    from flowgrpo.plots import save_reward_curve
+    from flowgrpo.output.plots import save_reward_curve
     from flowgrpo.trainer.metrics import read_metrics
 
     records = read_metrics(tmp_path) + [{"iteration": i, "reward_mean": 0.1 * i} for i in range(1, 6)]
@@ -374,7 +374,7 @@ def test_grid_captions_of_huge_prompts_are_cut(tmp_path):
     """PIL cannot lay out a million-character line ("too many characters in string"): captions are cut."""
     import imageio.v3 as iio
 
-    from flowgrpo.plots import MAX_CAPTION_CHARS, clip_caption, grid_captions, save_sample_grid
+    from flowgrpo.output.plots import MAX_CAPTION_CHARS, clip_caption, grid_captions, save_sample_grid
 
     huge = "a red circle " * 100_000
     path = tmp_path / "grid.png"

@@ -11,7 +11,7 @@ import torch
 from conftest import run_cli, tiny_overrides
 from rich.console import Console
 
-from flowgrpo.plots import captioned_grid, grid_captions, image_grid, rows_by_key, save_sample_grid
+from flowgrpo.output.plots import captioned_grid, grid_captions, image_grid, rows_by_key, save_sample_grid
 from flowgrpo.trainer.progress import bar_fields, bar_info, clock, progress_bar
 
 #: a GRPO iteration's metrics as the trainer logs them (approx_kl: drift from the rollout policy; kl: the KL term)

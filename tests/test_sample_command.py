@@ -15,7 +15,7 @@ from flowgrpo.cli import main
 from flowgrpo.config import load_config
 from flowgrpo.images import to_uint8
 from flowgrpo.policies import build_policy
-from flowgrpo.drawing import noise_seed
+from flowgrpo.output.drawing import noise_seed
 from flowgrpo.samplers.solvers import solve_ode
 from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from flowgrpo.trainer.run import train
@@ -123,7 +123,7 @@ def test_sample_errors_are_one_line_and_write_nothing(sd3_run, tmp_path, capsys)
 
 
 def test_a_failure_while_drawing_leaves_nothing(sd3_run, tmp_path, monkeypatch):
-    import flowgrpo.sample_command as command
+    import flowgrpo.commands.sample as command
 
     _, run_dir, prompts = sd3_run
 
@@ -160,7 +160,7 @@ def test_sample_a_shapes_world_run(shapes_model_dir, tmp_path):
 
 
 def test_sample_a_video_run(tmp_path):
-    from flowgrpo.drawing import draw
+    from flowgrpo.output.drawing import draw
     from flowgrpo.images import image_grid
     from flowgrpo.policies.tiny.wan import save_tiny_wan
     from flowgrpo.trainer.checkpoint import load_trained_policy

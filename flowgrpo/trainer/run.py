@@ -6,7 +6,7 @@ RUN_DIR/
   tensorboard/         TensorBoard events (log.trackers; mlruns/ and wandb/ for those trackers)
   checkpoints/ckpt_N/  atomic checkpoints (trainable weights, optimizer, EMA, iteration, clock)
   lora/                LoRA runs of diffusers models: pytorch_lora_weights.safetensors (EMA weights
-                       when train.ema is on) for the stock pipeline's load_lora_weights (flowgrpo.export)
+                       when train.ema is on) for the stock pipeline's load_lora_weights (flowgrpo.commands.export)
   grids/               rollout sample grids during training
   eval_before.json     held-out evaluation of the base model
   before_after.png     held-out samples before (top) and after (bottom) training
@@ -41,7 +41,7 @@ import yaml
 from ..config import RunConfig, to_dict
 from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
-from ..plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
+from ..output.plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
 from ..sharded_tensors import is_sharded
 from .accelerator import start_trackers
 from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint, write_problem
@@ -249,7 +249,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
         if main:
             path = save_checkpoint(run_dir, trainer.iteration, {"trainer": state, "train_seconds": train_seconds})
             events.checkpoint(trainer, path, trainer.iteration)
-    if cfg.model.train_mode == "lora" and trainer.policy.exports_lora:  # diffusers' format, EMA weights (flowgrpo.export)
+    if cfg.model.train_mode == "lora" and trainer.policy.exports_lora:  # diffusers' format, EMA weights (flowgrpo.commands.export)
         weights = trainer.engine.full(trainer.ema if trainer.ema is not None else trainer.policy.trainable_state_dict())
         if main:
             trainer.policy.save_lora(run_dir / "lora", weights)

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .drawing import draw, noise_seed
-from .errors import UserError
+from ..errors import UserError
+from ..output.drawing import draw, noise_seed
 
 #: prompts shown in ``grid.png`` (all are written as files)
 GRID_PROMPTS = 16
@@ -66,7 +66,7 @@ class SampleOptions:
 
 def _check_options(opts: SampleOptions) -> list[dict]:
     """The prompt file's rows; one UserError for any bad option, before a model is built."""
-    from .shapes.prompts import load_prompt_file
+    from ..shapes.prompts import load_prompt_file
 
     if opts.weights not in (None, "ema", "raw"):
         raise UserError(f"--weights must be ema or raw, got {opts.weights!r}")
@@ -92,7 +92,7 @@ def _check_options(opts: SampleOptions) -> list[dict]:
 def _grid(images: Tensor, prompts: list[str], seeds: list[int], per_prompt: int) -> np.ndarray:
     """``grid.png``'s pixels: a row per prompt (its images, or a video's frames), captioned with the prompt
     and each image's seed."""
-    from .plots import captioned_grid
+    from ..output.plots import captioned_grid
 
     if images.ndim == 5:  # one row per video: its frames
         b, f = images.shape[:2]
@@ -110,10 +110,10 @@ def _grid(images: Tensor, prompts: list[str], seeds: list[int], per_prompt: int)
 def _write(folder: Path, stem: str, item: Tensor) -> str:
     """One image [3, H, W] as ``stem.png`` or one video [F, 3, H, W] as ``stem.mp4`` (and its frames as
     ``stem.png``); returns the file name."""
-    from .images import png_bytes
+    from ..images import png_bytes
 
     if item.ndim == 4:
-        from .video_io import save_frame_grid, save_mp4
+        from ..output.video_io import save_frame_grid, save_mp4
 
         save_frame_grid(folder / f"{stem}.png", item[None])
         try:
@@ -128,7 +128,7 @@ def _write(folder: Path, stem: str, item: Tensor) -> str:
 def sample_run(run: str | Path, opts: SampleOptions, progress: bool = True) -> dict:
     """Draw ``opts.prompts`` with the trained policy of ``run`` into ``opts.out`` (see the module
     docstring). Returns the record written to ``samples.json``."""
-    from .trainer.checkpoint import load_trained_policy
+    from ..trainer.checkpoint import load_trained_policy
 
     rows = _check_options(opts)
     overrides = () if opts.guidance is None else (f"model.guidance_scale={opts.guidance}",)
@@ -178,7 +178,7 @@ def _sample_into(folder: Path, policy, rows: list[dict], opts: SampleOptions, st
     import imageio.v3 as iio
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .references import read_reference
+    from ..references import read_reference
 
     items = [(i, j) for i in range(len(rows)) for j in range(opts.images_per_prompt)]
     shown = min(len(rows), GRID_PROMPTS) * opts.images_per_prompt
@@ -205,7 +205,7 @@ def _sample_into(folder: Path, policy, rows: list[dict], opts: SampleOptions, st
 
 
 def _cmd_sample(args) -> int:
-    from .policies.diffusers.common import show_library_progress
+    from ..policies.diffusers.common import show_library_progress
 
     show_library_progress(not args.quiet)
     opts = SampleOptions(prompts=args.prompts, out=args.out, weights=args.weights, seed=args.seed, steps=args.steps,

@@ -9,14 +9,14 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 
 def cmd_train(args) -> int:
-    from .trainer.launch import in_launched_process, launch
+    from ..trainer.launch import in_launched_process, launch
 
     if args.help_config is not None:
-        from .config_help import explain_config
+        from ..config_help import explain_config
 
         return explain_config(args.help_config or None)
     if args.num_processes > 1 and not in_launched_process():
@@ -30,14 +30,14 @@ def cmd_train(args) -> int:
 
 def _run_train(args) -> int:
     """Train (or resume) in this process and print the outcome (the main process's)."""
-    from .trainer.checkpoint import read_run_config
-    from .trainer.run import train
+    from ..trainer.checkpoint import read_run_config
+    from ..trainer.run import train
 
     if args.resume:
         run_dir = Path(args.resume)
         cfg = read_run_config(run_dir)
         if args.overrides:
-            from .config import apply_dict, parse_override, validate
+            from ..config import apply_dict, parse_override, validate
 
             for ov in args.overrides:
                 apply_dict(cfg, parse_override(ov))
@@ -58,8 +58,8 @@ def _run_train(args) -> int:
 
 def _fresh_config(args):
     """The validated config of ``train``'s layers; a UserError when the recipe needs keys the run left unset."""
-    from .config import compose_config, validate
-    from .config_layers import RECIPE_METHOD, check_needs
+    from ..config import compose_config, validate
+    from ..config_layers import RECIPE_METHOD, check_needs
 
     if args.config:
         check_text_file(Path(args.config), "config file")
@@ -86,7 +86,7 @@ def _train_fresh(cfg) -> dict:
     no exported LoRA, no summary. A folder that was there before is never removed."""
     import shutil
 
-    from .trainer.run import make_run_dir, train
+    from ..trainer.run import make_run_dir, train
 
     if os.environ.get("RANK", "0") != "0":  # another rank: the main process names the folder
         return train(cfg)
@@ -108,7 +108,7 @@ def _train_fresh(cfg) -> dict:
 def _holds_results(run_dir: Path) -> bool:
     """Whether a run folder holds anything a run leaves of value: a checkpoint, a LoRA, a summary."""
     from .export import LORA_DIRNAME
-    from .trainer.checkpoint import list_checkpoints
+    from ..trainer.checkpoint import list_checkpoints
 
     checkpoints = run_dir / "checkpoints"
     return bool(list_checkpoints(run_dir) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
@@ -133,7 +133,7 @@ def _train_in_launched_process(args) -> int:
     :data:`~flowgrpo.trainer.launch.PEER_LOST_EXIT` (the launcher names the rank that caused it)."""
     import torch.distributed as dist
 
-    from .trainer.launch import PEER_LOST_EXIT, is_collective_failure
+    from ..trainer.launch import PEER_LOST_EXIT, is_collective_failure
 
     rank = os.environ.get("RANK", "?")
     args_single = argparse.Namespace(**{**vars(args), "num_processes": 1})

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
-from .images import image_grid, to_uint8
+from ..images import image_grid, to_uint8
 
 
 def _frames_uint8(video: Tensor) -> np.ndarray:

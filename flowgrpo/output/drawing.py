@@ -22,7 +22,7 @@ def draw(policy, prompts: list[str], seeds: list[int], steps: int, shift: float,
     the Euler ODE over ``policy.sigma_grid(steps, shift)`` with the policy's guidance from the noises
     of ``seeds`` [B] (each ``torch.randn(latent_shape)`` of a CPU generator seeded with it). Step math
     in float32, the model in its own dtype; ``references``: an edit model's reference images [3, h, w]."""
-    from .samplers.solvers import solve_ode
+    from ..samplers.solvers import solve_ode
 
     device = policy.device
     model_dtype = next(policy.parameters()).dtype

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .images import image_grid
+from ..images import image_grid
 
 #: captions are cut to this many characters before they are measured and drawn: a caption shows two
 #: lines at most, and PIL refuses to lay out strings of about a million characters

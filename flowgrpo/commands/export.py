@@ -19,7 +19,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 LORA_DIRNAME = "lora"
 #: the file diffusers' save_lora_weights writes and load_lora_weights reads in a LoRA folder
@@ -29,7 +29,7 @@ LORA_FILENAME = "pytorch_lora_weights.safetensors"
 def checkpoint_weights(run_dir: Path, checkpoint: int | None = None, raw: bool = False):
     """(config, :class:`~flowgrpo.trainer.checkpoint.PolicyWeights`) of a LoRA run's checkpoint
     (``checkpoint``: an iteration; default the newest intact one)."""
-    from .trainer.checkpoint import load_policy_weights, read_run_config
+    from ..trainer.checkpoint import load_policy_weights, read_run_config
 
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
@@ -45,9 +45,9 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     pipeline with the adapter fused in. Returns ``to``."""
     import torch
 
-    from .policies import build_policy, resolve_adapter
-    from .policies.diffusers.common import load_pipeline
-    from .policies.diffusers.sd3 import torch_dtype
+    from ..policies import build_policy, resolve_adapter
+    from ..policies.diffusers.common import load_pipeline
+    from ..policies.diffusers.sd3 import torch_dtype
 
     cfg, trained = checkpoint_weights(Path(run_dir), checkpoint, raw)
     weights, which, ckpt = trained.weights, trained.kind, trained.path

@@ -8,9 +8,9 @@ can distinguish (:mod:`flowgrpo.shapes.probe`).
 weights), a training run folder (its newest intact checkpoint, EMA weights when kept) or one
 checkpoint folder (``RUN/checkpoints/ckpt_N``). Writes ``probe.json`` and ``probe.csv`` into ``--out``.
 
-A command module beside ``flowgrpo.cli`` (as ``bench_command``), not inside ``flowgrpo.shapes``: it reads
-training runs through ``flowgrpo.trainer``, which depends on the shapes world, so living in the world's
-folder would make a folder-level import cycle.
+A command module in :mod:`flowgrpo.commands` (as ``flowgrpo bench``), not inside ``flowgrpo.shapes``: it
+reads training runs through ``flowgrpo.trainer``, which depends on the shapes world, so living in the
+world's folder would make a folder-level import cycle.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 
 def load_probe_policy(weights: str | None):
     """(frozen :class:`~flowgrpo.shapes.policy.ShapesPolicy`, evaluation shift, description) for ``weights``."""
-    from .shapes.model import ShapesFlowModel
-    from .shapes.policy import ShapesPolicy
+    from ..shapes.model import ShapesFlowModel
+    from ..shapes.policy import ShapesPolicy
 
     if weights is None:
         return ShapesPolicy(train_mode="frozen"), 1.0, "shipped base weights"
-    from .trainer.checkpoint import CONFIG_FILE, STATE_FILE, load_trained_policy
+    from ..trainer.checkpoint import CONFIG_FILE, STATE_FILE, load_trained_policy
 
     path = Path(weights)
     if (path / "model.safetensors").is_file():
@@ -58,6 +58,7 @@ def flat_rows(res: dict) -> list[tuple[str, str, str, float | int | None]]:
     for which in ("conditioning", "swap_blind", "behavioural"):
         rows += [("ceiling", f"{which}.{t}", "accuracy", v) for t, v in (c[which] or {}).items()]
     rows += [("relation_holds", "position", k, v) for k, v in res["relation_holds"].items()]
+    rows += [("relation_prior", "position", k, v) for k, v in (res.get("relation_prior") or {}).items()]
     return rows
 
 
@@ -91,6 +92,10 @@ def print_tables(res: dict, title: str) -> None:
               f"(n={ids['order_position']['n']}), colour swap {f(ids['colour']['identical'])} (n={ids['colour']['n']})")
     con.print(f"relation holds given one A and one B: {f(rel['rate'])} ({rel['eligible']} of "
               f"{rel['position_samples']} position samples eligible)")
+    prior = res.get("relation_prior")
+    if prior:
+        con.print(f"relation prior at sigma 0.98: leans the relation's way for {f(prior['leans_right_way'])} of "
+                  f"{prior['n']} position prompts (0.5: blind), mean lean {f(prior['strength'])} (the mean scene: about 0.4)")
     con.print(f"held-out prompts with an indistinguishable swap twin (cos > {c['threshold']}): "
               f"{c['prompts_with_indistinguishable_twin']} of {c['num_prompts']}")
 
@@ -98,9 +103,9 @@ def print_tables(res: dict, title: str) -> None:
 def _cmd_probe(args) -> int:
     import torch
 
-    from .images import to_uint8
-    from .shapes.evaluate import generate_ode
-    from .shapes.probe import THRESHOLD, run_probe
+    from ..images import to_uint8
+    from ..shapes.evaluate import generate_ode
+    from ..shapes.probe import THRESHOLD, run_probe
 
     for name in ("prompts", "seeds", "passk_prompts", "n"):
         if getattr(args, name) < 1:
@@ -113,10 +118,14 @@ def _cmd_probe(args) -> int:
     def sample(prompts, seeds):
         return to_uint8(generate_ode(policy, prompts, seeds, num_steps=args.steps, shift=shift))
 
+    def predict_x0(prompts, sigma, x):
+        hidden, pooled = policy.model.encode(prompts)
+        return x - sigma.view(-1, 1, 1, 1) * policy.model(x, sigma, hidden, pooled)  # x0 = x - sigma v
+
     start = time.time()
     res = run_probe(policy.model.encode, sample, num_prompts=args.prompts, seeds=args.seeds,
                     passk_per_tag=args.passk_prompts, n=args.n, threshold=THRESHOLD if args.threshold is None else args.threshold,
-                    labels=lambda prompt, _length: policy.model.token_labels(prompt))
+                    labels=lambda prompt, _length: policy.model.token_labels(prompt), predict_x0=predict_x0)
     res["model"], res["seconds"] = desc, round(time.time() - start, 1)
     res["text_encoder"] = policy.model.cfg.text_encoder
     res["settings"].update({"num_steps": args.steps, "shift": shift})
