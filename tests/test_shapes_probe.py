@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowgrpo.shapes.probe import (ceiling, class_ceiling, colour_swap, order_swap, pair_sensitivity, pass_at_k,
-                                   pass_at_k_brute, relation_outcome, scene_key, swap_group, words_of)
+                                   pass_at_k_brute, relation_outcome, relation_prior, scene_key, swap_group, words_of)
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import Detection, detect, verify
 from flowgrpo.shapes.world import FLIPPED, GRID, VOCAB, ObjectSpec, SceneSpec, relation_holds, render
@@ -129,6 +129,39 @@ def test_relation_outcome_and_scene_key():
     assert scene_key(detect(img)) == scene_key(list(reversed(detect(img))))
 
 
+def _mean_scene(spec: SceneSpec, draws: int = 400) -> torch.Tensor:
+    """The average of many clean renders of ``spec`` in [-1, 1]: the ideal x0 prediction at sigma -> 1."""
+    rng = np.random.default_rng(0)
+    imgs = np.stack([render(spec, rng) for _ in range(draws)]).astype(np.float32)
+    return torch.from_numpy(imgs.mean(0)).permute(2, 0, 1) / 127.5 - 1.0
+
+
+def test_relation_prior_reads_the_mean_scene_the_right_way_and_a_flat_one_as_blind():
+    """An x0 predictor that returns the prompt's mean scene leans the relation's way for every prompt,
+    in all four relations; the same predictor fed the prompt's order swap leans the wrong way for
+    every prompt; one that returns the position-independent mean (the relation ignored) is blind."""
+    specs = [SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), r) for r in FLIPPED]
+    specs += [order_swap(s) for s in specs]
+    by_prompt = {s.prompt: s for s in specs}
+
+    def ideal(prompts, sigma, x):
+        return torch.stack([_mean_scene(by_prompt[p]) for p in prompts])
+
+    def swapped(prompts, sigma, x):
+        return torch.stack([_mean_scene(order_swap(by_prompt[p])) for p in prompts])
+
+    def blind(prompts, sigma, x):  # every cell the same mixture of A and B
+        scene = _mean_scene(by_prompt[prompts[0]])
+        cells = scene.view(3, GRID, 8, GRID, 8).mean((1, 3), keepdim=True).expand(3, GRID, 8, GRID, 8)
+        return cells.reshape(3, 32, 32).expand(len(prompts), 3, 32, 32) + 0.01 * x
+
+    right = relation_prior(ideal, specs, draws=2)
+    assert right["n"] == 8 and right["leans_right_way"] == 1.0 and right["strength"] > 0.3
+    wrong = relation_prior(swapped, specs, draws=2)
+    assert wrong["leans_right_way"] == 0.0 and wrong["strength"] < -0.3
+    assert abs(relation_prior(blind, specs, draws=2)["strength"]) < 0.02
+
+
 def test_probe_command_writes_json_and_csv(tmp_path, monkeypatch):
     from flowgrpo.cli import main
 
@@ -149,7 +182,8 @@ def test_probe_command_writes_json_and_csv(tmp_path, monkeypatch):
     assert set(res["ceiling"]) >= {"conditioning", "swap_blind", "behavioural", "threshold"}
     rows = list(csv.DictReader((out / "probe.csv").open()))
     assert {r["section"] for r in rows} == {"sensitivity", "same_seed_identity", "pass_at_k", "ceiling",
-                                           "relation_holds"}
+                                           "relation_holds", "relation_prior"}
+    assert 0.0 <= res["relation_prior"]["leans_right_way"] <= 1.0 and res["relation_prior"]["n"] >= 1
 
 
 def test_probe_command_rejects_a_folder_without_weights(tmp_path):

@@ -58,6 +58,7 @@ def flat_rows(res: dict) -> list[tuple[str, str, str, float | int | None]]:
     for which in ("conditioning", "swap_blind", "behavioural"):
         rows += [("ceiling", f"{which}.{t}", "accuracy", v) for t, v in (c[which] or {}).items()]
     rows += [("relation_holds", "position", k, v) for k, v in res["relation_holds"].items()]
+    rows += [("relation_prior", "position", k, v) for k, v in (res.get("relation_prior") or {}).items()]
     return rows
 
 
@@ -91,6 +92,10 @@ def print_tables(res: dict, title: str) -> None:
               f"(n={ids['order_position']['n']}), colour swap {f(ids['colour']['identical'])} (n={ids['colour']['n']})")
     con.print(f"relation holds given one A and one B: {f(rel['rate'])} ({rel['eligible']} of "
               f"{rel['position_samples']} position samples eligible)")
+    prior = res.get("relation_prior")
+    if prior:
+        con.print(f"relation prior at sigma 0.98: leans the relation's way for {f(prior['leans_right_way'])} of "
+                  f"{prior['n']} position prompts (0.5: blind), mean lean {f(prior['strength'])} (the mean scene: about 0.4)")
     con.print(f"held-out prompts with an indistinguishable swap twin (cos > {c['threshold']}): "
               f"{c['prompts_with_indistinguishable_twin']} of {c['num_prompts']}")
 
@@ -113,10 +118,14 @@ def _cmd_probe(args) -> int:
     def sample(prompts, seeds):
         return to_uint8(generate_ode(policy, prompts, seeds, num_steps=args.steps, shift=shift))
 
+    def predict_x0(prompts, sigma, x):
+        hidden, pooled = policy.model.encode(prompts)
+        return x - sigma.view(-1, 1, 1, 1) * policy.model(x, sigma, hidden, pooled)  # x0 = x - sigma v
+
     start = time.time()
     res = run_probe(policy.model.encode, sample, num_prompts=args.prompts, seeds=args.seeds,
                     passk_per_tag=args.passk_prompts, n=args.n, threshold=THRESHOLD if args.threshold is None else args.threshold,
-                    labels=lambda prompt, _length: policy.model.token_labels(prompt))
+                    labels=lambda prompt, _length: policy.model.token_labels(prompt), predict_x0=predict_x0)
     res["model"], res["seconds"] = desc, round(time.time() - start, 1)
     res["text_encoder"] = policy.model.cfg.text_encoder
     res["settings"].update({"num_steps": args.steps, "shift": shift})

@@ -25,7 +25,15 @@ steer it. The probe measures that directly, in five parts (:func:`run_probe`):
    kinds in P's group (the largest), the model draws one scene for the class on a fraction r of
    noises, so P's ceiling is (1 - r) + r * swap-blind ceiling of P.
 5. **Relation-holds rate**: over position samples with exactly one A and one B detected, the
-   fraction where the prompt's relation holds (0.5 is a coin flip).
+   fraction where the prompt's relation holds (0.40 is chance: two random cells share a column or
+   row 3 times in 15).
+6. **Relation prior at high noise** (:func:`relation_prior`, when the model's x0 prediction is
+   given): layout is decided at sigma > 0.7, where the prediction is close to the mean scene the
+   prompt asks for. For "A left of B" that mean holds more A in the left columns and more B in the
+   right ones. Per position prompt, each cell scores how much more it resembles A's glyph than B's,
+   and the score's centre of mass along the relation's axis says which way the prior leans. A model
+   that ignores the relation leans the right way for half the prompts; the first scene weights did
+   exactly that (a flat column profile), which no sampler or RL can fix.
 
 Every function takes plain callables so that a toy encoder can be probed (tests).
 """
@@ -236,6 +244,46 @@ def relation_holds_rate(samples: list[tuple[SceneSpec, list[Detection]]]) -> dic
     return {"rate": float(np.mean(ok)) if ok else None, "eligible": len(ok), "position_samples": len(out)}
 
 
+@torch.no_grad()
+def relation_prior(predict_x0, specs: list[SceneSpec], sigma: float = 0.98, draws: int = 16, seed: int = 11) -> dict:
+    """Which way the x0 prediction at noise level ``sigma`` leans for position prompts (item 6 above).
+
+    ``predict_x0(prompts, sigma [B], noise [B, 3, 32, 32])`` -> x0 [B, 3, 32, 32] in [-1, 1], the model's
+    prediction of the clean image from x = (1 - sigma) * 0 + sigma * noise (pure noise scaled: no scene
+    is given, so the prediction is the model's prior). Per cell, ``share`` = (distance to B's glyph -
+    distance to A's) / distance between the two glyphs, about P(A here) - P(B here). Along the relation's
+    axis, the centred share of each row or column times its index, summed, is the prompt's lean, signed
+    so that > 0 is the relation's way. Returns ``{"leans_right_way": fraction of prompts leaning the
+    relation's way, "strength": mean lean, "n": prompts}``: 0.5 and 0.0 for a model blind to the
+    relation; the mean scene of "A left of B" leans about 0.4 (tests/test_shapes_probe.py)."""
+    from .world import CELL, GRID, draw
+
+    def template(o) -> Tensor:
+        cell = draw([(o.shape, o.color, 0, 0)])[:CELL, :CELL]
+        return torch.from_numpy(cell).permute(2, 0, 1).float() / 127.5 - 1.0
+
+    specs = [s for s in specs if s.relation is not None]
+    gen = torch.Generator().manual_seed(seed)
+    coord = torch.arange(GRID, dtype=torch.float32)
+    offsets = []
+    for spec in specs:
+        noise = torch.randn(draws, 3, GRID * CELL, GRID * CELL, generator=gen)
+        x0 = predict_x0([spec.prompt] * draws, torch.full((draws,), sigma), sigma * noise).float()
+        cells = x0.view(draws, 3, GRID, CELL, GRID, CELL).permute(0, 2, 4, 1, 3, 5)  # [n, row, col, 3, 8, 8]
+        tpl = [template(o) for o in spec.objects]
+        contrast = float(((tpl[0] - tpl[1]) ** 2).mean())  # a cell that is A scores +1, one that is B -1
+        dist = [((cells - t) ** 2).mean((-3, -2, -1)).mean(0) for t in tpl]  # [row, col]
+        share = (dist[1] - dist[0]) / contrast  # about P(A here) - P(B here)
+        horizontal = spec.relation in ("left of", "right of")
+        profile = (share - share.mean()).mean(0 if horizontal else 1)  # [GRID] along the relation's axis
+        centre = float((profile * coord).sum())  # > 0: A's excess lies at high col / row
+        offsets.append(-centre if spec.relation in ("left of", "above") else centre)
+    if not offsets:
+        return {"leans_right_way": None, "strength": None, "n": 0}
+    return {"leans_right_way": float(np.mean([o > 0 for o in offsets])), "strength": float(np.mean(offsets)),
+            "n": len(offsets)}
+
+
 # --------------------------------------------------------------------------- ceiling
 
 
@@ -299,11 +347,11 @@ def ceiling(encode, specs: list[SceneSpec], threshold: float = THRESHOLD, identi
 
 
 def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_tag: int = 3, n: int = 64,
-              threshold: float = THRESHOLD, labels=words_of) -> dict:
-    """All five measurements on the first ``num_prompts`` held-out evaluation prompts.
+              threshold: float = THRESHOLD, labels=words_of, predict_x0=None) -> dict:
+    """All six measurements on the first ``num_prompts`` held-out evaluation prompts.
 
     ``encode(prompts)`` -> (hidden [B, L, D], pooled [B, D]); ``sample(prompts, seeds)`` -> uint8
-    [N, 32, 32, 3]. Swap pairs come from the held-out set, then from the position, colour-attribute
+    [N, 32, 32, 3]; ``predict_x0`` as in :func:`relation_prior` (None: the prior is not measured). Swap pairs come from the held-out set, then from the position, colour-attribute
     and two-object held-out pools (a fixed shuffle), at most ``num_prompts`` pairs per kind."""
     from .prompts import split_specs
 
@@ -337,6 +385,8 @@ def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_t
         "pass_at_k_prompts": pk["prompts"],
         "ceiling": ceiling(encode, specs, threshold, {k: v["identical"] for k, v in identity.items()}, labels),
         "relation_holds": relation_holds_rate(relation_samples),
+        "relation_prior": (relation_prior(predict_x0, [a for a, _ in kinds["order_position"]])
+                           if predict_x0 is not None else None),
         "settings": {"num_prompts": num_prompts, "seeds": seeds, "passk_prompts_per_tag": passk_per_tag, "n": n,
                      "threshold": threshold, "colours": list(COLORS)},
     }
