@@ -137,6 +137,20 @@ def test_caption_noise_rate_matches_the_setting():
         parse_noise("countin=0.3")
 
 
+def test_tag_weights_set_each_tags_share_of_the_batch():
+    from flowgrpo.shapes.pretrain import DEFAULT_TAG_WEIGHTS
+
+    weights = parse_noise("position=3,counting=0", DEFAULT_TAG_WEIGHTS, "--tag-weights")
+    assert weights["position"] == 3.0 and weights["counting"] == 0.0 and weights["colors"] == 1.0
+    _, captions = make_batch(np.random.default_rng(10), 800, drop_prob=0.0, noise=parse_noise("0"),
+                             tag_weights=weights)
+    tags = [parse_prompt(c).tag for c in captions]
+    assert tags.count("counting") == 0
+    assert abs(tags.count("position") / len(tags) - 3 / 7) < 0.06  # 3 shares of 1+1+0+1+3+1
+    with pytest.raises(SystemExit, match="--tag-weights: unknown tag 'postion'"):
+        parse_noise("postion=3", DEFAULT_TAG_WEIGHTS, "--tag-weights")
+
+
 def test_heldout_set_is_fixed_and_balanced():
     a, b = heldout_specs(64), heldout_specs(64)
     assert a == b
