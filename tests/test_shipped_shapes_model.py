@@ -44,8 +44,7 @@ def test_shipped_conditioning_binds_colours_to_shapes():
     before (identical for 94 % of such pairs). The base is misaligned on purpose: 40 % of its colour-
     binding captions show the swapped colours, so even a model that learned its captions exactly draws
     the twin's scene for about 2 x 0.6 x 0.4 = 0.48 of the noises; 0.6 leaves room above that and
-    stays far below 0.94. (Order swaps of position prompts are not yet drawn apart: 0.83 identical,
-    docs/shapes_world.md#probe-what-the-conditioning-can-distinguish.)"""
+    stays far below 0.94 (docs/shapes_world.md#probe-what-the-conditioning-can-distinguish)."""
     from flowgrpo.shapes.evaluate import generate_ode
     from flowgrpo.shapes.probe import same_seed_identity, swap_pairs
     from flowgrpo.shapes.prompts import split_specs
@@ -58,3 +57,21 @@ def test_shipped_conditioning_binds_colours_to_shapes():
 
     res = same_seed_identity(sample, pairs, [0, 1])
     assert res["n"] == 32 and res["identical"] <= 0.6, res["identical"]
+
+
+def test_shipped_model_places_groups_by_the_relation():
+    """At high noise, where layout is decided, the shipped model's prediction puts more of the subject on
+    the relation's side for nearly every held-out position prompt (the first scene weights: half of
+    them, lean 4e-6, i.e. blind to the relation; the exact mean scene leans about 0.4)."""
+    from flowgrpo.shapes.probe import relation_prior
+    from flowgrpo.shapes.prompts import split_specs
+
+    model = ShapesFlowModel.load().eval()
+
+    def predict_x0(prompts, sigma, x):
+        with torch.no_grad():
+            hidden, pooled = model.encode(prompts)
+            return x - sigma.view(-1, 1, 1, 1) * model(x, sigma, hidden, pooled)
+
+    res = relation_prior(predict_x0, list(split_specs("position")[1][:16]), draws=8)
+    assert res["n"] == 16 and res["leans_right_way"] >= 0.8 and res["strength"] > 0.05, res
