@@ -16,9 +16,8 @@ from typing import Any, Literal
 from .config_layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override  # noqa: F401 (re-exported)
 from .errors import ConfigError, UserError
 from .fields import as_number, check_choices, check_ranges, field_ranges, help_field as _f, merge_into
-from .objectives.diffusion_dpo import DiffusionDPOOptions
-from .objectives.flow_dppo import FlowDPPOOptions
-from .objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
+from .objectives import check_objective_keys, objective_help, with_objective_options
+from .objectives.options import check_objective_options
 from .objectives.terms.anchor import AnchorOptions
 from .objectives.terms.base import term_field
 from .objectives.terms.clip_schedule import ClipOptions
@@ -94,9 +93,10 @@ class AdvantageConfig:
     fusion_beta: float = _f(0.0, "branch_grpo estimator: reward fusion r(n) = sum_l softmax(beta log p(l | n)) r_l (0: mean of descendant leaves; 1: path probability)")
 
 
+@with_objective_options  # + one options field per registered objective: loss.nft, loss.awm, ... (flowgrpo.objectives)
 @dataclass
 class LossConfig:
-    objective: str = _f("grpo", "training objective (flowgrpo.objectives): grpo (clipped log-prob ratios on SDE transitions; the keys below) | nft (DiffusionNFT, loss.nft.*) | awm (Advantage Weighted Matching, loss.awm.*) | dgpo (Direct Group Preference Optimization, loss.dgpo.*) | flow_dppo (Flow-DPPO: grpo's rows, an exact-KL trust region instead of the clip, loss.flow_dppo.*) | diffusion_dpo (Diffusion-DPO on preference pairs, online or from a file, loss.diffusion_dpo.*)")
+    objective: str = _f("grpo", objective_help())
     # the loss terms' keys (help, range and default live on each term's options, flowgrpo.objectives.terms)
     clip_range: float = term_field(ClipOptions, "clip_range")
     clip_adapt: float = term_field(ClipOptions, "clip_adapt")
@@ -111,11 +111,6 @@ class LossConfig:
     anchor_weight: float = term_field(AnchorOptions, "anchor_weight")
     anchor_steps: int = term_field(AnchorOptions, "anchor_steps")
     backend: Literal["auto", "reference", "fused"] = _f("auto", "auto (fused op where built, else reference) | reference | fused")
-    nft: NFTOptions = field(default_factory=NFTOptions, metadata={"help": "DiffusionNFT options (loss.objective=nft)"})
-    awm: AWMOptions = field(default_factory=AWMOptions, metadata={"help": "Advantage Weighted Matching options (loss.objective=awm)"})
-    dgpo: DGPOOptions = field(default_factory=DGPOOptions, metadata={"help": "Direct Group Preference Optimization options (loss.objective=dgpo)"})
-    flow_dppo: FlowDPPOOptions = field(default_factory=FlowDPPOOptions, metadata={"help": "Flow-DPPO options (loss.objective=flow_dppo)"})
-    diffusion_dpo: DiffusionDPOOptions = field(default_factory=DiffusionDPOOptions, metadata={"help": "Diffusion-DPO options (loss.objective=diffusion_dpo)"})
 
 
 @dataclass
@@ -266,8 +261,12 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
 def compose_config(preset: str | None = RECIPE_METHOD, config_file: str | None = None, overrides: list[str] = (),
                    recipe: str | None = None) -> Composed:
     """The layers composed into a :class:`RunConfig` (unvalidated) with each key's source:
-    :func:`flowgrpo.config_layers.compose` over this module's dataclasses and merge rules."""
-    return compose(RunConfig, apply_dict, preset, config_file, overrides, recipe)
+    :func:`flowgrpo.config_layers.compose` over this module's dataclasses and merge rules. A key that a
+    config file or an override sets and the objective would ignore is refused here, where the
+    sources are known (:func:`~flowgrpo.objectives.check_objective_keys`)."""
+    composed = compose(RunConfig, apply_dict, preset, config_file, overrides, recipe)
+    check_objective_keys(composed.config, composed.sources)
+    return composed
 
 
 def load_config(preset: str | None = RECIPE_METHOD, config_file: str | None = None, overrides: list[str] = (),

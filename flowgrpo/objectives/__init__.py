@@ -9,16 +9,22 @@
 
 :mod:`.base` defines the protocol every objective implements; :mod:`flowgrpo.trainer.update_loop`
 runs it. A config may name an objective of user code by import path,
-``loss.objective=my_pkg.obj:MyObjective`` (:func:`objective_plugin`). Options of the forward-process objectives are typed dataclasses in :mod:`.options`
-(``loss.nft.*``, ``loss.awm.*``, ``loss.dgpo.*``).
+``loss.objective=my_pkg.obj:MyObjective`` (:func:`objective_plugin`).
+
+A shipped objective is its module plus one :func:`register_objective` line below, which names its
+factory, its options dataclass (held in ``LossConfig`` as ``loss.<name>``, see
+:func:`with_objective_options`), its progress-bar label and the summary in ``loss.objective``'s help.
+The loss terms objectives share (KL, anchors, SFT, per-step weights, clip schedule) are in :mod:`.terms`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from dataclasses import dataclass, field, make_dataclass
 
-from ..errors import UserError
-from ..registry import PluginError, Registry, describe, signature_problem
+from ..errors import ConfigError, UserError
+from ..registry import PluginError, Registry, describe, import_object, signature_problem
 from .base import Collected, Credit, MicroLoss, Objective, UpdateContext
 
 CONTRACT = ("an objective is an Objective subclass (flowgrpo.objectives.Objective) built as cls(cfg, device), "
@@ -59,12 +65,121 @@ def objective_plugin(path: str, obj):
 
 #: name -> factory ``(run_cfg, device) -> Objective``; ``loss.objective`` may also be an import path
 OBJECTIVES: Registry = Registry("objective", plugin=objective_plugin)
-OBJECTIVES.register_lazy("grpo", "flowgrpo.objectives.grpo:build_grpo")
-OBJECTIVES.register_lazy("nft", "flowgrpo.objectives.nft:build_nft")
-OBJECTIVES.register_lazy("awm", "flowgrpo.objectives.awm:build_awm")
-OBJECTIVES.register_lazy("dgpo", "flowgrpo.objectives.dgpo:build_dgpo")
-OBJECTIVES.register_lazy("flow_dppo", "flowgrpo.objectives.flow_dppo:build_flow_dppo")
-OBJECTIVES.register_lazy("diffusion_dpo", "flowgrpo.objectives.diffusion_dpo:build_diffusion_dpo")
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """A shipped objective, as its one registration (:func:`register_objective`) gives it.
+
+    Attributes:
+        factory: ``"package.module:attr"`` of the factory ``(run_cfg, device) -> Objective``.
+        options: ``"package.module:Class"`` of its options dataclass, held in ``LossConfig`` as
+            ``loss.<name>`` (help on every field, shown by ``flowgrpo config explain loss``), or ""
+            for none (grpo's options are ``loss.*`` itself).
+        label: the progress bar's name of the objective.
+        summary: one line, in ``loss.objective``'s help.
+        reads: the keys of :data:`OBJECTIVE_DEPENDENT_KEYS` the objective reads (the others are
+            refused when a config file or an override sets them, :func:`check_objective_keys`).
+    """
+
+    factory: str
+    options: str
+    label: str
+    summary: str
+    reads: tuple[str, ...] = ()
+
+
+#: keys outside ``loss.<name>`` that only some objectives read: GRPO's ``loss.*`` keys and the credit
+#: stage's subset of trained steps (the forward-process objectives draw their own times)
+OBJECTIVE_DEPENDENT_KEYS = ("loss.clip_range", "loss.clip_adapt", "loss.beta", "loss.kl_sigma", "loss.batched_reference",
+                            "loss.guard", "loss.guard_reweight", "loss.tempflow_weight", "loss.sft_weight",
+                            "loss.anchor_weight", "loss.anchor_steps", "loss.backend", "train.timestep_fraction",
+                            "train.timestep_order")
+
+
+#: name -> :class:`ObjectiveSpec` of every shipped objective, in registration order
+OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {}
+
+
+def register_objective(name: str, factory: str, options: str = "", label: str = "", summary: str = "",
+                       reads: tuple[str, ...] = ()) -> None:
+    """The one registration of a shipped objective: its factory (imported on first use), its options
+    dataclass (``loss.<name>.*``, added to ``LossConfig`` by :func:`with_objective_options`), its label
+    a one-line summary and the shared keys it reads (``reads``). User code adds an objective without touching flowgrpo by naming it
+    ``loss.objective=package.module:attr`` (its options are then its own business)."""
+    OBJECTIVES.register_lazy(name, factory)
+    unknown = set(reads) - set(OBJECTIVE_DEPENDENT_KEYS)
+    if unknown:
+        raise ValueError(f"objective {name!r} reads {sorted(unknown)}, which are not objective-dependent keys")
+    OBJECTIVE_SPECS[name] = ObjectiveSpec(factory, options, label or name.upper(), summary, tuple(reads))
+
+
+register_objective("grpo", "flowgrpo.objectives.grpo:build_grpo", label="GRPO",
+                   summary="clipped log-prob ratios on SDE transitions; the loss.* keys", reads=OBJECTIVE_DEPENDENT_KEYS)
+register_objective("nft", "flowgrpo.objectives.nft:build_nft", "flowgrpo.objectives.options:NFTOptions",
+                   "DiffusionNFT", "DiffusionNFT, negative-aware fine-tuning on the forward process")
+register_objective("awm", "flowgrpo.objectives.awm:build_awm", "flowgrpo.objectives.options:AWMOptions",
+                   "AWM", "Advantage Weighted Matching")
+register_objective("dgpo", "flowgrpo.objectives.dgpo:build_dgpo", "flowgrpo.objectives.options:DGPOOptions",
+                   "DGPO", "Direct Group Preference Optimization")
+register_objective("flow_dppo", "flowgrpo.objectives.flow_dppo:build_flow_dppo",
+                   "flowgrpo.objectives.flow_dppo:FlowDPPOOptions", "Flow-DPPO",
+                   "Flow-DPPO: grpo's rows, an exact-KL trust region instead of the clip",
+                   reads=("loss.guard_reweight", "loss.tempflow_weight", "train.timestep_fraction", "train.timestep_order"))
+register_objective("diffusion_dpo", "flowgrpo.objectives.diffusion_dpo:build_diffusion_dpo",
+                   "flowgrpo.objectives.diffusion_dpo:DiffusionDPOOptions", "Diffusion-DPO",
+                   "Diffusion-DPO on preference pairs, online or from a file")
+
+
+def _default(cfg, key: str):
+    section, name = key.split(".")
+    return {f.name: f.default for f in dataclasses.fields(getattr(cfg, section))}[name]
+
+
+def check_objective_keys(cfg, sources: dict[str, str]) -> None:
+    """Refuse, in one line, a key of :data:`OBJECTIVE_DEPENDENT_KEYS` that a config file or an override
+    (``sources``: key -> layer, as :class:`~flowgrpo.config_layers.Composed` records them) sets away
+    from its default while the shipped objective ``cfg.loss.objective`` does not read it: it would be
+    ignored silently. A preset's or recipe's keys are left alone (``--preset shapes
+    loss.objective=nft`` keeps working; the presets' own consistency is a test). Plug-in objectives
+    (``package.module:attr``) are not checked: what they read is their own."""
+    spec = OBJECTIVE_SPECS.get(cfg.loss.objective)
+    if spec is None:
+        return
+    for key in OBJECTIVE_DEPENDENT_KEYS:
+        if key in spec.reads or not sources.get(key, "default").startswith(("file:", "override")):
+            continue
+        section, name = key.split(".")
+        value, default = getattr(getattr(cfg, section), name), _default(cfg, key)
+        if value != default:
+            readers = ", ".join(n for n, s in OBJECTIVE_SPECS.items() if key in s.reads)
+            raise ConfigError(f"config key '{key}' = {value!r} has no effect with loss.objective={cfg.loss.objective} "
+                              f"(read by: {readers}); leave it at its default {default!r}")
+
+
+def objective_label(name: str) -> str:
+    """The progress bar's name of ``loss.objective`` = ``name`` (a plug-in's: its name upper-cased)."""
+    spec = OBJECTIVE_SPECS.get(name)
+    return spec.label if spec else (name.upper() or "train")
+
+
+def objective_help() -> str:
+    """``loss.objective``'s help: every shipped objective with its summary and options key."""
+    parts = [f"{name} ({spec.summary}{f'; loss.{name}.*' if spec.options else ''})" for name, spec in OBJECTIVE_SPECS.items()]
+    return "training objective (flowgrpo.objectives): " + " | ".join(parts) + " | or package.module:attr"
+
+
+def with_objective_options(cls: type) -> type:
+    """``cls`` (the ``LossConfig`` dataclass) with one field ``<name>: Options`` per shipped objective
+    that has options, in registration order: how an objective's options join the config without a
+    line in ``flowgrpo/config.py``."""
+    extra = []
+    for name, spec in OBJECTIVE_SPECS.items():
+        if spec.options:
+            opts = import_object(spec.options)
+            extra.append((name, opts, field(default_factory=opts,
+                                            metadata={"help": f"{spec.label} options (loss.objective={name})"})))
+    out = make_dataclass(cls.__name__, extra, bases=(cls,))
+    out.__module__, out.__qualname__, out.__doc__ = cls.__module__, cls.__qualname__, cls.__doc__
+    return out
 
 
 def build_objective(cfg, device=None) -> Objective:
@@ -72,4 +187,6 @@ def build_objective(cfg, device=None) -> Objective:
     return OBJECTIVES.build(cfg.loss.objective, cfg, device)
 
 
-__all__ = ["OBJECTIVES", "Collected", "Credit", "MicroLoss", "Objective", "UpdateContext", "build_objective"]
+__all__ = ["OBJECTIVES", "OBJECTIVE_SPECS", "Collected", "Credit", "MicroLoss", "Objective", "ObjectiveSpec",
+           "UpdateContext", "build_objective", "check_objective_keys", "objective_help", "objective_label", "register_objective",
+           "with_objective_options"]

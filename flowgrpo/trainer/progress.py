@@ -9,8 +9,7 @@ for what it is: ``kl_ref`` the KL term against the reference model that the loss
 
 from __future__ import annotations
 
-#: the bar's label of each objective (``loss.objective``); others show their name upper-cased
-OBJECTIVE_LABELS = {"grpo": "GRPO", "nft": "DiffusionNFT", "awm": "AWM", "dgpo": "DGPO"}
+from ..objectives import objective_label
 
 
 def clock(seconds: float) -> str:
@@ -56,7 +55,7 @@ def bar_fields(objective: str, done: int, iterations: int, train_seconds: float,
     else:
         completed, total = done, iterations
         status = f"iteration {done}/{iterations}  {clock(train_seconds)}"
-    return {"description": OBJECTIVE_LABELS.get(objective, objective.upper() or "train"), "completed": completed,
+    return {"description": objective_label(objective), "completed": completed,
             "total": total, "status": status, "info": bar_info(metrics or {}, ref_kl)}
 
 
