@@ -157,21 +157,16 @@ def test_a_presets_grpo_keys_do_not_stop_switching_the_objective():
 
 
 def test_no_shipped_preset_sets_a_key_its_objective_ignores():
-    from flowgrpo.config import compose_config
+    from flowgrpo.config import RECIPE_METHOD, compose_config
     from flowgrpo.presets import preset_names
     from flowgrpo.recipes import recipe_names
 
-    checked = 0
-    for recipe in recipe_names():
-        for preset in preset_names():
-            try:
-                composed = compose_config(preset, None, [], recipe)
-            except ConfigError:  # a preset the recipe does not run
-                continue
-            # every key as if the user had set it: nothing a preset or recipe sets may be ignored
-            objectives.check_objective_keys(composed.config, {k: "override" for k in composed.sources})
-            checked += 1
-    assert checked >= len(preset_names())
+    # every method on the shapes world, and every recipe with its own method (its settings for it included)
+    pairs = [(preset, "shapes") for preset in preset_names()] + [(RECIPE_METHOD, r) for r in recipe_names()]
+    for preset, recipe in pairs:
+        composed = compose_config(preset, None, [], recipe)
+        # every key as if the user had set it: nothing a preset or recipe sets may be ignored
+        objectives.check_objective_keys(composed.config, {k: "override" for k in composed.sources})
 
 
 def test_the_cli_refuses_an_ignored_key_before_writing_anything(tmp_path):
