@@ -14,7 +14,7 @@ import torch
 
 from flowgrpo.config import load_config, read_preset
 from flowgrpo.samplers.strategies import build_strategy
-from flowgrpo.objectives import grpo as grpo_module
+from flowgrpo.objectives.terms.sft import BestPathSFT
 from flowgrpo.trainer.trainer import GRPOTrainer
 
 PRESETS = {
@@ -87,17 +87,17 @@ def test_tree_rpo_hooks_run_in_the_trainer(shapes_model_dir):
     assert cfg.loss.clip_adapt == 1.0 and cfg.loss.sft_weight == 0.1  # the preset sets both
     trainer = GRPOTrainer(cfg)
     calls = {"sft": []}
-    sft0 = grpo_module.best_path_sft_loss
+    value0 = BestPathSFT.value
 
-    def sft(*a, **k):
-        calls["sft"].append(sft0(*a, **k))
+    def sft(self, *a, **k):
+        calls["sft"].append(value0(self, *a, **k))
         return calls["sft"][-1]
 
-    grpo_module.best_path_sft_loss = sft
+    BestPathSFT.value = sft
     try:
         res = trainer.iteration_step()
     finally:
-        grpo_module.best_path_sft_loss = sft0
+        BestPathSFT.value = value0
     # jpeg compressibility is not on [0, 1]: the clamped mean makes eps eps_0 or 2 eps_0
     assert res.metrics["clip_range"] in (pytest.approx(1e-4), pytest.approx(2e-4))
     assert any(a is not None and float(a.detach()) > 0 for a in calls["sft"])
