@@ -14,7 +14,8 @@ stopped and restarted; ``--aggregate-only`` summarises whatever runs the folder 
 folder named ``<label>-s<seed>`` counts, e.g. runs made by hand).
 
 The target is flow-grpo's final accuracy (mean over its seeds). A seed's ``seconds_to_target`` is
-the first training time > 0 at which its accuracy reaches it; a preset's is the mean over its seeds
+the first training time > 0 at which its accuracy reaches it with fidelity >= ``--min-fidelity``
+(0.9); a preset's is the mean over its seeds
 that reached it, and ``time_ratio`` is that over flow-grpo's. Writes ``e2e.csv`` (one row per
 evaluation) and ``e2e.png`` (accuracy and fidelity against minutes, each seed thin, the mean over
 seeds thick) into ``--out``, prints a table and writes the JSON to ``--json``.
@@ -35,8 +36,13 @@ from pathlib import Path
 
 from . import output_dir, write_json
 
-PRESETS = ("flow-grpo", "mix-grpo", "shapes", "shapes-nft", "diffusion-nft", "awm", "dgpo")
+# the method race (issues 29 and 30): the default, the published samplers and the objectives
+PRESETS = ("flow-grpo", "mix-grpo", "branch-grpo", "tempflow-grpo", "shapes-nft", "diffusion-nft", "awm", "dgpo",
+           "flow-dppo", "diffusion-dpo")
 TARGET_PRESET = "flow-grpo"
+# an evaluation whose images drifted below this fidelity (1 = the base model's) does not count as
+# having reached the target: accuracy bought with broken images is not alignment
+MIN_FIDELITY = 0.9
 MIX_CLAIM = 0.6  # MixGRPO's claim: it reaches Flow-GRPO's result in <= 0.6x the time
 
 
@@ -62,10 +68,11 @@ def run_curve(run_dir: Path) -> list[CurvePoint]:
     return points
 
 
-def seconds_to(points: list[CurvePoint], target: float) -> float | None:
-    """First training time > 0 whose accuracy reaches ``target`` (None if never)."""
+def seconds_to(points: list[CurvePoint], target: float, min_fidelity: float = 0.0) -> float | None:
+    """First training time > 0 whose accuracy reaches ``target`` while its fidelity is at least
+    ``min_fidelity`` (None if never; a point without a fidelity measurement passes the gate)."""
     for p in points:
-        if p.seconds > 0 and p.accuracy >= target - 1e-9:
+        if p.seconds > 0 and p.accuracy >= target - 1e-9 and (p.fidelity is None or p.fidelity >= min_fidelity):
             return p.seconds
     return None
 
@@ -83,9 +90,11 @@ def _se(xs: list[float]) -> float | None:
 
 
 def summarize(curves: dict[str, dict[int, list[CurvePoint]]], minutes: float | None = None,
-              out_dir: str | Path | None = None, json_path: str | None = None, quiet: bool = False) -> dict:
+              out_dir: str | Path | None = None, json_path: str | None = None, quiet: bool = False,
+              min_fidelity: float = MIN_FIDELITY) -> dict:
     """Rows per preset from its seeds' curves (``curves[preset][seed]``), CSV/PNG into ``out_dir``,
-    table and JSON. The target preset is flow-grpo where it ran, else the first."""
+    table and JSON. The target preset is flow-grpo where it ran, else the first; an evaluation
+    counts toward the target only with fidelity >= ``min_fidelity``."""
     target_name = TARGET_PRESET if TARGET_PRESET in curves else next(iter(curves))
     target = _mean([c[-1].accuracy for c in curves[target_name].values()])
     rows = []
@@ -94,7 +103,7 @@ def summarize(curves: dict[str, dict[int, list[CurvePoint]]], minutes: float | N
         gains = [c[-1].accuracy - c[0].accuracy for c in seeds.values()]
         peaks = [max(p.accuracy for p in c) for c in seeds.values()]
         fid = [c[-1].fidelity for c in seeds.values() if c[-1].fidelity is not None]
-        reached = [t for t in (seconds_to(c, target) for c in seeds.values()) if t is not None]
+        reached = [t for t in (seconds_to(c, target, min_fidelity) for c in seeds.values()) if t is not None]
         rows.append({"preset": preset, "seeds": sorted(seeds), "final_accuracy": _mean(finals),
                      "final_accuracy_se": _se(finals), "gain": _mean(gains), "gain_se": _se(gains),
                      "peak_accuracy": _mean(peaks), "final_fidelity": _mean(fid),
@@ -117,6 +126,7 @@ def summarize(curves: dict[str, dict[int, list[CurvePoint]]], minutes: float | N
         _print_table(rows, target, target_name)
     mix = next((r for r in rows if r["preset"] == "mix-grpo"), None)
     result = {"rows": rows, "target": target, "target_preset": target_name, "minutes": minutes,
+              "min_fidelity": min_fidelity,
               "mix_grpo_within_claim": None if mix is None else (mix["time_ratio"] is not None
                                                                  and mix["time_ratio"] <= MIX_CLAIM),
               "curves": {p: {str(s): [[c.seconds, c.accuracy, c.fidelity] for c in cs] for s, cs in seeds.items()}
@@ -210,10 +220,11 @@ def train_command(preset: str, seed: int, minutes: float, eval_every_s: float, r
 def run_all(presets, seeds, minutes: float, eval_every_s: float, runs_dir: Path, jobs: int = 1,
             overrides: list[str] = ()) -> None:
     """Train every (preset, seed) without a summary yet, ``jobs`` at a time (each run uses
-    ``train.threads`` threads: the presets' one thread lets 2 runs share 2 cores). Each run's output
-    goes to ``RUNS_DIR/<name>.log``; a failed run is reported and skipped."""
+    ``train.threads`` threads: the presets' one thread lets 2 runs share 2 cores). Seed-major order:
+    every preset's first seed before any second seed, so an interrupted race compares all presets.
+    Each run's output goes to ``RUNS_DIR/<name>.log``; a failed run is reported and skipped."""
     runs_dir.mkdir(parents=True, exist_ok=True)
-    todo = [(p, s) for p in presets for s in seeds if not (runs_dir / run_name(p, s) / "summary.json").is_file()]
+    todo = [(p, s) for s in seeds for p in presets if not (runs_dir / run_name(p, s) / "summary.json").is_file()]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     running: list[tuple[str, subprocess.Popen, object]] = []
     while todo or running:
@@ -236,7 +247,7 @@ def run_all(presets, seeds, minutes: float, eval_every_s: float, runs_dir: Path,
 def run_bench_e2e(json_path: str | None = None, presets=PRESETS, seeds=(0, 1), minutes: float = 10.0,
                   eval_every_s: float = 60.0, runs_dir: str | Path | None = None, jobs: int = 2,
                   overrides: list[str] = (), out_dir: str | Path | None = None, quiet: bool = False,
-                  aggregate_only: bool = False) -> dict:
+                  aggregate_only: bool = False, min_fidelity: float = MIN_FIDELITY) -> dict:
     """Train (unless ``aggregate_only``) and summarise; ``runs_dir`` defaults to ``OUT/e2e_runs``."""
     runs = Path(runs_dir) if runs_dir is not None else output_dir(out_dir) / "e2e_runs"
     if not aggregate_only:
@@ -246,7 +257,7 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, seeds=(0, 1), m
         curves = {p: {s: c for s, c in curves[p].items() if s in seeds} for p in presets if p in curves}
     if not curves:
         raise SystemExit(f"bench e2e: no finished run (summary.json) under {runs}")
-    return summarize(curves, minutes, out_dir, json_path, quiet)
+    return summarize(curves, minutes, out_dir, json_path, quiet, min_fidelity)
 
 
 def main(argv=None) -> None:
@@ -258,12 +269,14 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread by the presets)")
     ap.add_argument("--runs-dir", default=None, help="where the runs go (default: OUT/e2e_runs); reused on restart")
     ap.add_argument("--aggregate-only", action="store_true", help="only summarise the finished runs in --runs-dir")
+    ap.add_argument("--min-fidelity", type=float, default=MIN_FIDELITY,
+                    help="an evaluation counts toward the target only at this fidelity or above (1 = the base model's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", "--out-dir", dest="out", default=None, help="where e2e.csv / e2e.png go")
     ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every run")
     a = ap.parse_args(argv)
     run_bench_e2e(a.json, a.presets, a.seeds, a.minutes, a.eval_every, a.runs_dir, a.jobs, a.overrides, a.out,
-                  aggregate_only=a.aggregate_only)
+                  aggregate_only=a.aggregate_only, min_fidelity=a.min_fidelity)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ CURVES = {
 
 
 def test_summarize_known_numbers(tmp_path):
-    out = summarize(CURVES, 2.0, tmp_path / "res", str(tmp_path / "sum.json"), quiet=True)
+    out = summarize(CURVES, 2.0, tmp_path / "res", str(tmp_path / "sum.json"), quiet=True, min_fidelity=0.0)
     assert out["target_preset"] == "flow-grpo" and out["target"] == pytest.approx(0.6)
     fg, nft = out["rows"]
     assert fg["seconds_to_target"] == 75.0 and fg["time_ratio"] == 1.0 and fg["seeds_reaching_target"] == 2
@@ -50,6 +50,19 @@ def test_summarize_known_numbers(tmp_path):
     assert rows[0] == ["preset", "seed", "train_seconds", "accuracy", "fidelity"]
     assert rows[1] == ["flow-grpo", "0", "0.0", "0.2500", "1.0000"] and len(rows) == 1 + 4 + 3 + 3 + 2
     assert (tmp_path / "res" / "e2e.png").stat().st_size > 1000
+
+
+def test_an_evaluation_with_broken_images_does_not_reach_the_target(tmp_path):
+    pts = curve((0.0, 0.40, 1.0), (60.0, 0.70, 0.85), (120.0, 0.72, 0.93))
+    assert seconds_to(pts, 0.70) == 60.0
+    assert seconds_to(pts, 0.70, min_fidelity=0.9) == 120.0  # 60 s had the accuracy, not the images
+    assert seconds_to(pts, 0.73, min_fidelity=0.9) is None
+    # with the default gate (0.9), flow-grpo's seed 0 reaches 0.6 only at 90 s with fidelity 0.8:
+    # it no longer counts, so flow-grpo's time is seed 1's 60 s and nft's ratio 30 / 60
+    out = summarize(CURVES, 2.0, tmp_path, None, quiet=True)
+    fg, nft = out["rows"]
+    assert out["min_fidelity"] == 0.9 and fg["seeds_reaching_target"] == 1 and fg["seconds_to_target"] == 60.0
+    assert nft["time_ratio"] == pytest.approx(0.5)
 
 
 def _fake_run(path, before, curve_pts):
