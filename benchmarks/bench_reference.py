@@ -87,7 +87,7 @@ class FlowgrpoSide:
         ov = [f"model.name={model}", "model.train_mode=lora", "model.lora_rank=32", "model.lora_alpha=64",
               f"model.resolution={s.resolution}", f"model.guidance_scale={s.guidance_scale}",
               f"model.max_sequence_length={s.max_sequence_length}",
-              f"sampler.num_steps={s.num_steps}", f"sampler.noise_level={s.noise_level}", f"loss.beta={s.beta}",
+              f"sampler.num_steps={s.num_steps}", f"sampler.noise_level={s.noise_level}", f"loss.kl_beta={s.beta}",
               f"loss.clip_range={s.clip_range}", f"advantage.clip={s.adv_clip_max}",
               f"train.max_grad_norm={s.max_grad_norm}", "train.lr=3e-4", "train.ema=false", "train.threads=1",
               f"data.prompts={prompts_file}", f"data.prompts_per_iteration={prompts_per_iteration}",

@@ -223,7 +223,7 @@ def _rows(runs: dict, names: list[str], prompts_per_iteration: int) -> list[dict
             "preset": name,
             "nfe_rollout": int(statistics.median(m["nfe_rollout"] for m in ms)),
             "nfe_grad": nfe_grad,
-            "nfe_ref": nfe_grad if cfg.loss.beta > 0 else 0,
+            "nfe_ref": nfe_grad if cfg.loss.kl_beta > 0 else 0,
             **med,
             "trees_per_prompt": run["trees"],
             "leaves_per_prompt": run["trees"] * run["leaves_per_tree"],

@@ -100,8 +100,8 @@ class LossConfig:
     # the loss terms' keys (help, range and default live on each term's options, flowgrpo.objectives.terms)
     clip_range: float = term_field(ClipOptions, "clip_range")
     clip_adapt: float = term_field(ClipOptions, "clip_adapt")
-    beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass", ge=0.0)
-    kl_sigma: Literal["sigma_t", "transition_std"] = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide beta by ~T to match)")
+    kl_beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass", ge=0.0)
+    kl_sigma: Literal["sigma_t", "transition_std"] = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide kl_beta by ~T to match)")
     batched_reference: bool = _f(True, "KL reference velocities of a minibatch's rows in no-grad batches of train.micro_batch before its micro-batches, computed once per iteration and reused by every inner epoch, so epochs after the first make no reference call (false: one reference call per micro-batch and epoch; same values up to float rounding; lock-step engines such as FSDP always use the per-micro-batch path)")
     cfg_uncond_grad: bool = _f(True, "with classifier-free guidance in the update: gradients flow through the unconditional pass too (false: it runs without gradient in its own call, as Flow-GRPO's train_sd3.py detaches noise_pred_uncond; the same velocities, about 1.5x less backward work; SD3 / SD3.5 and Wan 2.1 adapters)")
     guard: bool = _f(False, "GRPO-Guard ratio normalisation (with the gaussian log-prob: not with sampler.cps_log_prob=mse)")
@@ -191,6 +191,7 @@ RENAMED_KEYS = {
     "strategy.fusion_beta": "advantage.fusion_beta",
     "strategy.clip_adapt": "loss.clip_adapt",
     "strategy.sft_weight": "loss.sft_weight",
+    "loss.beta": "loss.kl_beta",  # one name for the KL weight across objectives
 }
 
 

@@ -116,8 +116,8 @@ def test_presets_describe_themselves():
     assert load_config("pref-grpo").reward.combine == "normalize_then_sum"
     dance = load_config("dance-grpo")
     assert dance.sampler.shared_group_noise and dance.train.timestep_order == "random"
-    assert dance.train.timestep_fraction == 0.6 and dance.loss.beta == 0.0
-    assert load_config("flow-grpo").loss.beta > 0  # Flow-GRPO keeps a KL to the base model
+    assert dance.train.timestep_fraction == 0.6 and dance.loss.kl_beta == 0.0
+    assert load_config("flow-grpo").loss.kl_beta > 0  # Flow-GRPO keeps a KL to the base model
 
 
 def run_two(cfg):

@@ -235,6 +235,10 @@ def test_renamed_keys_still_work_with_a_warning():
     with pytest.warns(ConfigKeyRenamedWarning):
         cfg = load_config("shapes", None, ["data.group_size=3", "data.trees_per_prompt=5"])
     assert cfg.data.trees_per_prompt == 5
+    # GRPO's KL weight has the name every objective uses; configs written with the old one still load
+    with pytest.warns(ConfigKeyRenamedWarning, match="'loss.beta' is now 'loss.kl_beta'"):
+        cfg = load_config("flow-grpo", None, ["loss.beta=0.03"])
+    assert cfg.loss.kl_beta == 0.03 and not hasattr(cfg.loss, "beta")
 
 
 @pytest.mark.parametrize("override,message", [

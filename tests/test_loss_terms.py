@@ -136,8 +136,8 @@ def test_registering_an_objective_adds_its_options_without_touching_config():
 
 def test_a_users_key_the_objective_ignores_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=["loss.beta=0.2"])  # the default recipe is DiffusionNFT: GRPO's KL weight does nothing
-    assert str(err.value) == ("config key 'loss.beta' = 0.2 has no effect with loss.objective=nft (read by: grpo); "
+        load_config(overrides=["loss.kl_beta=0.2"])  # the default recipe is DiffusionNFT: GRPO's KL weight does nothing
+    assert str(err.value) == ("config key 'loss.kl_beta' = 0.2 has no effect with loss.objective=nft (read by: grpo); "
                               "leave it at its default 0.0")
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  timestep_fraction: 0.5\n")
@@ -147,13 +147,13 @@ def test_a_users_key_the_objective_ignores_is_refused_in_one_line(tmp_path):
         load_config("flow-dppo", overrides=["loss.sft_weight=0.1"])
     # what the objective reads is accepted, and so is a key left at its default
     assert load_config("flow-dppo", overrides=["loss.guard_reweight=true"]).loss.guard_reweight
-    assert load_config("flow-grpo", overrides=["loss.beta=0.2", "train.timestep_fraction=0.5"]).loss.beta == 0.2
-    load_config(overrides=["loss.beta=0.0"])
+    assert load_config("flow-grpo", overrides=["loss.kl_beta=0.2", "train.timestep_fraction=0.5"]).loss.kl_beta == 0.2
+    load_config(overrides=["loss.kl_beta=0.0"])
 
 
 def test_a_presets_grpo_keys_do_not_stop_switching_the_objective():
-    cfg = load_config("shapes", overrides=["loss.objective=nft"])  # the shapes preset sets loss.beta = 0.01
-    assert cfg.loss.objective == "nft" and cfg.loss.beta == 0.01
+    cfg = load_config("shapes", overrides=["loss.objective=nft"])  # the shapes preset sets loss.kl_beta = 0.01
+    assert cfg.loss.objective == "nft" and cfg.loss.kl_beta == 0.01
 
 
 def test_no_shipped_preset_sets_a_key_its_objective_ignores():

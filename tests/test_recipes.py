@@ -68,9 +68,9 @@ def test_a_recipe_that_sets_a_method_key_at_its_top_level_is_refused(monkeypatch
     import flowgrpo.recipes as recipes
 
     real = recipes.read_recipe
-    monkeypatch.setattr(recipes, "read_recipe", lambda name: {"base": "diffusers", "loss": {"beta": 0.1}}
+    monkeypatch.setattr(recipes, "read_recipe", lambda name: {"base": "diffusers", "loss": {"kl_beta": 0.1}}
                         if name == "leaky" else real(name))
-    with pytest.raises(ConfigError, match=r"recipe leaky sets the method key 'loss.beta'.*methods"):
+    with pytest.raises(ConfigError, match=r"recipe leaky sets the method key 'loss.kl_beta'.*methods"):
         load_config("flow-grpo", recipe="leaky")
 
 
@@ -151,9 +151,9 @@ def test_flow_grpo_on_sd35_is_flow_grpos_setting():
     cfg = load_config(recipe="sd35-ocr")  # the recipe's method: flow-grpo
     assert cfg.preset == "flow-grpo" and cfg.reward.weights == {"ocr": 1.0}
     assert (cfg.model.name, cfg.model.resolution, cfg.model.guidance_scale, cfg.sampler.num_steps) == ("sd3", 512, 4.5, 10)
-    method = (cfg.data.trees_per_prompt, cfg.advantage.std, cfg.loss.beta, cfg.train.timestep_fraction)
+    method = (cfg.data.trees_per_prompt, cfg.advantage.std, cfg.loss.kl_beta, cfg.train.timestep_fraction)
     assert method == (24, "global", 0.04, 0.9)
-    assert load_config(recipe="sd35-pickscore").loss.beta == 0.01
+    assert load_config(recipe="sd35-pickscore").loss.kl_beta == 0.01
     nft = load_config("diffusion-nft", recipe="sd35-ocr")
     assert nft.model.guidance_scale == 1.0 and nft.loss.nft.beta == 0.1 and nft.advantage.std == "global"
 

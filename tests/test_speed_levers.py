@@ -28,7 +28,7 @@ def _config(prompt_file, *extra):
         "model.name=sd3-tiny", "model.train_mode=lora", "model.resolution=64", "model.max_sequence_length=16",
         "model.lora_rank=8", "model.lora_alpha=16", "model.guidance_scale=4.5", "reward.weights={jpeg_compressibility: 1.0}",
         f"data.prompts={prompt_file}", "data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3",
-        "train.threads=1", "train.lr=1e-3", "log.progress=false", "loss.beta=0.04", "loss.backend=reference", *extra],
+        "train.threads=1", "train.lr=1e-3", "log.progress=false", "loss.kl_beta=0.04", "loss.backend=reference", *extra],
         recipe="shapes")
 
 

@@ -89,7 +89,7 @@ class ObjectiveSpec:
 
 #: keys outside ``loss.<name>`` that only some objectives read: GRPO's ``loss.*`` keys and the credit
 #: stage's subset of trained steps (the forward-process objectives draw their own times)
-OBJECTIVE_DEPENDENT_KEYS = ("loss.clip_range", "loss.clip_adapt", "loss.beta", "loss.kl_sigma", "loss.batched_reference",
+OBJECTIVE_DEPENDENT_KEYS = ("loss.clip_range", "loss.clip_adapt", "loss.kl_beta", "loss.kl_sigma", "loss.batched_reference",
                             "loss.guard", "loss.guard_reweight", "loss.tempflow_weight", "loss.sft_weight",
                             "loss.anchor_weight", "loss.anchor_steps", "loss.backend", "train.timestep_fraction",
                             "train.timestep_order")

@@ -20,7 +20,7 @@ gradient; rows inside the region keep the unclipped -A r whatever r is. The mean
 dropped ones included (they contribute 0). The old means and log-probs are the rollout's, fixed for
 every inner epoch and minibatch of the iteration. ``kl_coefficient=false`` divides by 1 instead of
 s^2 (the authors' ``add_kl_coefficient``). Per-row weights w are GRPO's (``loss.tempflow_weight``,
-``loss.guard_reweight``; 1 otherwise). GRPO's clip, KL (``loss.beta``), SFT and anchor terms are not
+``loss.guard_reweight``; 1 otherwise). GRPO's clip, KL (``loss.kl_beta``), SFT and anchor terms are not
 part of this objective; its own reference KL (``kl_beta``, the authors' beta, 0 by default) uses the
 same exact Gaussian KL with the transition std.
 
@@ -52,7 +52,7 @@ class FlowDPPOOptions:
 
     kl_threshold: float = _f(1e-5, "tau: a row whose divergence from the rollout policy, mean_D((mu - mu_old)^2) / (2 s^2) (the exact Gaussian KL over the D latent elements, divided by D), reaches tau is dropped from the surrogate when it moved in its advantage's direction (r > 1 with A > 0, r < 1 with A < 0) (the authors: 1e-5)", gt=0.0)
     kl_coefficient: bool = _f(True, "divide the squared mean shift by the transition variance s^2 (the exact KL; the authors' add_kl_coefficient); false: by 1 (mean_D((mu - mu_old)^2) / 2)")
-    kl_beta: float = _f(0.0, "weight of a KL term to the frozen base model, mean_D((mu - mu_ref)^2) / (2 s^2) with the transition std s (the authors' beta: 0; note loss.beta's grpo KL divides by sigma_t^2 instead, about T times weaker)", ge=0.0)
+    kl_beta: float = _f(0.0, "weight of a KL term to the frozen base model, mean_D((mu - mu_ref)^2) / (2 s^2) with the transition std s (the authors' beta: 0; note loss.kl_beta's grpo KL divides by sigma_t^2 instead, about T times weaker)", ge=0.0)
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class FlowDPPOObjective(GRPOObjective):
         return MicroLoss(loss=out.loss, record=out)
 
     def begin_minibatch(self, ctx: UpdateContext, rows, passes: int) -> int:
-        return 0  # GRPO's batched reference serves loss.beta, which this objective does not read
+        return 0  # GRPO's batched reference serves loss.kl_beta, which this objective does not read
 
     def minibatch_terms(self, ctx: UpdateContext) -> dict:
         return {}  # no anchor term

@@ -43,7 +43,7 @@ class GRPOObjective(Objective):
         self.clip, self.weights = ClipSchedule.from_config(loss_cfg), StepWeights.from_config(loss_cfg)
         self.sft, self.anchor = BestPathSFT.from_config(loss_cfg), ODEAnchor.from_config(loss_cfg)
         refs = frozenset().union(*(t.references for t in (self.clip, self.weights, self.sft, self.anchor)))
-        self.needs_reference = loss_cfg.beta > 0 or "base" in refs
+        self.needs_reference = loss_cfg.kl_beta > 0 or "base" in refs
         if loss_cfg.backend == "reference":
             self.loss_fn = grpo_loss_ref
         elif loss_cfg.backend == "fused":
@@ -97,7 +97,7 @@ class GRPOObjective(Objective):
             v = policy.velocity(x.to(ctx.dtype), mb.sigma, cond).float()
         mean = transition_means(mb, v, plan)
         mean_ref, kl_sigma = None, None
-        if cfg.beta > 0:
+        if cfg.kl_beta > 0:
             ref = it.get("mean_ref")
             if ref is not None and bool(it["ref_done"][mb.row].all()):
                 mean_ref = ref[mb.row.to(ref.device)]
@@ -110,7 +110,7 @@ class GRPOObjective(Objective):
         out = self.loss_fn(mb.prev_sample.to(dev), mean, mb.mean_old.to(dev), it["logp_std"][mb.row].to(dev),
                            mb.log_prob_old.to(dev), mb.advantages.to(dev), it["weights"][mb.row].to(dev),
                            clip_range=it["clip"], guard=cfg.guard, mean_ref=mean_ref,
-                           kl_sigma=None if kl_sigma is None else kl_sigma.to(dev), beta=cfg.beta)
+                           kl_sigma=None if kl_sigma is None else kl_sigma.to(dev), beta=cfg.kl_beta)
         loss = out.loss
         if it["best"] is not None:
             sft = self.sft.value(mb, mean, it["best"])
@@ -138,7 +138,7 @@ class GRPOObjective(Objective):
         rows, which every inner epoch then reuses (the base model is frozen): epochs after the first
         make no reference call. (Larger batches than the update's own were slower on a 2-core CPU:
         their activations leave the caches.) Returns the model calls made."""
-        if self.cfg.beta <= 0 or not self.cfg.batched_reference or ctx.lockstep or rows is None or not len(rows):
+        if self.cfg.kl_beta <= 0 or not self.cfg.batched_reference or ctx.lockstep or rows is None or not len(rows):
             return 0
         it = self._it
         if "mean_ref" not in it:

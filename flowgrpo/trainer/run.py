@@ -182,7 +182,9 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
     # the training clock: wall-clock, or this process's CPU time (train.clock=cpu, for a shared machine)
     clock = time.process_time if cfg.train.clock == "cpu" else time.perf_counter
     objective = trainer.objective.name or cfg.loss.objective
-    ref_kl = objective != "grpo" or cfg.loss.beta > 0  # GRPO reports kl = 0 without a reference model
+    # kl_ref on the bar only where the loss runs the base model: GRPO measures its KL only with
+    # loss.kl_beta > 0, the others whenever they take a reference pass (a KL or anchor term)
+    ref_kl = cfg.loss.kl_beta > 0 if objective == "grpo" else bool(getattr(trainer.objective, "needs_reference", True))
     with progress_bar(cfg.log.progress and main) as bar:
         task = bar.add_task(**bar_fields(objective, start_iter, total, train_seconds, cfg.train.max_minutes))
         recent: list[float] = []  # seconds of the latest iterations, checkpoint writes included
