@@ -144,6 +144,12 @@ class Strategy(ABC):
         Pruning strategies (BranchGRPO) override this; the rollout and its rewards are untouched."""
         return None
 
+    def leaf_train_mask(self, rollout, advantages, iteration: int):
+        """[L] bool: the leaves whose clean samples may train (None: all of them), the leaf-level
+        view of the same pruning that :meth:`edge_train_masks` applies to edges; the
+        forward-process objectives, which train on leaves rather than transitions, read it."""
+        return None
+
     def option_values(self) -> dict:
         """The options as a plain dict (for logs)."""
         return dataclasses.asdict(self.options)

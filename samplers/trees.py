@@ -118,27 +118,49 @@ class BranchGRPOStrategy(Strategy):
         return list(range(start, min(start + w, t)))
 
     def edge_train_masks(self, rollout, advantages, iteration: int) -> list | None:
-        o = self.options
         pruned_steps = self.depth_pruned_steps(iteration)
-        if o.width_prune == "none" and not pruned_steps:
+        width = self.width_masks(rollout, advantages)
+        if width is None and not pruned_steps:
             return None
         n_levels = len(rollout.levels)
-        masks: list = [None] * n_levels
+        masks: list = [None] * n_levels if width is None else list(width)
         if pruned_steps:
             ps = torch.tensor(pruned_steps, dtype=torch.long)
             for d in range(1, n_levels):
                 par_pos = rollout.node_pos(d - 1)[rollout.levels[d].parent.cpu()]
                 keep = ~torch.isin(par_pos, ps)
                 if not keep.all():
-                    masks[d] = keep
-        if o.width_prune != "none":
-            d0 = self.last_split + 1  # depth of the last split's children (pos = depth in these trees)
-            if d0 < n_levels:
-                keep = self.width_keep_mask(rollout, advantages.edge_advantages[d0].cpu(), d0)
-                for d in range(d0 + 1, n_levels):
-                    keep = keep[rollout.levels[d].parent.cpu()]
                     masks[d] = keep if masks[d] is None else masks[d] & keep
         return masks
+
+    def width_masks(self, rollout, advantages) -> list | None:
+        """Width pruning alone: per depth, [N_d] bool edges below the last split's kept children
+        (None at a depth where every edge stays; None overall when width pruning is off)."""
+        if self.options.width_prune == "none":
+            return None
+        n_levels = len(rollout.levels)
+        masks: list = [None] * n_levels
+        d0 = self.last_split + 1  # depth of the last split's children (pos = depth in these trees)
+        if d0 < n_levels:
+            keep = self.width_keep_mask(rollout, advantages.edge_advantages[d0].cpu(), d0)
+            for d in range(d0 + 1, n_levels):
+                keep = keep[rollout.levels[d].parent.cpu()]
+                masks[d] = keep
+        return masks
+
+    def leaf_train_mask(self, rollout, advantages, iteration: int):
+        """[L] bool: the leaves under a child kept by width pruning (None: width pruning is off).
+        Depth pruning removes steps, not leaves, so it has no say here."""
+        width = self.width_masks(rollout, advantages)
+        if width is None:
+            return None
+        keep = torch.ones(rollout.num_leaves, dtype=torch.bool)
+        depth, node = rollout.leaf_depth.cpu(), rollout.leaf_node.cpu()
+        for d, m in enumerate(width):
+            if m is not None:
+                at = depth == d
+                keep[at] = m.cpu().bool()[node[at]]
+        return keep
 
     def width_keep_mask(self, rollout, adv: torch.Tensor, depth: int) -> torch.Tensor:
         """[N_depth] bool: the last split's children kept by width pruning."""

@@ -21,6 +21,7 @@ import torch
 
 from flowgrpo.errors import ConfigError
 from flowgrpo.objectives.awm import AWMObjective
+from flowgrpo.objectives.base import Credit
 from flowgrpo.objectives.dgpo import DGPOObjective
 from flowgrpo.objectives.nft import NFTObjective
 from flowgrpo.objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
@@ -112,7 +113,8 @@ def _ctx(policy, forest, cfg):
     collected = SimpleNamespace(iteration=0, plan=SimpleNamespace(sigmas=torch.linspace(1, 0, T + 1), num_steps=T),
                                 cond=cond, rollout=ro, view=SimpleNamespace(local_leaves=torch.arange(len(ro.leaf_tree))),
                                 rewards={"r": forest["reward"].float()})
-    credit = SimpleNamespace(advantages=SimpleNamespace(leaf_mask=forest["mask"], leaf_advantages=forest["adv"].float()))
+    credit = Credit(advantages=SimpleNamespace(leaf_mask=forest["mask"], leaf_advantages=forest["adv"].float()),
+                    edge_masks=[None], pruned_edges=None, steps=[], leaf_valid=torch.isfinite(forest["reward"]))
     return SimpleNamespace(cfg=cfg, policy=policy, collected=collected, credit=credit, device=torch.device("cpu"),
                            dtype=torch.float64, dp=SimpleNamespace(world=1), rng=np.random.default_rng(0),
                            autocast=contextlib.nullcontext, lockstep=False)

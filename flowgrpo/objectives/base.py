@@ -82,7 +82,12 @@ class Collected:
 
 @dataclass
 class Credit:
-    """The credit stage's output.
+    """The credit stage's output: the one record of what trains this iteration.
+
+    Transition objectives (GRPO, Flow-DPPO) read ``edge_masks`` and ``steps``; forward-process
+    objectives (DiffusionNFT, AWM, DGPO, Diffusion-DPO), which train on the leaves' clean samples,
+    read :meth:`trained_leaves`. Both views come from the same estimator mask and the same strategy
+    pruning, decided here once.
 
     Attributes:
         advantages: the estimator's :class:`~flowgrpo.advantages.AdvantageResult` (whole forest).
@@ -90,12 +95,28 @@ class Credit:
             signal below them and strategy pruning applied.
         pruned_edges: edges removed by strategy pruning (None: the strategy does not prune).
         steps: the plan steps whose SDE transitions train this iteration (likelihood objectives).
+        leaf_valid: [L(whole)] bool leaves whose every reward is finite (None: all of them).
+        leaf_kept: [L(whole)] bool leaves kept by the strategy's pruning (None: all of them).
     """
 
     advantages: Any
     edge_masks: list[Tensor | None]
     pruned_edges: int | None
     steps: list[int]
+    leaf_valid: Tensor | None = None
+    leaf_kept: Tensor | None = None
+
+    def trained_leaves(self, only_signal: bool = False) -> Tensor:
+        """[L(whole)] bool, the leaves whose clean samples train a forward-process objective: every
+        leaf with finite rewards (the authors' row set: a group without reward spread still carries
+        its regularisers at advantage 0), or with ``only_signal`` only the estimator's
+        ``leaf_mask`` (valid reward, group with spread); pruned leaves never."""
+        signal = self.advantages.leaf_mask.cpu().bool()
+        keep = signal.clone() if only_signal else (
+            torch.ones_like(signal) if self.leaf_valid is None else self.leaf_valid.cpu().bool().clone())
+        if self.leaf_kept is not None:
+            keep &= self.leaf_kept.cpu().bool()
+        return keep
 
 
 @dataclass

@@ -238,8 +238,9 @@ class DiffusionDPOObjective(Objective):
         col, dp = ctx.collected, ctx.dp
         view, whole = col.view, col.view.whole
         leaf_tree = whole.leaf_tree.cpu()
-        pairs = online_pairs(ctx.credit.advantages.leaf_advantages.float().cpu(), whole.tree_group.cpu()[leaf_tree],
-                             self.opt.pairs)
+        adv = ctx.credit.advantages.leaf_advantages.float().cpu().clone()
+        adv[~ctx.credit.trained_leaves()] = float("nan")  # the credit stage's record: invalid or pruned leaves pair with none
+        pairs = online_pairs(adv, whole.tree_group.cpu()[leaf_tree], self.opt.pairs)
         local = view.local_leaves.cpu()
         x = col.rollout.leaves.x
         if dp.world > 1:  # a pair's rejected sample may be on another rank: every leaf's latent, in whole order

@@ -79,24 +79,20 @@ def build_sample_rows(collected, credit, seed: int, times: TimeSampler, per_leaf
 
     Args:
         collected: the iteration's :class:`~flowgrpo.objectives.base.Collected` (local leaves).
-        credit: its :class:`~flowgrpo.objectives.base.Credit` (whole-forest leaf advantages and mask).
+        credit: its :class:`~flowgrpo.objectives.base.Credit`: the leaf advantages and which
+            leaves train (:meth:`~flowgrpo.objectives.base.Credit.trained_leaves`).
         seed: ``train.seed``.
         times: draws a leaf's ``per_leaf`` times from the leaf's generator.
         per_leaf: K, rows per leaf (a grid sampler on a grid of fewer times gives all of them).
         only_signal: keep only leaves in the estimator's mask (valid reward, group with signal);
             otherwise (the authors' row set) every leaf with a finite reward, advantage 0 where the
-            group has no spread (the objectives' ``rows`` option).
+            group has no spread (the objectives' ``rows`` option). Pruned leaves never train.
     Returns None when no leaf is kept.
     """
     ro, view, adv = collected.rollout, collected.view, credit.advantages
     leaves = ro.leaves
     glob = view.local_leaves.cpu()
-    if only_signal:
-        keep = adv.leaf_mask.cpu()[glob]
-    else:
-        keep = torch.ones(len(glob), dtype=torch.bool)
-        for r in collected.rewards.values():
-            keep &= torch.isfinite(r.cpu()[glob])
+    keep = credit.trained_leaves(only_signal)[glob]
     idx = keep.nonzero(as_tuple=True)[0]
     if len(idx) == 0:
         return None

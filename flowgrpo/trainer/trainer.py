@@ -280,8 +280,12 @@ class Trainer:
         if pruned is not None:  # backward-only pruning: the rollout and rewards are untouched
             pruned_edges = int(sum(int((~p).sum()) for p in pruned if p is not None))
             edge_masks = [m if p is None else (p if m is None else m & p) for m, p in zip(edge_masks, pruned)]
+        valid = torch.ones(whole.num_leaves, dtype=torch.bool)
+        for r in col.rewards.values():
+            valid &= torch.isfinite(r.cpu())
         return Credit(advantages=adv, edge_masks=edge_masks, pruned_edges=pruned_edges,
-                      steps=self.select_steps(col.plan, col.iteration))
+                      steps=self.select_steps(col.plan, col.iteration), leaf_valid=valid,
+                      leaf_kept=self.strategy.leaf_train_mask(whole, adv, col.iteration))
 
     def observe_signal(self, col: Collected, adv: AdvantageResult) -> dict[str, float]:
         """Tell the curriculum which of the iteration's groups had signal; its weights as metrics
