@@ -21,6 +21,12 @@ from flowgrpo.recipes import SHAPES_RECIPE
 
 BEFORE = json.loads((Path(__file__).parent / "data" / "shapes_presets_before_recipes.json").read_text())
 REAL = [r for r in recipe_names() if r != SHAPES_RECIPE]
+# values changed on purpose since the snapshot, each with its reason: (preset, key) -> value now.
+# The method race (docs/results.md) found the paper presets breaking the scene world's images at the
+# world's lr 1e-4, so the shapes recipe gives each method the lr that keeps them.
+CHANGED_SINCE = {**{(p, "train.lr"): 1e-5 for p in ("flow-grpo", "mix-grpo", "branch-grpo", "tempflow-grpo",
+                                                  "diffusion-nft", "flow-dppo", "diffusion-dpo")},
+                 **{(p, "train.lr"): 3e-6 for p in ("awm", "dgpo")}}
 SHAPES_ONLY_REWARDS = {"shapes", "shapes_correct", "shapes_pairwise"}
 
 
@@ -39,6 +45,7 @@ def test_the_shapes_world_resolves_as_before_recipes(name):
     got = flatten(cfg)
     assert cfg.recipe == SHAPES_RECIPE
     for key, value in expected.items():
+        value = CHANGED_SINCE.get((name, key), value)
         if value == "<absent>":
             assert key not in got, f"{name}: {key} = {got.get(key)!r}, absent before"
         else:
