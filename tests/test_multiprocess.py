@@ -147,8 +147,11 @@ OBJECTIVES = {"nft": {"loss.objective": "nft", "loss.nft.timesteps": 2},
               "diffusion_dpo": {"loss.objective": "diffusion_dpo", "loss.diffusion_dpo.timesteps": 2}}
 
 
+# DGPO under FSDP (about a minute on 2 cores) runs with `pytest -m slow` (CI budget): DGPO's gathered
+# margins are checked under DDP and FSDP's lock-step no-grad passes with DiffusionNFT in the default run
 @pytest.mark.parametrize("objective,engine", [("nft", "ddp"), ("awm", "ddp"), ("dgpo", "ddp"), ("nft", "fsdp"),
-                                              ("dgpo", "fsdp"), ("flow_dppo", "ddp"), ("diffusion_dpo", "ddp")])
+                                              pytest.param("dgpo", "fsdp", marks=pytest.mark.slow),
+                                              ("flow_dppo", "ddp"), ("diffusion_dpo", "ddp")])
 def test_forward_objectives_on_two_processes_make_the_one_process_update(shapes_model_dir, tmp_path, objective, engine):
     """Rows are seeded per leaf and DGPO's group margins are gathered over ranks: 2 processes (a group
     spans both) make the 1-process update; under FSDP the extra no-grad passes stay in lock-step."""
@@ -297,7 +300,9 @@ def test_a_killed_rank_stops_the_run_with_one_line_and_resume_matches(shapes_mod
 # from the settings the launcher exports (flowgrpo.trainer.engines).
 
 ACCELERATE_CONFIGS = {"fsdp": FSDP_CONFIG, "deepspeed": FSDP_CONFIG.parent / "zero2.yaml"}
-ENGINES = ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)]
+# DeepSpeed's launch alone takes about 2.5 minutes on 2 cores: its layout and update checks run with
+# `pytest -m slow` (CI budget); FSDP's stay in the default run
+ENGINES = ["fsdp", pytest.param("deepspeed", marks=[needs_deepspeed, pytest.mark.slow])]
 # the resume round trip under DeepSpeed takes about 2 minutes on 2 cores: kept out of the default run
 # (CI budget) and run by `pytest -m slow`; the FSDP round trip and DeepSpeed's layout stay in it
 RESUME_ENGINES = ["fsdp", pytest.param("deepspeed", marks=[needs_deepspeed, pytest.mark.slow])]
@@ -388,6 +393,7 @@ def test_a_sharded_run_resumes_to_the_same_summary_as_1_process(engine, shapes_m
         _assert_close(ref["eval_after"], _comparable(s)["eval_after"])
 
 
+@pytest.mark.slow  # three FSDP launches, about 1.5 minutes on 2 cores (CI budget); `pytest -m slow` runs it
 def test_diffusion_nft_resumes_under_fsdp_to_the_uninterrupted_fsdp_run(shapes_model_dir, tmp_path):
     """DiffusionNFT's old policy (a weight copy) and its update counter survive a sharded checkpoint:
     2 iterations under FSDP, resumed to 3 under FSDP, end where 3 uninterrupted FSDP iterations end."""
