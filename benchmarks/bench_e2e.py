@@ -121,7 +121,7 @@ def summarize(curves: dict[str, dict[int, list[CurvePoint]]], minutes: float | N
                 for p in c:
                     w.writerow([preset, seed, f"{p.seconds:.1f}", f"{p.accuracy:.4f}",
                                 "" if p.fidelity is None else f"{p.fidelity:.4f}"])
-    plot_e2e(curves, target, target_name, out / "e2e.png")
+    plot_e2e(curves, target, target_name, out / "e2e.png", min_fidelity)
     if not quiet:
         _print_table(rows, target, target_name)
     mix = next((r for r in rows if r["preset"] == "mix-grpo"), None)
@@ -154,10 +154,11 @@ def _print_table(rows: list[dict], target: float, target_name: str) -> None:
     Console().print(table)
 
 
-def plot_e2e(curves: dict[str, dict[int, list[CurvePoint]]], target: float, target_name: str, path: Path) -> None:
+def plot_e2e(curves: dict[str, dict[int, list[CurvePoint]]], target: float, target_name: str, path: Path,
+             min_fidelity: float = 0.0) -> None:
     """Two panels against training minutes: held-out accuracy (with the target line) and image
-    fidelity; each seed a thin line, the mean over seeds (on the union of their evaluation times,
-    interpolated) a thick one."""
+    fidelity (with the ``min_fidelity`` gate); each seed a thin line, the mean over seeds (on the
+    union of their evaluation times, interpolated) a thick one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,8 +176,11 @@ def plot_e2e(curves: dict[str, dict[int, list[CurvePoint]]], target: float, targ
             if runs:
                 grid = np.array(sorted({x for r in runs for x, _ in r if x <= min(rr[-1][0] for rr in runs)}))
                 mean = np.mean([np.interp(grid, [x for x, _ in r], [y for _, y in r]) for r in runs], axis=0)
-                ax.plot(grid, mean, color=color, lw=2, label=f"{preset} ({len(runs)} seeds)")
+                ax.plot(grid, mean, color=color, lw=2, label=f"{preset} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
     axes[0].axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_name} final)")
+    if min_fidelity > 0:
+        axes[1].axhline(min_fidelity, color="gray", ls="--", lw=0.8, label="counts toward the target above")
+        axes[1].legend(fontsize=7)
     axes[0].set_ylabel("held-out accuracy")
     axes[1].set_ylabel("image fidelity (1 = the base model's)")
     for ax in axes:
