@@ -111,11 +111,10 @@ class Credit:
         leaf with finite rewards (the authors' row set: a group without reward spread still carries
         its regularisers at advantage 0), or with ``only_signal`` only the estimator's
         ``leaf_mask`` (valid reward, group with spread); pruned leaves never."""
-        signal = self.advantages.leaf_mask.cpu().bool()
-        keep = signal.clone() if only_signal else (
-            torch.ones_like(signal) if self.leaf_valid is None else self.leaf_valid.cpu().bool().clone())
-        if self.leaf_kept is not None:
-            keep &= self.leaf_kept.cpu().bool()
+        keep = torch.ones(len(self.advantages.leaf_mask), dtype=torch.bool)
+        for mask in (self.advantages.leaf_mask if only_signal else self.leaf_valid, self.leaf_kept):
+            if mask is not None:
+                keep &= mask.cpu().bool()
         return keep
 
 

@@ -184,7 +184,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
     objective = trainer.objective.name or cfg.loss.objective
     # kl_ref on the bar only where the loss runs the base model: GRPO measures its KL only with
     # loss.kl_beta > 0, the others whenever they take a reference pass (a KL or anchor term)
-    ref_kl = cfg.loss.kl_beta > 0 if objective == "grpo" else bool(getattr(trainer.objective, "needs_reference", True))
+    ref_kl = cfg.loss.kl_beta > 0 if objective == "grpo" else trainer.objective.needs_reference
     with progress_bar(cfg.log.progress and main) as bar:
         task = bar.add_task(**bar_fields(objective, start_iter, total, train_seconds, cfg.train.max_minutes))
         recent: list[float] = []  # seconds of the latest iterations, checkpoint writes included

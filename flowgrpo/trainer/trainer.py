@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..advantages import ESTIMATORS, AdvantageResult
+from ..advantages import ESTIMATORS, AdvantageResult, valid_reward_mask
 from ..config import RunConfig
 from ..curriculum import groups_with_signal
 from ..objectives import Collected, Credit, UpdateContext, build_objective
@@ -280,9 +280,7 @@ class Trainer:
         if pruned is not None:  # backward-only pruning: the rollout and rewards are untouched
             pruned_edges = int(sum(int((~p).sum()) for p in pruned if p is not None))
             edge_masks = [m if p is None else (p if m is None else m & p) for m, p in zip(edge_masks, pruned)]
-        valid = torch.ones(whole.num_leaves, dtype=torch.bool)
-        for r in col.rewards.values():
-            valid &= torch.isfinite(r.cpu())
+        valid = valid_reward_mask({k: r.cpu() for k, r in col.rewards.items()}) if col.rewards else None
         return Credit(advantages=adv, edge_masks=edge_masks, pruned_edges=pruned_edges,
                       steps=self.select_steps(col.plan, col.iteration), leaf_valid=valid,
                       leaf_kept=self.strategy.leaf_train_mask(whole, adv, col.iteration))
