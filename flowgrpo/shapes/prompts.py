@@ -5,7 +5,8 @@ verifiable reward needs nothing but the prompt string and the image.
 
 The grammar is closed, so "held-out" means *prompts never trained on*: a fixed quarter of every
 tag's prompts (combinations of count, colour, shape and relation) is set aside, and neither
-pretraining nor GRPO ever sees them. ``single_object`` has only three prompts, too few to split:
+pretraining nor GRPO ever sees them. Each held-out prompt is an interpolation: every pair of factors it
+combines within a group appears in some training prompt (:func:`factor_pairs`). ``single_object`` has only three prompts, too few to split:
 its held-out samples use seen prompts with new seeds (reported apart as ``unseen`` = False).
 """
 
@@ -68,19 +69,60 @@ def parse_prompt(prompt: str) -> SceneSpec:
     return SceneSpec(tag, objs)
 
 
+def factor_pairs(spec: SceneSpec) -> frozenset:
+    """The pairs of factors ``spec`` combines within one object group: (count, colour), (count, shape)
+    and (colour, shape), each factor as ``(field, value)``. A prompt is an *interpolation* of a prompt
+    pool when the pool holds every one of its pairs (in any prompt, of any tag)."""
+    pairs = set()
+    for o in spec.objects:
+        a, b, c = ("count", o.count), ("colour", o.color), ("shape", o.shape)
+        pairs |= {(a, b), (a, c), (b, c)}
+    return frozenset(pairs)
+
+
 @lru_cache(maxsize=None)
+def _splits() -> dict[str, tuple[tuple[SceneSpec, ...], tuple[SceneSpec, ...]]]:
+    """Every tag's (train, held-out) pools; see :func:`split_specs`."""
+    held: dict[str, list[SceneSpec]] = {}
+    for tag in TAGS:
+        specs = all_specs(tag)
+        if tag in UNSPLIT_TAGS:
+            held[tag] = []
+            continue
+        order = np.random.default_rng([HELDOUT_SEED, TAGS.index(tag)]).permutation(len(specs))
+        k = max(1, int(round(len(specs) * HELDOUT_FRACTION)))
+        held[tag] = [specs[i] for i in sorted(order[:k])]
+    # Held-out prompts must be interpolations: a combination never captioned whose every pair of
+    # factors was. The random quarter held out all three "four yellow ..." prompts, so "four" and
+    # "yellow" never met in training, and no conditioning can learn from data what they mean together.
+    # The first such prompt (in tag order, then grammar order) goes back to training, which makes
+    # the pair seen for the others; the pools that remain held out were never trained on by anything.
+    seen = set().union(*(factor_pairs(s) for t in TAGS for s in all_specs(t) if s not in held[t]))
+    for tag in TAGS:
+        for spec in list(held[tag]):
+            missing = factor_pairs(spec) - seen
+            if missing:
+                held[tag].remove(spec)
+                seen |= missing
+    out = {}
+    for tag in TAGS:
+        specs = all_specs(tag)
+        if tag in UNSPLIT_TAGS:
+            out[tag] = (specs, specs)
+        else:
+            out[tag] = (tuple(s for s in specs if s not in held[tag]), tuple(held[tag]))
+    return out
+
+
 def split_specs(tag: str) -> tuple[tuple[SceneSpec, ...], tuple[SceneSpec, ...]]:
-    """(train, held-out) prompt pools of one tag: a fixed shuffle, the first quarter held out.
+    """(train, held-out) prompt pools of one tag: a fixed shuffle holds out a quarter, then any held-out
+    prompt that is not an interpolation of the training pools (:func:`factor_pairs`) goes back to
+    training (today one: "four yellow circles").
 
     Tags in :data:`UNSPLIT_TAGS` return the full pool as both (nothing can be held out)."""
-    specs = all_specs(tag)
-    if tag in UNSPLIT_TAGS:
-        return specs, specs
-    order = np.random.default_rng([HELDOUT_SEED, TAGS.index(tag)]).permutation(len(specs))
-    k = max(1, int(round(len(specs) * HELDOUT_FRACTION)))
-    held = tuple(specs[i] for i in sorted(order[:k]))
-    train = tuple(specs[i] for i in sorted(order[k:]))
-    return train, held
+    if tag not in TAGS:
+        raise ValueError(f"unknown tag {tag!r}; valid tags: {', '.join(TAGS)}")
+    return _splits()[tag]
 
 
 def is_heldout(spec: SceneSpec) -> bool:
@@ -96,17 +138,23 @@ def sample_train_spec(rng: np.random.Generator, tag: str | None = None) -> Scene
 
 
 def _eval_specs(num_prompts: int, which: int, salt: int) -> list[SceneSpec]:
+    # each tag's prompts in a fixed shuffled order, repeated only once all have been drawn: every
+    # prompt of a pool weighs the same (independent draws gave one of counting's 9 held-out prompts
+    # 4 of the set's 11 counting slots)
     rng = np.random.default_rng([HELDOUT_SEED, salt])
+    pools = {t: split_specs(t)[which] for t in TAGS}
+    orders = {t: rng.permutation(len(pools[t])) for t in TAGS}
     out = []
     for i in range(num_prompts):
-        pool = split_specs(TAGS[i % len(TAGS)])[which]
-        out.append(pool[rng.integers(len(pool))])
+        tag, j = TAGS[i % len(TAGS)], i // len(TAGS)
+        out.append(pools[tag][orders[tag][j % len(pools[tag])]])
     return out
 
 
 def heldout_specs(num_prompts: int = 64) -> list[SceneSpec]:
     """The fixed held-out evaluation set: ``num_prompts`` scenes balanced over the six tags, drawn
-    from the held-out pools (prompts never trained on wherever the grammar allows)."""
+    from the held-out pools (prompts never trained on wherever the grammar allows), each tag's
+    prompts once in a fixed order before any repeats."""
     return _eval_specs(num_prompts, 1, 1)
 
 
