@@ -99,6 +99,19 @@ def parse_options(options_cls: type[StrategyOptions], options: dict | None, num_
     return parsed
 
 
+@dataclass(frozen=True)
+class Pruning:
+    """Backward-only pruning of one iteration (:meth:`Strategy.pruning`); None means nothing is pruned.
+
+    ``edges``: per depth, ``[N_d]`` bool masks of the edges that enter the backward pass (None at a
+    depth, or for the whole list, where every edge stays). ``leaves``: ``[L]`` bool, the leaves
+    whose clean samples may train: the leaf-level view of the same decision (depth pruning removes
+    steps, not leaves, so only width pruning appears here)."""
+
+    edges: list | None = None
+    leaves: Tensor | None = None
+
+
 class Strategy(ABC):
     """Base class: subclasses set ``Options`` (a :class:`StrategyOptions` dataclass) and :meth:`plan`.
 
@@ -138,17 +151,13 @@ class Strategy(ABC):
     def plan(self, iteration: int) -> SamplingPlan:
         """The sampling plan for outer iteration ``iteration`` (0-based)."""
 
-    def edge_train_masks(self, rollout, advantages, iteration: int) -> list | None:
-        """Per depth, [N_d] bool masks of the edges that enter the backward pass (None: all of them).
+    def pruning(self, rollout, advantages, iteration: int) -> "Pruning":
+        """What this strategy leaves out of iteration ``iteration``'s update, decided once: the edges
+        (for the per-step losses) and the leaves (for the forward-process objectives, which train on
+        clean samples instead of transitions). The default prunes nothing.
 
         Pruning strategies (BranchGRPO) override this; the rollout and its rewards are untouched."""
-        return None
-
-    def leaf_train_mask(self, rollout, advantages, iteration: int):
-        """[L] bool: the leaves whose clean samples may train (None: all of them), the leaf-level
-        view of the same pruning that :meth:`edge_train_masks` applies to edges; the
-        forward-process objectives, which train on leaves rather than transitions, read it."""
-        return None
+        return Pruning()
 
     def option_values(self) -> dict:
         """The options as a plain dict (for logs)."""

@@ -23,8 +23,8 @@ import torch
 from flowgrpo.fields import help_field
 
 from .plan import PlanMeta, SamplingPlan, StepSpec
-from .strategy_base import (Strategy, StrategyOptions, WindowOptions, check_float, check_int, check_steps, ode,
-                            sliding_start)
+from .strategy_base import (Pruning, Strategy, StrategyOptions, WindowOptions, check_float, check_int, check_steps,
+                            ode, sliding_start)
 
 
 @dataclass
@@ -117,11 +117,13 @@ class BranchGRPOStrategy(Strategy):
         start = max(t - w - iteration // self.options.depth_prune_every, lo)
         return list(range(start, min(start + w, t)))
 
-    def edge_train_masks(self, rollout, advantages, iteration: int) -> list | None:
-        pruned_steps = self.depth_pruned_steps(iteration)
+    def pruning(self, rollout, advantages, iteration: int) -> Pruning:
+        """Depth pruning (a sliding window of grid steps) and width pruning (children of the last
+        split by advantage), as edge masks, and width pruning's leaves."""
         width = self.width_masks(rollout, advantages)
+        pruned_steps = self.depth_pruned_steps(iteration)
         if width is None and not pruned_steps:
-            return None
+            return Pruning()
         n_levels = len(rollout.levels)
         masks: list = [None] * n_levels if width is None else list(width)
         if pruned_steps:
@@ -131,7 +133,7 @@ class BranchGRPOStrategy(Strategy):
                 keep = ~torch.isin(par_pos, ps)
                 if not keep.all():
                     masks[d] = keep if masks[d] is None else masks[d] & keep
-        return masks
+        return Pruning(edges=masks, leaves=None if width is None else self.leaves_below(rollout, width))
 
     def width_masks(self, rollout, advantages) -> list | None:
         """Width pruning alone: per depth, [N_d] bool edges below the last split's kept children
@@ -148,12 +150,9 @@ class BranchGRPOStrategy(Strategy):
                 masks[d] = keep
         return masks
 
-    def leaf_train_mask(self, rollout, advantages, iteration: int):
-        """[L] bool: the leaves under a child kept by width pruning (None: width pruning is off).
-        Depth pruning removes steps, not leaves, so it has no say here."""
-        width = self.width_masks(rollout, advantages)
-        if width is None:
-            return None
+    @staticmethod
+    def leaves_below(rollout, width: list) -> torch.Tensor:
+        """[L] bool: the leaves whose edge at their own depth survives the width masks ``width``."""
         keep = torch.ones(rollout.num_leaves, dtype=torch.bool)
         depth, node = rollout.leaf_depth.cpu(), rollout.leaf_node.cpu()
         for d, m in enumerate(width):

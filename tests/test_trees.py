@@ -171,8 +171,8 @@ def test_pruning_masks_touch_only_the_backward_pass():
         assert torch.equal(la.x, lb.x) and torch.equal(la.log_prob, lb.log_prob)
     rewards = leaf_rewards(a)
     adv = estimate_advantages("branch_grpo", b, rewards, AdvantageConfig(), REWARD_CFG)
-    assert plain.edge_train_masks(a, adv, 0) is None
-    masks = pruned.edge_train_masks(b, adv, 0)
+    assert plain.pruning(a, adv, 0).edges is None and plain.pruning(a, adv, 0).leaves is None
+    masks = pruned.pruning(b, adv, 0).edges
     # depth pruning: the last 2 steps (6, 7) -> edges into depths 7 and 8 are all out
     assert pruned.depth_pruned_steps(0) == [6, 7]
     assert not masks[7].any() and not masks[8].any()
@@ -205,7 +205,7 @@ def test_width_pruning_top_bottom_keeps_best_and_worst_quarter():
     st = strategy("branch_grpo", 6, splits=[0, 1, 2, 3], width_prune="top_bottom", width_keep=0.5)
     ro = roll(st.plan(0), group_size=1, prompts=["x"])
     adv = estimate_advantages("branch_grpo", ro, leaf_rewards(ro), AdvantageConfig(), REWARD_CFG)
-    masks = st.edge_train_masks(ro, adv, 0)
+    masks = st.pruning(ro, adv, 0).edges
     a4 = adv.edge_advantages[4]  # the 16 children of the last split (step 3)
     keep5 = masks[5]
     order = torch.argsort(a4, descending=True)
@@ -264,7 +264,7 @@ def test_tree_rpo_window_tree_noise_growth_clip_and_sft():
     ro = roll(p)
     rewards = leaf_rewards(ro)
     adv = estimate_advantages("branch_grpo", ro, rewards, AdvantageConfig(), REWARD_CFG)
-    assert st.edge_train_masks(ro, adv, 0) is None
+    assert st.pruning(ro, adv, 0).edges is None
     best = best_paths(ro, adv.leaf_advantages, adv.leaf_mask)
     trees = ro.leaf_tree
     for t in range(4):

@@ -275,15 +275,14 @@ class Trainer:
         adv = self.estimator(whole, col.rewards, cfg.advantage, cfg.reward)
         edge_masks = [None] + [whole.mean_over_descendants(adv.leaf_mask.float(), d) > 0
                                for d in range(1, len(whole.levels))]
-        pruned = self.strategy.edge_train_masks(whole, adv, col.iteration)
+        pruning = self.strategy.pruning(whole, adv, col.iteration)
         pruned_edges = None
-        if pruned is not None:  # backward-only pruning: the rollout and rewards are untouched
-            pruned_edges = int(sum(int((~p).sum()) for p in pruned if p is not None))
-            edge_masks = [m if p is None else (p if m is None else m & p) for m, p in zip(edge_masks, pruned)]
+        if pruning.edges is not None:  # backward-only pruning: the rollout and rewards are untouched
+            pruned_edges = int(sum(int((~p).sum()) for p in pruning.edges if p is not None))
+            edge_masks = [m if p is None else (p if m is None else m & p) for m, p in zip(edge_masks, pruning.edges)]
         valid = valid_reward_mask({k: r.cpu() for k, r in col.rewards.items()}) if col.rewards else None
         return Credit(advantages=adv, edge_masks=edge_masks, pruned_edges=pruned_edges,
-                      steps=self.select_steps(col.plan, col.iteration), leaf_valid=valid,
-                      leaf_kept=self.strategy.leaf_train_mask(whole, adv, col.iteration))
+                      steps=self.select_steps(col.plan, col.iteration), leaf_valid=valid, leaf_kept=pruning.leaves)
 
     def observe_signal(self, col: Collected, adv: AdvantageResult) -> dict[str, float]:
         """Tell the curriculum which of the iteration's groups had signal; its weights as metrics
