@@ -9,8 +9,8 @@ import json
 import pytest
 from conftest import tiny_overrides
 
-from flowgrpo.benchmarks.bench_e2e import (CurvePoint, collect_runs, run_bench_e2e, seconds_to, summarize,
-                                           train_command)
+from flowgrpo.benchmarks.bench_e2e import (CurvePoint, collect_runs, run_bench_e2e, runs_clock, seconds_to,
+                                           summarize, train_command)
 
 
 def curve(*pts):
@@ -63,6 +63,16 @@ def test_an_evaluation_with_broken_images_does_not_reach_the_target(tmp_path):
     fg, nft = out["rows"]
     assert out["min_fidelity"] == 0.9 and fg["seeds_reaching_target"] == 1 and fg["seconds_to_target"] == 60.0
     assert nft["time_ratio"] == pytest.approx(0.5)
+
+
+def test_the_plot_names_the_clock_the_runs_counted(tmp_path):
+    assert runs_clock(tmp_path) == "wall"  # no run: the trainer's default
+    (tmp_path / "flow-grpo-s0").mkdir()
+    (tmp_path / "flow-grpo-s0" / "config.yaml").write_text("train:\n  seed: 0\n")
+    assert runs_clock(tmp_path) == "wall"
+    (tmp_path / "flow-grpo-s1").mkdir()
+    (tmp_path / "flow-grpo-s1" / "config.yaml").write_text("train:\n  clock: cpu\n")
+    assert runs_clock(tmp_path) == "cpu"
 
 
 def _fake_run(path, before, curve_pts):
