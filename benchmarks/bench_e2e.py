@@ -266,15 +266,12 @@ def run_bench_e2e(json_path: str | None = None, presets=PRESETS, seeds=(0, 1), m
 
 
 def runs_clock(runs_dir: Path) -> str:
-    """``train.clock`` of the runs under ``runs_dir`` (read from a run's ``config.yaml``; "wall" when
-    none says otherwise)."""
-    import yaml
+    """``train.clock`` of the runs under ``runs_dir`` (every run of a bench shares it): the first run's
+    resolved config, the trainer's default ("wall") when there is no run."""
+    from ..trainer.checkpoint import read_run_config
 
-    for cfg in sorted(Path(runs_dir).glob("*/config.yaml")):
-        clock = ((yaml.safe_load(cfg.read_text()) or {}).get("train") or {}).get("clock")
-        if clock:
-            return str(clock)
-    return "wall"
+    first = next(iter(sorted(Path(runs_dir).glob("*/config.yaml"))), None)
+    return "wall" if first is None else read_run_config(first.parent).train.clock
 
 
 def main(argv=None) -> None:

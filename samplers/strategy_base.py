@@ -151,7 +151,7 @@ class Strategy(ABC):
     def plan(self, iteration: int) -> SamplingPlan:
         """The sampling plan for outer iteration ``iteration`` (0-based)."""
 
-    def pruning(self, rollout, advantages, iteration: int) -> "Pruning":
+    def pruning(self, rollout, advantages, iteration: int) -> Pruning:
         """What this strategy leaves out of iteration ``iteration``'s update, decided once: the edges
         (for the per-step losses) and the leaves (for the forward-process objectives, which train on
         clean samples instead of transitions). The default prunes nothing.

@@ -5,9 +5,10 @@ verifiable reward needs nothing but the prompt string and the image.
 
 The grammar is closed, so "held-out" means *prompts never trained on*: a fixed quarter of every
 tag's prompts (combinations of count, colour, shape and relation) is set aside, and neither
-pretraining nor GRPO ever sees them. Each held-out prompt is an interpolation: every pair of factors it
-combines within a group appears in some training prompt (:func:`factor_pairs`). ``single_object`` has only three prompts, too few to split:
-its held-out samples use seen prompts with new seeds (reported apart as ``unseen`` = False).
+pretraining nor GRPO ever sees them. Each held-out prompt is an interpolation: every pair of factors
+it combines within a group appears in some training prompt (:func:`factor_pairs`). ``single_object``
+has only three prompts, too few to split: its held-out samples use seen prompts with new seeds
+(reported apart as ``unseen`` = False).
 """
 
 from __future__ import annotations
