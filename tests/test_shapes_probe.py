@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flowgrpo.shapes.probe import (ceiling, class_ceiling, colour_swap, order_swap, pair_sensitivity, pass_at_k,
-                                   pass_at_k_brute, relation_outcome, relation_prior, scene_key, swap_group, words_of)
+                                   pass_at_k_brute, relation_holds_rate, relation_kind,
+                                   relation_outcome, relation_prior, scene_key, swap_group, words_of)
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import Detection, detect, verify
 from flowgrpo.shapes.world import FLIPPED, GRID, VOCAB, ObjectSpec, SceneSpec, relation_holds, render
@@ -125,6 +126,14 @@ def test_relation_outcome_and_scene_key():
     assert relation_outcome(spec, [a, b]) is True
     assert relation_outcome(order_swap(spec), [a, b]) is False
     assert relation_outcome(spec, [a]) is None and relation_outcome(spec, [a, a, b]) is None
+    # the two misses: B straight below A shares A's column (a tie for "left of"); B left of A is reversed
+    tie, rev = Detection("square", "blue", 3, 0), Detection("square", "blue", 0, 0)
+    a2 = Detection("circle", "red", 1, 2)
+    assert relation_kind(spec, [a, tie]) == "same_line" and relation_kind(spec, [a2, rev]) == "reversed"
+    assert relation_kind(SceneSpec("position", spec.objects, "above"), [a, tie]) == "holds"
+    rates = relation_holds_rate([(spec, [a, b]), (spec, [a, tie]), (spec, [a2, rev]), (spec, [a2, rev]), (spec, [a])])
+    assert (rates["eligible"], rates["position_samples"]) == (4, 5)
+    assert (rates["rate"], rates["same_line"], rates["reversed"]) == (0.25, 0.25, 0.5)
     img = render(spec, np.random.default_rng(0))
     assert scene_key(detect(img)) == scene_key(list(reversed(detect(img))))
 

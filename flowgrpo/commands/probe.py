@@ -91,7 +91,8 @@ def print_tables(res: dict, title: str) -> None:
     con.print(f"same-seed identical scene: order swap of position prompts {f(ids['order_position']['identical'])} "
               f"(n={ids['order_position']['n']}), colour swap {f(ids['colour']['identical'])} (n={ids['colour']['n']})")
     con.print(f"relation holds given one A and one B: {f(rel['rate'])} ({rel['eligible']} of "
-              f"{rel['position_samples']} position samples eligible)")
+              f"{rel['position_samples']} position samples eligible); misses: same line {f(rel['same_line'])}, "
+              f"reversed {f(rel['reversed'])}")
     prior = res.get("relation_prior")
     if prior:
         con.print(f"relation prior at sigma 0.98: leans the relation's way for {f(prior['leans_right_way'])} of "

@@ -189,16 +189,29 @@ def scene_key(dets: list[Detection]) -> frozenset:
     return frozenset((d.row, d.col, d.color, d.shape) for d in dets)
 
 
-def relation_outcome(spec: SceneSpec, dets: list[Detection]) -> bool | None:
-    """For a position spec: whether its relation holds when exactly one A and one B are detected,
-    else None (not eligible)."""
+def relation_kind(spec: SceneSpec, dets: list[Detection]) -> str | None:
+    """For a position spec with exactly one A and one B detected: ``"holds"``, ``"same_line"`` (A and B
+    share the relation's axis coordinate, e.g. one column for "left of") or ``"reversed"`` (the opposite
+    relation holds); None when not eligible. Separating the two misses matters because they have
+    different causes: a reversed scene is a wrong lean, a same-line scene is two placements that were
+    not coordinated (random cells share a column 3/15 of the time)."""
     from .world import relation_holds
 
     hits = [[d for d in dets if d.shape == o.shape and (o.color is None or d.color == o.color)] for o in spec.objects]
     if len(hits[0]) != 1 or len(hits[1]) != 1:
         return None
-    a, b = hits[0][0], hits[1][0]
-    return relation_holds(spec.relation, (a.row, a.col), (b.row, b.col))
+    (a,), (b,) = hits
+    if relation_holds(spec.relation, (a.row, a.col), (b.row, b.col)):
+        return "holds"
+    horizontal = spec.relation in ("left of", "right of")
+    return "same_line" if (a.col == b.col if horizontal else a.row == b.row) else "reversed"
+
+
+def relation_outcome(spec: SceneSpec, dets: list[Detection]) -> bool | None:
+    """For a position spec: whether its relation holds when exactly one A and one B are detected,
+    else None (not eligible)."""
+    kind = relation_kind(spec, dets)
+    return None if kind is None else kind == "holds"
 
 
 def same_seed_identity(sample, pairs: list[tuple[SceneSpec, SceneSpec]], seeds: list[int]) -> dict:
@@ -238,10 +251,13 @@ def passk_by_tag(sample, specs: list[SceneSpec], n: int, base_seed: int = 5000) 
 
 
 def relation_holds_rate(samples: list[tuple[SceneSpec, list[Detection]]]) -> dict:
-    """Over position samples with exactly one A and one B: the fraction where the relation holds."""
-    out = [relation_outcome(s, d) for s, d in samples if s.relation is not None]
-    ok = [o for o in out if o is not None]
-    return {"rate": float(np.mean(ok)) if ok else None, "eligible": len(ok), "position_samples": len(out)}
+    """Over position samples with exactly one A and one B: the fraction where the relation holds, and
+    the fractions of the misses in which A and B share a line (``same_line``) or stand reversed."""
+    kinds = [relation_kind(s, d) for s, d in samples if s.relation is not None]
+    ok = [k for k in kinds if k is not None]
+    frac = (lambda k: float(np.mean([x == k for x in ok]))) if ok else (lambda k: None)
+    return {"rate": frac("holds"), "same_line": frac("same_line"), "reversed": frac("reversed"),
+            "eligible": len(ok), "position_samples": len(kinds)}
 
 
 @torch.no_grad()
