@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flowgrpo.shapes.probe import (ceiling, class_ceiling, colour_swap, order_swap, pair_sensitivity, pass_at_k,
-                                   pass_at_k_brute, relation_holds_rate, relation_kind,
-                                   relation_outcome, relation_prior, scene_key, swap_group, words_of)
+                                   pass_at_k_brute, scene_key, swap_group, words_of)
+from flowgrpo.shapes.relation_probe import relation_holds_rate, relation_kind, relation_outcome, relation_prior
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import Detection, detect, verify
 from flowgrpo.shapes.world import FLIPPED, GRID, VOCAB, ObjectSpec, SceneSpec, relation_holds, render

@@ -63,7 +63,7 @@ def test_shipped_model_places_groups_by_the_relation():
     """At high noise, where layout is decided, the shipped model's prediction puts more of the subject on
     the relation's side for nearly every held-out position prompt (the first scene weights: half of
     them, lean 4e-6, i.e. blind to the relation; the exact mean scene leans about 0.4)."""
-    from flowgrpo.shapes.probe import relation_prior
+    from flowgrpo.shapes.relation_probe import relation_prior
     from flowgrpo.shapes.prompts import split_specs
 
     model = ShapesFlowModel.load().eval()

@@ -1,7 +1,7 @@
 """Diagnostics of what a shapes model's prompt conditioning can distinguish (``flowgrpo shapes probe``).
 
 A model whose text side is a bag of words draws "A left of B" and "B left of A" alike, and no RL can
-steer it. The probe measures that directly, in five parts (:func:`run_probe`):
+steer it. The probe measures that directly, in six parts (:func:`run_probe`):
 
 1. **Conditioning sensitivity** to an *order swap* ("A rel B" vs "B rel A", and "A and B" vs
    "B and A") and a *colour swap* ("red circle and blue square" vs "blue circle and red square"):
@@ -24,16 +24,8 @@ steer it. The probe measures that directly, in five parts (:func:`run_probe`):
    *behavioural* ceiling that needs no threshold: with r the same-seed identity rate of the swap
    kinds in P's group (the largest), the model draws one scene for the class on a fraction r of
    noises, so P's ceiling is (1 - r) + r * swap-blind ceiling of P.
-5. **Relation-holds rate**: over position samples with exactly one A and one B detected, the
-   fraction where the prompt's relation holds (0.40 is chance: two random cells share a column or
-   row 3 times in 15).
-6. **Relation prior at high noise** (:func:`relation_prior`, when the model's x0 prediction is
-   given): layout is decided at sigma > 0.7, where the prediction is close to the mean scene the
-   prompt asks for. For "A left of B" that mean holds more A in the left columns and more B in the
-   right ones. Per position prompt, each cell scores how much more it resembles A's glyph than B's,
-   and the score's centre of mass along the relation's axis says which way the prior leans. A model
-   that ignores the relation leans the right way for half the prompts; the first scene weights did
-   exactly that (a flat column profile), which no sampler or RL can fix.
+5. **Relation-holds rate** and 6. **relation prior at high noise**: in
+   :mod:`flowgrpo.shapes.relation_probe`.
 
 Every function takes plain callables so that a toy encoder can be probed (tests).
 """
@@ -48,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .prompts import heldout_specs
+from .relation_probe import relation_holds_rate, relation_prior
 from .verify import Detection, detect, score
 from .world import COLORS, TAGS, SceneSpec, render
 
@@ -181,37 +174,12 @@ def swap_pairs(specs: list[SceneSpec]) -> dict[str, list[tuple[SceneSpec, SceneS
     return kinds
 
 
-# --------------------------------------------------------------------------- scenes and relations
+# --------------------------------------------------------------------------- scenes
 
 
 def scene_key(dets: list[Detection]) -> frozenset:
     """The verifier's parsed scene: the set of (row, col, colour, shape) detections."""
     return frozenset((d.row, d.col, d.color, d.shape) for d in dets)
-
-
-def relation_kind(spec: SceneSpec, dets: list[Detection]) -> str | None:
-    """For a position spec with exactly one A and one B detected: ``"holds"``, ``"same_line"`` (A and B
-    share the relation's axis coordinate, e.g. one column for "left of") or ``"reversed"`` (the opposite
-    relation holds); None when not eligible. Separating the two misses matters because they have
-    different causes: a reversed scene is a wrong lean, a same-line scene is two placements that were
-    not coordinated (random cells share a column 3/15 of the time)."""
-    from .world import relation_holds
-
-    hits = [[d for d in dets if d.shape == o.shape and (o.color is None or d.color == o.color)] for o in spec.objects]
-    if len(hits[0]) != 1 or len(hits[1]) != 1:
-        return None
-    (a,), (b,) = hits
-    if relation_holds(spec.relation, (a.row, a.col), (b.row, b.col)):
-        return "holds"
-    horizontal = spec.relation in ("left of", "right of")
-    return "same_line" if (a.col == b.col if horizontal else a.row == b.row) else "reversed"
-
-
-def relation_outcome(spec: SceneSpec, dets: list[Detection]) -> bool | None:
-    """For a position spec: whether its relation holds when exactly one A and one B are detected,
-    else None (not eligible)."""
-    kind = relation_kind(spec, dets)
-    return None if kind is None else kind == "holds"
 
 
 def same_seed_identity(sample, pairs: list[tuple[SceneSpec, SceneSpec]], seeds: list[int]) -> dict:
@@ -248,56 +216,6 @@ def passk_by_tag(sample, specs: list[SceneSpec], n: int, base_seed: int = 5000) 
                for t, rs in sorted(by_tag.items())}
     per_tag["overall"] = {key: float(np.mean([r[key] for r in rows])) for key in rows[0] if key.startswith("pass@")}
     return {"per_tag": per_tag, "prompts": rows, "dets": list(zip([s for s in specs for _ in range(n)], dets))}
-
-
-def relation_holds_rate(samples: list[tuple[SceneSpec, list[Detection]]]) -> dict:
-    """Over position samples with exactly one A and one B: the fraction where the relation holds, and
-    the fractions of the misses in which A and B share a line (``same_line``) or stand reversed."""
-    kinds = [relation_kind(s, d) for s, d in samples if s.relation is not None]
-    ok = [k for k in kinds if k is not None]
-    frac = (lambda k: float(np.mean([x == k for x in ok]))) if ok else (lambda k: None)
-    return {"rate": frac("holds"), "same_line": frac("same_line"), "reversed": frac("reversed"),
-            "eligible": len(ok), "position_samples": len(kinds)}
-
-
-@torch.no_grad()
-def relation_prior(predict_x0, specs: list[SceneSpec], sigma: float = 0.98, draws: int = 16, seed: int = 11) -> dict:
-    """Which way the x0 prediction at noise level ``sigma`` leans for position prompts (item 6 above).
-
-    ``predict_x0(prompts, sigma [B], noise [B, 3, 32, 32])`` -> x0 [B, 3, 32, 32] in [-1, 1], the model's
-    prediction of the clean image from x = (1 - sigma) * 0 + sigma * noise (pure noise scaled: no scene
-    is given, so the prediction is the model's prior). Per cell, ``share`` = (distance to B's glyph -
-    distance to A's) / distance between the two glyphs, about P(A here) - P(B here). Along the relation's
-    axis, the centred share of each row or column times its index, summed, is the prompt's lean, signed
-    so that > 0 is the relation's way. Returns ``{"leans_right_way": fraction of prompts leaning the
-    relation's way, "strength": mean lean, "n": prompts}``: 0.5 and 0.0 for a model blind to the
-    relation; the mean scene of "A left of B" leans about 0.4 (tests/test_shapes_probe.py)."""
-    from .world import CELL, GRID, draw
-
-    def template(o) -> Tensor:
-        cell = draw([(o.shape, o.color, 0, 0)])[:CELL, :CELL]
-        return torch.from_numpy(cell).permute(2, 0, 1).float() / 127.5 - 1.0
-
-    specs = [s for s in specs if s.relation is not None]
-    gen = torch.Generator().manual_seed(seed)
-    coord = torch.arange(GRID, dtype=torch.float32)
-    offsets = []
-    for spec in specs:
-        noise = torch.randn(draws, 3, GRID * CELL, GRID * CELL, generator=gen)
-        x0 = predict_x0([spec.prompt] * draws, torch.full((draws,), sigma), sigma * noise).float()
-        cells = x0.view(draws, 3, GRID, CELL, GRID, CELL).permute(0, 2, 4, 1, 3, 5)  # [n, row, col, 3, 8, 8]
-        tpl = [template(o) for o in spec.objects]
-        contrast = float(((tpl[0] - tpl[1]) ** 2).mean())  # a cell that is A scores +1, one that is B -1
-        dist = [((cells - t) ** 2).mean((-3, -2, -1)).mean(0) for t in tpl]  # [row, col]
-        share = (dist[1] - dist[0]) / contrast  # about P(A here) - P(B here)
-        horizontal = spec.relation in ("left of", "right of")
-        profile = (share - share.mean()).mean(0 if horizontal else 1)  # [GRID] along the relation's axis
-        centre = float((profile * coord).sum())  # > 0: A's excess lies at high col / row
-        offsets.append(-centre if spec.relation in ("left of", "above") else centre)
-    if not offsets:
-        return {"leans_right_way": None, "strength": None, "n": 0}
-    return {"leans_right_way": float(np.mean([o > 0 for o in offsets])), "strength": float(np.mean(offsets)),
-            "n": len(offsets)}
 
 
 # --------------------------------------------------------------------------- ceiling

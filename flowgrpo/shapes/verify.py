@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .world import CELL, COLORS, GLYPHS, GRID, IMAGE_SIZE, SceneSpec, draw, relation_holds
+from .world import CELL, COLORS, GLYPHS, GRID, IMAGE_SIZE, ObjectSpec, SceneSpec, draw, relation_holds
 
 UNKNOWN = "unknown"
 # RMS distance (0-255 scale) above which a non-empty cell matches no template. The closest two
@@ -66,6 +66,11 @@ def detect(img: np.ndarray) -> list[Detection]:
     return found
 
 
+def group_hits(obj: ObjectSpec, dets: list[Detection]) -> list[Detection]:
+    """The detections that answer object group ``obj``: its shape, and its colour when it names one."""
+    return [d for d in dets if d.shape == obj.shape and (obj.color is None or d.color == obj.color)]
+
+
 def score(spec: SceneSpec, dets: list[Detection]) -> dict[str, float]:
     """Check detections against a spec.
 
@@ -76,7 +81,7 @@ def score(spec: SceneSpec, dets: list[Detection]) -> dict[str, float]:
     checks: list[float] = []
     matched: list[list[Detection]] = []
     for obj in spec.objects:
-        hits = [d for d in dets if d.shape == obj.shape and (obj.color is None or d.color == obj.color)]
+        hits = group_hits(obj, dets)
         matched.append(hits)
         checks.append(max(0.0, 1.0 - abs(len(hits) - obj.count) / obj.count))  # close counts get partial credit
     expected = sum(o.count for o in spec.objects)
