@@ -14,6 +14,12 @@
   else on the device, against the per-GPU training state :func:`flowgrpo.realsize.memory.training_state`
   computes for ``sd35-medium`` (weights, LoRA, gradients, AdamW; the rest of the peak is activations
   and the text encoders / VAE).
+* **(d) objectives** (:mod:`flowgrpo.benchmarks.gpu_objectives`): each objective's preset (flow-grpo,
+  flow-dppo, diffusion-dpo, diffusion-nft, awm, dgpo) trains a few full iterations on the same model
+  and rollout: whether it trained (finite loss, LoRA moved, base weights unchanged), seconds per
+  iteration and peak memory.
+
+``--stages`` picks stages (default all); a stage left out is recorded as skipped.
 
 ``--tiny --device cpu`` runs every line of the same path on a tiny SD3 on the CPU (the test suite's
 form): CUDA-only measurements are recorded as None with the reason. A failing stage is recorded
@@ -42,6 +48,8 @@ import torch  # noqa: E402
 from . import output_dir, print_table, write_csv, write_json  # noqa: E402
 
 ENV = "FLOWGRPO_REFERENCE"
+#: the stages in the order they run
+STAGES = ("ops", "rollout_update", "memory", "objectives")
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,9 @@ class GpuPlan:
     images); ``repeats``/``warmup``: timed / untimed interleaved rounds; ``models_budget_s``: timed
     rounds stop starting after it; ``op_dims``/``op_rows``/``op_repeats``/``op_impls``: the bandwidth
     measurement (latent elements D, rows N); ``test_select``: pytest ``-k`` of the op tests (None: all);
-    ``test_timeout_s``: their limit; ``total_budget_s``: the whole command's target (the op tests' limit
+    ``test_timeout_s``: their limit; ``objectives_iterations``/``objectives_budget_s``: stage (d)'s
+    iterations per preset and the time after which it starts no further preset;
+    ``total_budget_s``: the whole command's target (the op tests' limit
     and the timed rounds are cut to keep to it; builds and compilations are not)."""
 
     size: str
@@ -68,6 +78,8 @@ class GpuPlan:
     op_impls: tuple[str, ...]
     test_select: str | None
     test_timeout_s: float
+    objectives_iterations: int = 2
+    objectives_budget_s: float = 240.0
     total_budget_s: float = 450.0
 
 
@@ -75,10 +87,12 @@ class GpuPlan:
 PLANS = {
     "full": GpuPlan("sd35-medium", torch.bfloat16, num_steps=10, prompts=1, group=4, repeats=3, warmup=1,
                     models_budget_s=200.0, op_dims=(16 * 64 * 64, 16 * 128 * 128, 16 * 256 * 256), op_rows=64,
-                    op_repeats=20, op_impls=("fused", "eager", "compiled"), test_select=None, test_timeout_s=240.0),
+                    op_repeats=20, op_impls=("fused", "eager", "compiled"), test_select=None, test_timeout_s=240.0,
+                    total_budget_s=690.0),
     "tiny": GpuPlan("tiny", torch.float32, num_steps=3, prompts=1, group=2, repeats=1, warmup=1, models_budget_s=60.0,
                     op_dims=(4096,), op_rows=8, op_repeats=3, op_impls=("fused", "eager"),
-                    test_select="opcheck or (fp32_matches_float64_reference and mixed)", test_timeout_s=300.0),
+                    test_select="opcheck or (fp32_matches_float64_reference and mixed)", test_timeout_s=300.0,
+                    objectives_budget_s=120.0),
 }
 
 
@@ -152,15 +166,23 @@ def memory_stage(models: Stage, plan: GpuPlan, device: torch.device) -> dict:
 
 def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, tiny: bool = False,
                   flow_grpo: str | None = None, repeats: int = 0, tests: str | Path = "tests",
-                  quiet: bool = False, ops: bool = True) -> dict:
-    """Run stages (a), (b), (c) (module docstring) and write gpu.json / gpu.csv. Returns the JSON dict.
+                  quiet: bool = False, ops: bool = True, stages: tuple[str, ...] | None = None) -> dict:
+    """Run stages (a)-(d) (module docstring) and write gpu.json / gpu.csv. Returns the JSON dict.
 
     ``device``: "cuda" / "cpu" (None: CUDA where available); ``tiny``: the CPU form's plan
     (:data:`PLANS`); ``flow_grpo``: a Flow-GRPO checkout (None: ``$FLOWGRPO_REFERENCE``, else the
     reference side is left out); ``repeats``: timed rounds of (b) (0: the plan's); ``tests``: the
-    folder holding ``test_ops.py``; ``ops=False`` leaves stage (a) out (recorded as skipped), for a
-    second call on a lent device whose time is short."""
+    folder holding ``test_ops.py``; ``stages``: the stages to run (None: all of :data:`STAGES`; the
+    others are recorded as skipped; ``memory`` needs ``rollout_update``'s peak); ``ops=False`` leaves
+    stage (a) out as well, for a second call on a lent device whose time is short."""
     from .gpu_setup import SIZES, device_info
+
+    chosen = set(STAGES if stages is None else stages)
+    unknown = chosen - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown bench gpu stage(s) {sorted(unknown)}; valid: {', '.join(STAGES)}")
+    if not ops:
+        chosen.discard("ops")
 
     began = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -189,11 +211,17 @@ def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, ti
         def left() -> float:  # seconds left of the whole command's budget
             return plan.total_budget_s - (time.perf_counter() - began)
 
-        stages["ops"] = Stage("ops", "skipped", 0.0, "left out (--no-ops)") if not ops else _guarded("ops", lambda: run_ops_stage(
+        def skipped(name: str) -> Stage:
+            return Stage(name, "skipped", 0.0, "left out (--stages / --no-ops)")
+
+        # seconds kept for the stages after the op tests: (b) + (c) about 4 minutes, (d) its budget
+        later = (240.0 if "rollout_update" in chosen else 0.0) + (
+            plan.objectives_budget_s + 60.0 if "objectives" in chosen else 0.0)
+        stages["ops"] = skipped("ops") if "ops" not in chosen else _guarded("ops", lambda: run_ops_stage(
             dev, out, tests_dir=tests, select=plan.test_select, peak_gbps=info["peak_gbps"],
-            test_timeout=max(60.0, min(plan.test_timeout_s, left() - 240.0)),  # 240 s kept for (b) and (c)
+            test_timeout=max(60.0, min(plan.test_timeout_s, left() - later)),
             repeats=plan.op_repeats, dims=plan.op_dims, n=plan.op_rows, impls=plan.op_impls, log=log,
-            compile_within_s=max(30.0, left() - 320.0)), log)  # compile only when (b) keeps ~5 min
+            compile_within_s=max(30.0, left() - later - 80.0)), log)  # compile only when the later stages keep their time
 
         def models():
             from .bench_reference import _quiet_libraries
@@ -201,13 +229,26 @@ def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, ti
 
             _quiet_libraries()
             code = load_reference(flow_grpo) if flow_grpo else None
+            keep = plan.objectives_budget_s + 60.0 if "objectives" in chosen else 30.0
             return run_models_stage(dev, plan.dtype, SIZES[plan.size], code, num_steps=plan.num_steps,
                                     prompts=plan.prompts, group=plan.group, repeats=plan.repeats,
-                                    warmup=plan.warmup, budget_s=max(30.0, min(plan.models_budget_s, left() - 30.0)),
+                                    warmup=plan.warmup, budget_s=max(30.0, min(plan.models_budget_s, left() - keep)),
                                     log=log)
 
-        stages["rollout_update"] = _guarded("rollout_update", models, log)
-        stages["memory"] = _guarded("memory", lambda: memory_stage(stages["rollout_update"], plan, dev), log)
+        def objectives():
+            from .bench_reference import _quiet_libraries
+            from .gpu_objectives import run_objectives_stage
+
+            _quiet_libraries()
+            return run_objectives_stage(dev, plan.dtype, SIZES[plan.size], num_steps=plan.num_steps,
+                                        prompts=plan.prompts, group=plan.group,
+                                        iterations=plan.objectives_iterations,
+                                        budget_s=max(30.0, min(plan.objectives_budget_s, left())), log=log)
+
+        stages["rollout_update"] = _guarded("rollout_update", models, log) if "rollout_update" in chosen else skipped("rollout_update")
+        stages["memory"] = (_guarded("memory", lambda: memory_stage(stages["rollout_update"], plan, dev), log)
+                            if "memory" in chosen else skipped("memory"))
+        stages["objectives"] = _guarded("objectives", objectives, log) if "objectives" in chosen else skipped("objectives")
     result = {"device": info, "plan": {k: (str(v).split(".")[-1] if isinstance(v, torch.dtype) else v)
                                        for k, v in plan.__dict__.items()},
               "flow_grpo": flow_grpo, "stages": {name: st.as_dict() for name, st in stages.items()},
@@ -229,7 +270,11 @@ def summary(result: dict) -> dict:
     fused = [r for r in bw.get("rows", []) if r["impl"] == "fused"]
     tests = ops.get("tests", {})
     rows = {r["side"]: r for r in mod.get("rows", [])}
-    return {"stages_failed": [n for n, s in st.items() if s["status"] != "ok"],
+    obj = st.get("objectives", {})
+    return {"stages_failed": [n for n, s in st.items() if s["status"] == "failed"],
+            "stages_skipped": [n for n, s in st.items() if s["status"] == "skipped"],
+            "objectives_trained": [r["preset"] for r in obj.get("rows", []) if r.get("trained")],
+            "objectives_not_trained": [r["preset"] for r in obj.get("rows", []) if not r.get("trained")],
             "op_tests_passed": tests.get("passed"), "op_tests_failed": tests.get("failed"),
             "op_cuda_kernels": ops.get("build", {}).get("cuda_kernels"),
             "fused_gbps_largest_d": fused[-1]["gbps"] if fused else None,
@@ -252,7 +297,8 @@ def flat_rows(result: dict) -> list[dict]:
                 walk(stage, f"{prefix}.{k}" if prefix else str(k), v)
         elif isinstance(value, list) and value and isinstance(value[0], dict):
             for i, v in enumerate(value):
-                key = v["side"] if "side" in v else f"{v['impl']}@{v['D']}" if "impl" in v else str(i)
+                key = (v["side"] if "side" in v else f"{v['impl']}@{v['D']}" if "impl" in v
+                       else v["preset"] if "preset" in v else str(i))
                 walk(stage, f"{prefix}[{key}]", v)
         elif prefix != "traceback" and not prefix.endswith("output_tail"):
             rows.append({"stage": stage, "name": prefix, "value": value})
@@ -306,6 +352,24 @@ def print_tables(result: dict) -> None:
                     caption=mem.get("measured") if isinstance(mem.get("measured"), str) else
                     f"peak / state estimate {_f(mem.get('peak_over_estimate'), '{:.2f}')}, peak / estimate with "
                     f"activations {_f(mem.get('peak_over_estimate_with_activations'), '{:.2f}')}")
+    print_objectives_table(st.get("objectives", {}))
+
+
+def print_objectives_table(obj: dict) -> None:
+    """Stage (d)'s table: one row per preset."""
+    if not obj.get("rows"):
+        return
+    st = obj["settings"]
+    print_table(("preset", "trained", "1st iteration s", "iteration s", "peak GiB", "rows / transitions", "loss", "error"),
+                [[r["preset"], "yes" if r.get("trained") else "NO", _f(r.get("first_iteration_s"), "{:.2f}"),
+                  _f(r.get("iteration_s"), "{:.2f}"), _f(r.get("peak_gib"), "{:.2f}"),
+                  str(r["iterations"][-1]["trained"]) if r.get("iterations") else "-",
+                  _f(r["iterations"][-1]["loss"], "{:.4g}") if r.get("iterations") else "-",
+                  (r.get("error") or "")[:60]] for r in obj["rows"]],
+                title=f"(d) objectives: {st['model']} {st['dtype']}, {st['resolution']} px, T={st['num_steps']}, "
+                      f"{st['prompts']}x{st['group']} images, LoRA r={st['lora_rank']}, {st['iterations']} iterations each",
+                caption="trained: every loss finite, grad norm > 0, LoRA moved, base weights unchanged"
+                        + (f"; not run (budget): {', '.join(obj['not_run'])}" if obj.get("not_run") else ""))
 
 
 def main(argv=None) -> int:
@@ -318,9 +382,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--tests", default="tests", help="folder holding test_ops.py (default: ./tests)")
     ap.add_argument("--no-ops", action="store_true", help="leave stage (a), the op build and tests, out")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help=f"comma-separated stages to run, of {', '.join(STAGES)} (default: all)")
     a = ap.parse_args(argv)
+    chosen = tuple(x.strip() for x in a.stages.split(",") if x.strip())
+    unknown = sorted(set(chosen) - set(STAGES))
+    if unknown:
+        ap.error(f"--stages: unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}")
     run_bench_gpu(a.json, out_dir=a.out, device=a.device, tiny=a.tiny, flow_grpo=a.flow_grpo, repeats=a.repeats,
-                  tests=a.tests, ops=not a.no_ops)
+                  tests=a.tests, ops=not a.no_ops, stages=chosen)
     return 0
 
 

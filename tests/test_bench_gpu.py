@@ -29,7 +29,8 @@ def test_cpu_form_runs_every_stage(tmp_path, monkeypatch):
     assert cli_main(["bench", "gpu", "--device", "cpu", "--tiny", "--out", str(out)]) == 0
     data = json.loads((out / "gpu.json").read_text())
     stages = data["stages"]
-    assert {n: s["status"] for n, s in stages.items()} == {"ops": "ok", "rollout_update": "ok", "memory": "ok"}
+    assert {n: s["status"] for n, s in stages.items()} == {"ops": "ok", "rollout_update": "ok", "memory": "ok",
+                                                           "objectives": "ok"}
     assert data["device"]["device"] == "cpu" and data["device"]["torch"] == torch.__version__
     # (a) the extension, the op's own tests (opcheck included) and the bandwidth rows
     ops = stages["ops"]
@@ -55,9 +56,32 @@ def test_cpu_form_runs_every_stage(tmp_path, monkeypatch):
     assert mem["measured_peak_gib"] is None and "CUDA" in mem["measured"]
     assert mem["estimate_gib"]["total"] > mem["estimate_gib"]["base_weights"] > 0
     assert mem["estimate_with_activations_gib"] > mem["estimate_gib"]["total"]
-    assert data["summary"]["stages_failed"] == []
+    # (d) every objective's preset trained on the same model: LoRA moved, base weights bit for bit
+    obj = stages["objectives"]
+    from flowgrpo.benchmarks.gpu_objectives import OBJECTIVE_PRESETS
+
+    assert [r["preset"] for r in obj["rows"]] == list(OBJECTIVE_PRESETS) and obj["not_run"] == []
+    for r in obj["rows"]:
+        assert r["trained"] and r["base_unchanged"] and r["base_sum_unchanged"] and r["lora_max_change"] > 0, r
+        assert len(r["iterations"]) == 2 and all(it["trained"] > 0 for it in r["iterations"])
+        assert r["peak_gib"] is None  # CUDA only
+    assert {r["objective"] for r in obj["rows"]} == {"grpo", "flow_dppo", "diffusion_dpo", "nft", "awm", "dgpo"}
+    assert data["summary"]["stages_failed"] == [] and data["summary"]["objectives_not_trained"] == []
     rows = list(csv.DictReader((out / "gpu.csv").open()))
-    assert {"device", "ops", "rollout_update", "memory", "summary"} <= {r["stage"] for r in rows}
+    assert {"device", "ops", "rollout_update", "memory", "objectives", "summary"} <= {r["stage"] for r in rows}
+
+
+def test_stages_pick_what_runs_and_an_unknown_stage_names_the_valid_ones(tmp_path, capsys):
+    assert cli_main(["bench", "gpu", "--device", "cpu", "--tiny", "--stages", "ops,objectivs", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "objectivs" in err and "rollout_update, memory, objectives" in err
+    from flowgrpo.benchmarks import bench_gpu
+
+    res = bench_gpu.run_bench_gpu(None, out_dir=tmp_path, device="cpu", tiny=True, quiet=True, stages=("memory",))
+    st = res["stages"]
+    assert [n for n, s in st.items() if s["status"] == "skipped"] == ["ops", "rollout_update", "objectives"]
+    assert st["memory"]["status"] == "ok" and st["memory"]["measured_peak_gib"] is None
+    assert res["summary"]["stages_skipped"] == ["ops", "rollout_update", "objectives"]
 
 
 def test_a_failing_stage_is_recorded_and_the_others_run(tmp_path, monkeypatch):
@@ -69,7 +93,8 @@ def test_a_failing_stage_is_recorded_and_the_others_run(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_ops, "run_ops_stage", lambda *a, **k: {"build": {"cuda_kernels": False}})
     monkeypatch.setattr(gpu_models, "run_models_stage", broken)
     monkeypatch.delenv("FLOWGRPO_REFERENCE", raising=False)
-    res = bench_gpu.run_bench_gpu(tmp_path / "r.json", out_dir=tmp_path, device="cpu", tiny=True, quiet=True)
+    res = bench_gpu.run_bench_gpu(tmp_path / "r.json", out_dir=tmp_path, device="cpu", tiny=True, quiet=True,
+                                  stages=("ops", "rollout_update", "memory"))
     st = res["stages"]
     assert st["ops"]["status"] == "ok" and st["memory"]["status"] == "ok"
     assert st["rollout_update"]["status"] == "failed" and "simulated" in st["rollout_update"]["error"]

@@ -236,3 +236,22 @@ def test_prompt_files(tmp_path):
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "a red circle", "tag": "colors"}\n{"prompt": "a square"}\n')
     assert load_prompt_file(jl) == [{"prompt": "a red circle", "tag": "colors"}, {"prompt": "a square", "tag": "default"}]
+
+
+@pytest.mark.parametrize("sigma", [0.5, "0-dim", "[B]"])
+def test_the_shapes_policy_takes_sigma_as_the_other_adapters_do(sigma):
+    """sigma as a float, a 0-dim tensor or one per sample gives the same velocity: the policy puts it on the
+    latents' device, one per sample (the forward-process objectives hand over host tensors; on CUDA the
+    shapes world failed there before)."""
+    from flowgrpo.shapes.model import ShapesFlowModel, ShapesModelConfig
+    from flowgrpo.shapes.policy import ShapesPolicy
+
+    torch.manual_seed(0)
+    policy = ShapesPolicy(ShapesFlowModel(ShapesModelConfig()), train_mode="full")
+    cond = policy.encode_prompts(["a red circle", "two blue squares"])
+    x = torch.randn(2, 3, 32, 32)
+    given = {"0-dim": torch.tensor(0.5), "[B]": torch.full((2,), 0.5)}.get(sigma, sigma)
+    with torch.no_grad():
+        v = policy.velocity(x, given, cond)
+        assert v.shape == x.shape
+        assert torch.equal(v, policy.velocity(x, torch.full((2,), 0.5), cond))

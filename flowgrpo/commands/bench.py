@@ -35,7 +35,7 @@ BENCHMARKS: dict[str, BenchEntry] = {
     "scaling": BenchEntry("bench_scaling", "run_bench_scaling"),
     "overlap": BenchEntry("bench_overlap", "run_bench_overlap"),
     "reference": BenchEntry("bench_reference", "run_bench_reference", options=("repeats",)),
-    "gpu": BenchEntry("bench_gpu", "run_bench_gpu", options=("repeats", "device", "tiny", "flow_grpo")),
+    "gpu": BenchEntry("bench_gpu", "run_bench_gpu", options=("repeats", "device", "tiny", "flow_grpo", "stages")),
     "memory": BenchEntry("bench_memory", "run_bench_memory", options=(
         "recipe", "all_recipes", "gpus", "markdown", "resolution", "frames", "micro_batch")),
 }
@@ -56,6 +56,8 @@ def add_bench_parser(sub) -> None:
                    help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
     b.add_argument("--device", default=None, choices=("cuda", "cpu"), help="gpu: where to run (default: CUDA if any)")
     b.add_argument("--tiny", action="store_true", help="gpu: a tiny SD3 and small op sizes (the test suite's CPU form)")
+    b.add_argument("--stages", default=None, metavar="LIST",
+                   help="gpu: comma-separated stages to run, of ops, rollout_update, memory, objectives (default: all)")
     # memory: real-size recipes without weights (flowgrpo.realsize); none of these = the measured runs
     b.add_argument("--recipe", default=None, help="memory: size this recipe's real model on the meta device")
     b.add_argument("--all", dest="all_recipes", action="store_true", help="memory: every recipe")
@@ -78,6 +80,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
             return 2
         leading = [args.flow_grpo]
     run = getattr(importlib.import_module(f"flowgrpo.benchmarks.{entry.module}"), entry.function)
-    options = {name: getattr(args, name) for name in entry.options if getattr(args, name)}
+    options = {name: getattr(args, name) for name in entry.options if getattr(args, name, None)}
+    if "stages" in options:
+        from flowgrpo.benchmarks.bench_gpu import STAGES
+
+        options["stages"] = tuple(x.strip() for x in options["stages"].split(",") if x.strip())
+        unknown = sorted(set(options["stages"]) - set(STAGES))
+        if unknown:
+            print(f"flowgrpo: bench gpu --stages: unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}",
+                  file=sys.stderr)
+            return 2
     run(*leading, args.json, **{entry.out_keyword: args.out}, **options)
     return 0
