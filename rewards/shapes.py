@@ -18,17 +18,32 @@ class ShapesReward:
     ``scores`` is the partial credit in [0, 1] (the mean of the per-object count checks, the
     no-extra-objects check and the relation check); component ``correct`` is the strict 0/1
     GenEval rule. A prompt that is not a shapes-world prompt scores NaN (dropped by the trainer).
+
+    Args:
+        reversed_credit: the relation check's credit when A and B stand on different lines the wrong
+            way round (``reward.options.shapes.reversed_credit``; default 0: a reversal scores as a tie,
+            A and B on one line). Above 0 a tie ranks below a reversal within a group, so the update
+            pushes hardest on ties, the misses that RL otherwise leaves (docs/shapes_world.md). The
+            strict ``correct`` component is unchanged.
     """
 
     name = "shapes"
     #: the only policy adapter whose images this reward can read (the trainer refuses other models up front)
     images_of = "shapes"
 
+    def __init__(self, reversed_credit: float = 0.0):
+        if not 0.0 <= float(reversed_credit) < 1.0:
+            from flowgrpo.errors import ConfigError
+
+            raise ConfigError(f"reward.options.shapes.reversed_credit must be in [0, 1) (1 would score a reversal as "
+                              f"right), got {reversed_credit!r}")
+        self.reversed_credit = float(reversed_credit)
+
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
         scores, correct = [], []
         for prompt, img in zip(prompts, to_uint8(images)):
             try:
-                r = verify(parse_prompt(prompt), img)
+                r = verify(parse_prompt(prompt), img, self.reversed_credit)
             except ValueError:
                 r = {"score": float("nan"), "correct": float("nan")}
             scores.append(r["score"])

@@ -255,3 +255,23 @@ def test_the_shapes_policy_takes_sigma_as_the_other_adapters_do(sigma):
         v = policy.velocity(x, given, cond)
         assert v.shape == x.shape
         assert torch.equal(v, policy.velocity(x, torch.full((2,), 0.5), cond))
+
+
+def test_reversed_credit_ranks_a_tie_below_a_reversal_and_leaves_correct_strict():
+    """The relation check: 1 when the relation holds, reversed_credit for a reversal (different columns,
+    wrong way round), 0 for a tie (one column) or a missing object; ``correct`` counts only the first."""
+    from flowgrpo.shapes.verify import Detection, score
+
+    spec = parse_prompt("a red circle left of a blue square")
+    a = Detection("circle", "red", 1, 0)
+    scenes = {"holds": [a, Detection("square", "blue", 2, 3)], "reversed": [Detection("circle", "red", 1, 3),
+              Detection("square", "blue", 2, 1)], "tie": [a, Detection("square", "blue", 3, 0)], "missing": [a]}
+    for credit in (0.0, 0.5):
+        s = {k: score(spec, d, reversed_credit=credit) for k, d in scenes.items()}
+        assert [s[k]["correct"] for k in scenes] == [1.0, 0.0, 0.0, 0.0]
+        # 3 count / total checks + the relation: the relation is a quarter of the score
+        assert s["holds"]["score"] == 1.0 and s["tie"]["score"] == 0.75
+        assert s["reversed"]["score"] == pytest.approx(0.75 + credit / 4)
+    with pytest.raises(Exception, match="reversed_credit must be in"):
+        build_reward("shapes", reversed_credit=1.0)
+    assert build_reward("shapes", reversed_credit=0.5).reversed_credit == 0.5

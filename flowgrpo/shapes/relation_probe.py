@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .verify import Detection, group_hits
-from .world import SceneSpec, relation_holds
+from .world import SceneSpec, relation_cells_kind
 
 
 def relation_kind(spec: SceneSpec, dets: list[Detection]) -> str | None:
@@ -33,10 +33,7 @@ def relation_kind(spec: SceneSpec, dets: list[Detection]) -> str | None:
     if len(hits[0]) != 1 or len(hits[1]) != 1:
         return None
     (a,), (b,) = hits
-    if relation_holds(spec.relation, (a.row, a.col), (b.row, b.col)):
-        return "holds"
-    horizontal = spec.relation in ("left of", "right of")
-    return "same_line" if (a.col == b.col if horizontal else a.row == b.row) else "reversed"
+    return relation_cells_kind(spec.relation, (a.row, a.col), (b.row, b.col))
 
 
 def relation_outcome(spec: SceneSpec, dets: list[Detection]) -> bool | None:

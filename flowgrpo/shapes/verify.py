@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .world import CELL, COLORS, GLYPHS, GRID, IMAGE_SIZE, ObjectSpec, SceneSpec, draw, relation_holds
+from .world import CELL, COLORS, GLYPHS, GRID, IMAGE_SIZE, ObjectSpec, SceneSpec, draw, relation_cells_kind
 
 UNKNOWN = "unknown"
 # RMS distance (0-255 scale) above which a non-empty cell matches no template. The closest two
@@ -71,12 +71,15 @@ def group_hits(obj: ObjectSpec, dets: list[Detection]) -> list[Detection]:
     return [d for d in dets if d.shape == obj.shape and (obj.color is None or d.color == obj.color)]
 
 
-def score(spec: SceneSpec, dets: list[Detection]) -> dict[str, float]:
+def score(spec: SceneSpec, dets: list[Detection], reversed_credit: float = 0.0) -> dict[str, float]:
     """Check detections against a spec.
 
     Returns ``{"correct": 0/1, "score": partial credit in [0, 1]}``. ``correct`` is GenEval's
     strict rule: every group has exactly its count, nothing extra, and the relation holds.
-    ``score`` averages the individual checks, giving the policy a denser signal.
+    ``score`` averages the individual checks, giving the policy a denser signal. Its relation check
+    is 1 when the relation holds, ``reversed_credit`` when A and B stand on different lines the wrong
+    way round, and 0 when they share the relation's line (a tie) or are not one of each;
+    ``correct`` never counts a reversal.
     """
     checks: list[float] = []
     matched: list[list[Detection]] = []
@@ -87,13 +90,16 @@ def score(spec: SceneSpec, dets: list[Detection]) -> dict[str, float]:
     expected = sum(o.count for o in spec.objects)
     checks.append(1.0 if len(dets) == expected else 0.0)
     if spec.relation is not None:
-        ok = len(matched[0]) == 1 and len(matched[1]) == 1 and relation_holds(
-            spec.relation, (matched[0][0].row, matched[0][0].col), (matched[1][0].row, matched[1][0].col))
-        checks.append(1.0 if ok else 0.0)
+        rel = 0.0
+        if len(matched[0]) == 1 and len(matched[1]) == 1:
+            (a,), (b,) = matched
+            kind = relation_cells_kind(spec.relation, (a.row, a.col), (b.row, b.col))
+            rel = 1.0 if kind == "holds" else reversed_credit if kind == "reversed" else 0.0
+        checks.append(rel)
     correct = all(c == 1.0 for c in checks)
     return {"correct": float(correct), "score": float(np.mean(checks))}
 
 
-def verify(spec: SceneSpec, img: np.ndarray) -> dict[str, float]:
+def verify(spec: SceneSpec, img: np.ndarray, reversed_credit: float = 0.0) -> dict[str, float]:
     """:func:`detect` then :func:`score` for one uint8 image [32, 32, 3]."""
-    return score(spec, detect(img))
+    return score(spec, detect(img), reversed_credit)

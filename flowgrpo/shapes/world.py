@@ -186,6 +186,15 @@ def relation_holds(relation: str, a: tuple[int, int], b: tuple[int, int]) -> boo
     return {"left of": ac < bc, "right of": ac > bc, "above": ar < br, "below": ar > br}[relation]
 
 
+def relation_cells_kind(relation: str, a: tuple[int, int], b: tuple[int, int]) -> str:
+    """``"holds"``, ``"same_line"`` (``a`` and ``b`` share the relation's axis coordinate, e.g. one column
+    for "left of") or ``"reversed"`` (the opposite relation holds) for cells ``a``, ``b`` = (row, col)."""
+    if relation_holds(relation, a, b):
+        return "holds"
+    axis = 1 if relation in ("left of", "right of") else 0
+    return "same_line" if a[axis] == b[axis] else "reversed"
+
+
 def place(spec: SceneSpec, rng: np.random.Generator) -> list[tuple[str, str, int, int]]:
     """Random cells for the objects of ``spec``: ``[(shape, colour, row, col)]``, one object a cell.
 
