@@ -42,7 +42,8 @@ def _base_fingerprint(policy) -> tuple[dict[str, torch.Tensor], float]:
     transformer tensor): enough to say the frozen weights did not move without copying 2 B parameters."""
     trainable = {id(p) for p in policy.trainable_parameters()}
     base = [(n, p) for n, p in policy.named_parameters() if id(p) not in trainable and n.startswith("transformer")]
-    blocks = sorted({n.split(".")[2] for n, _ in base if ".transformer_blocks." in n}, key=int)
+    blocks = sorted({n.split(".transformer_blocks.")[1].split(".")[0] for n, _ in base if ".transformer_blocks." in n},
+                    key=int)
     keep = {f".transformer_blocks.{blocks[0]}.", f".transformer_blocks.{blocks[-1]}."} if blocks else set()
     copies = {n: p.detach().clone() for n, p in base if any(k in n for k in keep)}
     total = sum(float(p.detach().double().sum()) for _, p in base)
