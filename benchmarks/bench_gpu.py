@@ -352,24 +352,9 @@ def print_tables(result: dict) -> None:
                     caption=mem.get("measured") if isinstance(mem.get("measured"), str) else
                     f"peak / state estimate {_f(mem.get('peak_over_estimate'), '{:.2f}')}, peak / estimate with "
                     f"activations {_f(mem.get('peak_over_estimate_with_activations'), '{:.2f}')}")
+    from .gpu_objectives import print_objectives_table
+
     print_objectives_table(st.get("objectives", {}))
-
-
-def print_objectives_table(obj: dict) -> None:
-    """Stage (d)'s table: one row per preset."""
-    if not obj.get("rows"):
-        return
-    st = obj["settings"]
-    print_table(("preset", "trained", "1st iteration s", "iteration s", "peak GiB", "rows / transitions", "loss", "error"),
-                [[r["preset"], "yes" if r.get("trained") else "NO", _f(r.get("first_iteration_s"), "{:.2f}"),
-                  _f(r.get("iteration_s"), "{:.2f}"), _f(r.get("peak_gib"), "{:.2f}"),
-                  str(r["iterations"][-1]["trained"]) if r.get("iterations") else "-",
-                  _f(r["iterations"][-1]["loss"], "{:.4g}") if r.get("iterations") else "-",
-                  (r.get("error") or "")[:60]] for r in obj["rows"]],
-                title=f"(d) objectives: {st['model']} {st['dtype']}, {st['resolution']} px, T={st['num_steps']}, "
-                      f"{st['prompts']}x{st['group']} images, LoRA r={st['lora_rank']}, {st['iterations']} iterations each",
-                caption="trained: every loss finite, grad norm > 0, LoRA moved, base weights unchanged"
-                        + (f"; not run (budget): {', '.join(obj['not_run'])}" if obj.get("not_run") else ""))
 
 
 def main(argv=None) -> int:
