@@ -52,6 +52,16 @@ ENV = "FLOWGRPO_REFERENCE"
 STAGES = ("ops", "rollout_update", "memory", "objectives")
 
 
+def parse_stages(stages: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Stage names from ``"ops,objectives"`` or a sequence; a ValueError naming the unknown ones and
+    the valid ones otherwise."""
+    names = tuple(x.strip() for x in (stages.split(",") if isinstance(stages, str) else stages) if x.strip())
+    unknown = sorted(set(names) - set(STAGES))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}")
+    return names
+
+
 @dataclass(frozen=True)
 class GpuPlan:
     """What one run measures. ``size``: a :data:`~flowgrpo.benchmarks.gpu_setup.SIZES` key; ``dtype``:
@@ -177,10 +187,7 @@ def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, ti
     stage (a) out as well, for a second call on a lent device whose time is short."""
     from .gpu_setup import SIZES, device_info
 
-    chosen = set(STAGES if stages is None else stages)
-    unknown = chosen - set(STAGES)
-    if unknown:
-        raise ValueError(f"unknown bench gpu stage(s) {sorted(unknown)}; valid: {', '.join(STAGES)}")
+    chosen = set(STAGES if stages is None else parse_stages(stages))
     if not ops:
         chosen.discard("ops")
 
@@ -370,10 +377,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default=",".join(STAGES),
                     help=f"comma-separated stages to run, of {', '.join(STAGES)} (default: all)")
     a = ap.parse_args(argv)
-    chosen = tuple(x.strip() for x in a.stages.split(",") if x.strip())
-    unknown = sorted(set(chosen) - set(STAGES))
-    if unknown:
-        ap.error(f"--stages: unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}")
+    try:
+        chosen = parse_stages(a.stages)
+    except ValueError as exc:
+        ap.error(f"--stages: {exc}")
     run_bench_gpu(a.json, out_dir=a.out, device=a.device, tiny=a.tiny, flow_grpo=a.flow_grpo, repeats=a.repeats,
                   tests=a.tests, ops=not a.no_ops, stages=chosen)
     return 0

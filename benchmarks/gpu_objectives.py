@@ -154,13 +154,10 @@ def run_objectives_stage(device: torch.device, dtype: torch.dtype, size: ModelSi
     return result
 
 
-def _fmt(x, spec: str = "{:.3f}") -> str:
-    """x formatted by spec, or "-" for None."""
-    return "-" if x is None else spec.format(x)
-
-
 def print_objectives_table(obj: dict) -> None:
     """Stage (d)'s table: one row per preset."""
+    from .bench_gpu import _f as _fmt  # bench gpu's own "-"-for-None number format
+
     if not obj.get("rows"):
         return
     st = obj["settings"]

@@ -82,13 +82,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     run = getattr(importlib.import_module(f"flowgrpo.benchmarks.{entry.module}"), entry.function)
     options = {name: getattr(args, name) for name in entry.options if getattr(args, name, None)}
     if "stages" in options:
-        from flowgrpo.benchmarks.bench_gpu import STAGES
+        from flowgrpo.benchmarks.bench_gpu import parse_stages
 
-        options["stages"] = tuple(x.strip() for x in options["stages"].split(",") if x.strip())
-        unknown = sorted(set(options["stages"]) - set(STAGES))
-        if unknown:
-            print(f"flowgrpo: bench gpu --stages: unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}",
-                  file=sys.stderr)
+        try:
+            options["stages"] = parse_stages(options["stages"])
+        except ValueError as exc:
+            print(f"flowgrpo: bench gpu --stages: {exc}", file=sys.stderr)
             return 2
     run(*leading, args.json, **{entry.out_keyword: args.out}, **options)
     return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..errors import UserError
@@ -46,9 +45,6 @@ class ShapesPolicy(TrainedPolicy):
         return {"hidden": hidden, "pooled": pooled}
 
     def _forward(self, x: Tensor, sigma: Tensor, enc: dict[str, Tensor]) -> Tensor:
-        # sigma may come as a scalar or a host tensor (the forward-process objectives draw their times on
-        # the CPU); as the diffusers adapters do, it goes to x's device, one per sample
-        sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).reshape(-1).expand(x.shape[0])
         return self.model(x, sigma, enc["hidden"], enc["pooled"])
 
     def decode(self, latents: Tensor) -> Tensor:

@@ -162,8 +162,11 @@ class Policy(nn.Module, ABC):
         """Guided velocity [B, ...] for x [B, ...] at sigma [B] with batch-aligned ``cond``.
 
         With guidance g != 1 the conditional and unconditional passes share one forward call
-        (batch 2B): v = v_u + g * (v_c - v_u).
+        (batch 2B): v = v_u + g * (v_c - v_u). ``sigma`` may also be a float, a 0-dim tensor or a host
+        tensor (the forward-process objectives draw their times on the CPU): :meth:`_forward` always
+        gets float32 [B] on x's device.
         """
+        sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).reshape(-1).expand(x.shape[0])
         g = self.guidance_scale if guidance_scale is None else guidance_scale
         if g == 1.0 or cond.uncond is None:
             return self._forward(x, sigma, cond.tensors)
