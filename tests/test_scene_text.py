@@ -115,25 +115,63 @@ def test_each_group_token_carries_the_relation_from_its_own_side():
     assert old[:2, 4].tolist() == [0, 0] and RELATION_FIELD[int(old[2, 4])] == "left of"
 
 
+def _reload_without_key(model: ShapesFlowModel, folder, key: str) -> ShapesFlowModel:
+    """Save ``model``, drop ``key`` from its config.json (as weights written before the key existed) and load."""
+    model.save(folder)
+    meta = json.loads((folder / "config.json").read_text())
+    del meta["config"][key]
+    (folder / "config.json").write_text(json.dumps(meta))
+    return ShapesFlowModel.load(folder)
+
+
 def test_scene_weights_without_group_relation_key_load_as_trained(tmp_path):
     """The first scene weights (no ``group_relation`` in config.json) read prompts as they were trained."""
-    ShapesFlowModel(ShapesModelConfig(num_layers=1)).save(tmp_path)
-    meta = json.loads((tmp_path / "config.json").read_text())
-    assert meta["config"]["group_relation"] is True
-    del meta["config"]["group_relation"]
-    (tmp_path / "config.json").write_text(json.dumps(meta))
-    loaded = ShapesFlowModel.load(tmp_path)
+    model = ShapesFlowModel(ShapesModelConfig(num_layers=1))
+    assert model.cfg.group_relation is True
+    loaded = _reload_without_key(model, tmp_path, "group_relation")
     assert loaded.cfg.group_relation is False and loaded.tokenizer.group_relation is False
+
+
+def test_grid_position_code_tells_rows_and_columns_apart_where_sd3_sincos_does_not():
+    """The grid code: two cells on one row or one column share half their code (cosine 0.5), other
+    cells none; SD3's sincos table on the same 4 x 4 grid (the shipped weights' table) gives every
+    pair of cells a cosine of 0.79 or more."""
+    from flowgrpo.shapes.model import grid_position_code
+
+    code = grid_position_code(4, 128, 8.0)
+    assert code.shape == (16, 128) and torch.allclose(code.norm(dim=-1), torch.full((16,), 8.0))
+    unit = torch.nn.functional.normalize(code, dim=-1)
+    cos = unit @ unit.T
+    for i in range(16):
+        for j in range(16):
+            (ri, ci), (rj, cj) = divmod(i, 4), divmod(j, 4)
+            want = 1.0 if i == j else 0.5 if (ri == rj or ci == cj) else 0.0
+            assert cos[i, j].item() == pytest.approx(want, abs=1e-6)
+    grid = ShapesFlowModel(ShapesModelConfig(num_layers=1, position_code="grid"))
+    assert torch.equal(grid.transformer.pos_embed.pos_embed[0], code)  # the model's table is the code
+    sincos = ShapesFlowModel(ShapesModelConfig(num_layers=1, position_code="sincos")).transformer.pos_embed.pos_embed[0]
+    unit = torch.nn.functional.normalize(sincos, dim=-1)
+    assert (unit @ unit.T).min() > 0.79
+    with pytest.raises(ValueError, match="position_code must be one of"):
+        ShapesModelConfig(position_code="rope")
+    with pytest.raises(ValueError, match="divisible by 2 \\* grid = 8"):
+        grid_position_code(4, 36, 1.0)
+
+
+def test_weights_without_position_code_key_load_as_sincos_with_their_own_table(tmp_path):
+    """config.json files written before ``position_code`` existed hold SD3's sincos table, which the
+    state dict restores (the table is a persistent buffer)."""
+    old = ShapesFlowModel(ShapesModelConfig(num_layers=1))
+    assert old.cfg.position_code == "sincos"  # the default: what the shipped weights have
+    loaded = _reload_without_key(old, tmp_path, "position_code")
+    assert loaded.cfg.position_code == "sincos"
+    assert torch.equal(loaded.transformer.pos_embed.pos_embed, old.transformer.pos_embed.pos_embed)
 
 
 def test_weights_without_text_encoder_key_load_as_the_word_encoder(tmp_path):
     """config.json files written before the scene encoder (no ``text_encoder`` key) are word models."""
-    old = ShapesFlowModel(ShapesModelConfig(num_layers=1, text_encoder="words"))
-    old.save(tmp_path)
-    meta = json.loads((tmp_path / "config.json").read_text())
-    del meta["config"]["text_encoder"]
-    (tmp_path / "config.json").write_text(json.dumps(meta))
-    loaded = ShapesFlowModel.load(tmp_path)
+    loaded = _reload_without_key(ShapesFlowModel(ShapesModelConfig(num_layers=1, text_encoder="words")), tmp_path,
+                                 "text_encoder")
     assert loaded.cfg.text_encoder == "words"
     h, _ = loaded.encode(["a red circle"])
     assert h.shape[1] == loaded.cfg.max_tokens
@@ -146,7 +184,7 @@ def test_pretrain_command_runs_resumes_and_records_its_settings(tmp_path):
 
     args = ["--out", str(tmp_path), "--batch", "4", "--eval-every", "2", "--eval-prompts", "6", "--threads", "1",
             "--layers", "1", "--heads", "2", "--head-dim", "16", "--text-dim", "32", "--warmup", "1",
-            "--sigma-shift", "3", "--caption-noise", "counting=0.3"]
+            "--sigma-shift", "3", "--caption-noise", "counting=0.3", "--position-code", "grid"]
     pretrain.main([*args, "--steps", "2"])
     log = [json.loads(line) for line in (tmp_path / "pretrain_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2] and 0.0 <= log[0]["accuracy_cfg1"] <= 1.0
@@ -157,3 +195,4 @@ def test_pretrain_command_runs_resumes_and_records_its_settings(tmp_path):
     assert recorded["args"]["sigma_shift"] == 3.0 and recorded["caption_noise"]["counting"] == 0.3
     model = ShapesFlowModel.load(tmp_path / "snapshots" / "final")
     assert model.cfg.text_encoder == "scene" and model.cfg.num_layers == 1 and model.cfg.text_dim == 32
+    assert model.cfg.position_code == "grid" and recorded["args"]["position_code"] == "grid"

@@ -13,10 +13,12 @@ import torch
 
 from flowgrpo.shapes.probe import (ceiling, class_ceiling, colour_swap, order_swap, pair_sensitivity, pass_at_k,
                                    pass_at_k_brute, scene_key, swap_group, words_of)
-from flowgrpo.shapes.relation_probe import relation_holds_rate, relation_kind, relation_outcome, relation_prior
+from flowgrpo.shapes.relation_probe import (placed_first_scene, placement_given_first, relation_holds_rate, relation_kind,
+                                            relation_outcome, relation_prior)
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import Detection, detect, verify
 from flowgrpo.shapes.world import FLIPPED, GRID, VOCAB, ObjectSpec, SceneSpec, relation_holds, render
+from flowgrpo.shapes.world import draw as render_cells
 
 RED_CIRCLE, BLUE_SQUARE = ObjectSpec("circle", "red"), ObjectSpec("square", "blue")
 
@@ -171,6 +173,61 @@ def test_relation_prior_reads_the_mean_scene_the_right_way_and_a_flat_one_as_bli
     assert abs(relation_prior(blind, specs, draws=2)["strength"]) < 0.02
 
 
+def _first_cell(x, spec):
+    """The cell of the clearest copy of A's glyph in a state [3, 32, 32] (the drawn-first object)."""
+    from flowgrpo.shapes.world import CELL, draw
+
+    a = spec.objects[0]
+    tpl = torch.from_numpy(draw([(a.shape, a.color, 0, 0)])[:CELL, :CELL]).permute(2, 0, 1).float() / 127.5 - 1.0
+    cells = x.view(3, GRID, CELL, GRID, CELL).permute(1, 3, 0, 2, 4)
+    return divmod(int(((cells - tpl) ** 2).mean((-3, -2, -1)).flatten().argmin()), GRID)
+
+
+@pytest.mark.parametrize("coordinated", [True, False])
+def test_placement_given_first_tells_a_coordinating_finisher_from_a_blind_one(coordinated):
+    """A finisher that keeps A where it was drawn and puts B in a random cell where the relation holds
+    is never on A's line; one that puts B in a random free cell is on it 3 times in 15, and on the
+    relation's side 8 times in 15 (A is drawn only where the relation can hold: for "left of" in
+    columns 0-2, with 12, 8 and 4 of the 15 other cells to its right)."""
+    from flowgrpo.shapes.world import draw
+
+    specs = [SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), r) for r in FLIPPED]
+    by_prompt = {s.prompt: s for s in specs}
+    rng = np.random.default_rng(0)
+
+    def finish(prompts, x, sigma):
+        assert sigma == 0.9 and x.shape == (len(prompts), 3, 32, 32)
+        out = []
+        for p, xi in zip(prompts, x):
+            spec = by_prompt[p]
+            a = _first_cell(xi, spec)
+            free = [divmod(k, GRID) for k in range(GRID * GRID) if divmod(k, GRID) != a]
+            if coordinated:
+                free = [c for c in free if relation_holds(spec.relation, a, c)]
+            b = free[rng.integers(len(free))]
+            out.append(draw([("circle", "red", *a), ("square", "blue", *b)]))
+        return np.stack(out)
+
+    res = placement_given_first(finish, detect, specs, sigma=0.9, draws=8)
+    assert res["n"] == 4 * 12 * 8 and res["kept_first"] == 1.0 and res["eligible"] == res["n"]
+    if coordinated:
+        assert res["same_line"] == 0.0 and res["holds"] == 1.0
+    else:
+        assert res["same_line"] == pytest.approx(0.2, abs=0.05) and res["holds"] == pytest.approx(8 / 15, abs=0.07)
+
+
+def test_placed_first_scene_noises_a_s_cell_less_than_the_rest():
+    spec = SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), "left of")
+    noise = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(0))
+    x = placed_first_scene(spec, (2, 1), 0.9, 0.0, noise)
+    assert _first_cell(x, spec) == (2, 1)
+    clean = torch.from_numpy(render_cells([("circle", "red", 2, 1)])).permute(2, 0, 1).float() / 127.5 - 1.0
+    assert torch.equal(x[:, 16:24, 8:16], clean[:, 16:24, 8:16])  # A's cell at lead sigma 0: A exactly
+    rest = torch.ones(3, 32, 32, dtype=torch.bool)
+    rest[:, 16:24, 8:16] = False
+    assert torch.allclose(x[rest], (0.1 * clean + 0.9 * noise)[rest], atol=1e-6)
+
+
 def test_probe_command_writes_json_and_csv(tmp_path, monkeypatch):
     from flowgrpo.cli import main
 
@@ -191,8 +248,10 @@ def test_probe_command_writes_json_and_csv(tmp_path, monkeypatch):
     assert set(res["ceiling"]) >= {"conditioning", "swap_blind", "behavioural", "threshold"}
     rows = list(csv.DictReader((out / "probe.csv").open()))
     assert {r["section"] for r in rows} == {"sensitivity", "same_seed_identity", "pass_at_k", "ceiling",
-                                           "relation_holds", "relation_prior"}
+                                           "relation_holds", "relation_prior", "placement_given_first"}
     assert 0.0 <= res["relation_prior"]["leans_right_way"] <= 1.0 and res["relation_prior"]["n"] >= 1
+    placed = res["placement_given_first"]
+    assert placed["n"] >= 12 and 0.0 <= placed["kept_first"] <= 1.0 and placed["eligible"] <= placed["n"]
 
 
 def test_probe_command_rejects_a_folder_without_weights(tmp_path):

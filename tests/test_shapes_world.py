@@ -275,3 +275,25 @@ def test_reversed_credit_ranks_a_tie_below_a_reversal_and_leaves_correct_strict(
     with pytest.raises(Exception, match="reversed_credit must be in"):
         build_reward("shapes", reversed_credit=1.0)
     assert build_reward("shapes", reversed_credit=0.5).reversed_credit == 0.5
+
+
+def test_cell_noise_levels_lead_one_object_cell_and_leave_the_rest_at_sigma():
+    """``--lead-prob``: at probability 1 exactly one occupied cell of every image is at sigma * u < sigma and
+    every other pixel at sigma; at 0 the map is sigma everywhere."""
+    import torch
+
+    from flowgrpo.shapes.pretrain import cell_noise_levels
+
+    x, _ = make_batch(np.random.default_rng(12), 64, drop_prob=0.0, noise=parse_noise("0"))
+    sigma = torch.linspace(0.2, 0.99, 64)
+    flat = cell_noise_levels(x, sigma, 0.0, torch.Generator().manual_seed(0))
+    assert torch.equal(flat, sigma.view(-1, 1, 1, 1).expand(64, 1, 32, 32))
+    lead = cell_noise_levels(x, sigma, 1.0, torch.Generator().manual_seed(0))
+    occupied = (x > -1).any(1).view(64, GRID, CELL, GRID, CELL).any(4).any(2)  # [B, 4, 4]
+    cells = lead[:, 0].view(64, GRID, CELL, GRID, CELL)
+    assert torch.equal(cells.amin((2, 4)), cells.amax((2, 4)))  # one level per cell
+    levels = cells[:, :, 0, :, 0]  # [B, 4, 4]
+    below = levels < sigma.view(-1, 1, 1)
+    assert torch.equal(below.sum((1, 2)), torch.ones(64, dtype=torch.long))  # one leading cell per image
+    assert bool((below <= occupied).all())  # and it holds an object
+    assert bool(((levels == sigma.view(-1, 1, 1)) | below).all())

@@ -59,6 +59,7 @@ def flat_rows(res: dict) -> list[tuple[str, str, str, float | int | None]]:
         rows += [("ceiling", f"{which}.{t}", "accuracy", v) for t, v in (c[which] or {}).items()]
     rows += [("relation_holds", "position", k, v) for k, v in res["relation_holds"].items()]
     rows += [("relation_prior", "position", k, v) for k, v in (res.get("relation_prior") or {}).items()]
+    rows += [("placement_given_first", "position", k, v) for k, v in (res.get("placement_given_first") or {}).items()]
     return rows
 
 
@@ -97,6 +98,12 @@ def print_tables(res: dict, title: str) -> None:
     if prior:
         con.print(f"relation prior at sigma 0.98: leans the relation's way for {f(prior['leans_right_way'])} of "
                   f"{prior['n']} position prompts (0.5: blind), mean lean {f(prior['strength'])} (the mean scene: about 0.4)")
+    placed = res.get("placement_given_first")
+    if placed and placed["eligible"]:
+        con.print(f"with A drawn first (sigma {placed['sigma']:g}, A's cell at {placed['lead_sigma']:g}), B lands on A's line "
+                  f"{f(placed['same_line'])} of the time (0.2: placed without looking at A; 0: coordinated), on the "
+                  f"relation's side {f(placed['holds'])}, reversed {f(placed['reversed'])} ({placed['eligible']} of "
+                  f"{placed['n']} samples; A kept {f(placed['kept_first'])})")
     con.print(f"held-out prompts with an indistinguishable swap twin (cos > {c['threshold']}): "
               f"{c['prompts_with_indistinguishable_twin']} of {c['num_prompts']}")
 
@@ -105,7 +112,7 @@ def _cmd_probe(args) -> int:
     import torch
 
     from ..images import to_uint8
-    from ..shapes.evaluate import generate_ode
+    from ..shapes.evaluate import finish_ode, generate_ode
     from ..shapes.probe import THRESHOLD, run_probe
 
     for name in ("prompts", "seeds", "passk_prompts", "n"):
@@ -123,10 +130,14 @@ def _cmd_probe(args) -> int:
         hidden, pooled = policy.model.encode(prompts)
         return x - sigma.view(-1, 1, 1, 1) * policy.model(x, sigma, hidden, pooled)  # x0 = x - sigma v
 
+    def finish(prompts, x, sigma):
+        return to_uint8(finish_ode(policy, prompts, x, sigma, num_steps=args.steps))
+
     start = time.time()
     res = run_probe(policy.model.encode, sample, num_prompts=args.prompts, seeds=args.seeds,
                     passk_per_tag=args.passk_prompts, n=args.n, threshold=THRESHOLD if args.threshold is None else args.threshold,
-                    labels=lambda prompt, _length: policy.model.token_labels(prompt), predict_x0=predict_x0)
+                    labels=lambda prompt, _length: policy.model.token_labels(prompt), predict_x0=predict_x0,
+                    finish=finish)
     res["model"], res["seconds"] = desc, round(time.time() - start, 1)
     res["text_encoder"] = policy.model.cfg.text_encoder
     res["settings"].update({"num_steps": args.steps, "shift": shift})

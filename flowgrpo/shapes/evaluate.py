@@ -43,6 +43,24 @@ def generate_ode(policy, prompts: list[str], seeds: list[int], num_steps: int = 
     return torch.cat(out)
 
 
+def finish_ode(policy, prompts: list[str], x: Tensor, sigma: float, num_steps: int = 20,
+               micro_batch: int = 128) -> Tensor:
+    """Complete Euler ODE sampling from states x [N, 3, H, W] at noise level ``sigma`` to 0, in
+    ceil(num_steps * sigma) equal steps (the density of a ``num_steps`` grid at shift 1). Returns
+    images [N, 3, H, W] in [0, 1] (float32, on CPU)."""
+    steps = max(1, int(np.ceil(num_steps * sigma - 1e-9)))
+    sigmas = torch.linspace(float(sigma), 0.0, steps + 1)
+    out = []
+    for start in range(0, len(prompts), micro_batch):
+        cond = policy.encode_prompts(prompts[start:start + micro_batch])
+        xs = x[start:start + micro_batch].to(policy.device)
+        for i in range(steps):
+            v = policy.velocity(xs, torch.full((xs.shape[0],), float(sigmas[i]), device=xs.device), cond, None)
+            xs = euler_step(xs, v, sigmas[i], sigmas[i + 1])
+        out.append(policy.decode(xs).cpu())
+    return torch.cat(out)
+
+
 def score_shapes(prompts: list[str], images: Tensor) -> EvalResult:
     """Held-out metrics: strict accuracy overall, per tag and on never-trained prompts only
     (``accuracy_unseen``), the mean partial score, the mean image fidelity (how cleanly the images

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from ..samplers.schedule import shift_sigmas
-from .model import TEXT_ENCODERS, ShapesFlowModel, ShapesModelConfig
+from .model import POSITION_CODES, TEXT_ENCODERS, ShapesFlowModel, ShapesModelConfig
 from .prompts import sample_train_spec
-from .world import TAGS, draw, place, wrong_scene
+from .world import CELL, GRID, TAGS, draw, place, wrong_scene
 
 # Probability that a training image violates its caption, per tag. With conditioning that can tell the
 # prompts apart, a converged model follows a prompt with about 1 - noise of its competence, so these aim
@@ -95,6 +95,30 @@ def make_batch(rng: np.random.Generator, batch: int, drop_prob: float,
     return x, prompts
 
 
+def cell_noise_levels(x0: torch.Tensor, sigma: torch.Tensor, lead_prob: float, gen: torch.Generator) -> torch.Tensor:
+    """Per-pixel noise levels [B, 1, 32, 32] for images x0 [B, 3, 32, 32] at noise levels sigma [B]:
+    sigma everywhere, except that with probability ``lead_prob`` one drawn object's cell (a cell that is
+    not all background) *leads*, at sigma * u with u ~ U(0, 1).
+
+    Why: in a clean training scene every object sits at the same noise level, so the pretraining loss
+    never asks where B goes once A has been placed; both emerge together and the model learns each
+    object's placement apart (it puts B in A's column at the chance rate, 1 in 5). A leading object
+    is the state a sampler reaches when one object commits first, and the loss then teaches the
+    conditional placement of the rest (diffusion forcing's per-token noise, on one token)."""
+    b = x0.shape[0]
+    levels = sigma.view(b, 1, 1, 1).expand(b, 1, GRID * CELL, GRID * CELL).clone()
+    if lead_prob <= 0:
+        return levels
+    occupied = (x0 > -1).any(1).view(b, GRID, CELL, GRID, CELL).any(4).any(2).flatten(1)  # [B, 16] cells
+    lead = torch.rand(b, generator=gen) < lead_prob
+    pick = torch.multinomial(occupied.float() + 1e-9, 1, generator=gen).squeeze(1)  # one occupied cell each
+    u = torch.rand(b, generator=gen)
+    for i in torch.nonzero(lead & occupied.any(1)).flatten().tolist():
+        r, c = divmod(int(pick[i]), GRID)
+        levels[i, :, r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = sigma[i] * u[i]
+    return levels
+
+
 def _save_state(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -131,6 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init-transformer", default=None, metavar="DIR",
                     help="start the MMDiT (the image side) from the shapes weights in DIR (model.safetensors + "
                          "config.json of the same size); the text encoder starts fresh")
+    ap.add_argument("--position-code", default="sincos", choices=POSITION_CODES,
+                    help="image tokens' position code: sincos (SD3's table, nearly flat on a 4 x 4 grid; the "
+                         "shipped weights) | grid (rows and columns told apart sharply; see grid_position_code)")
+    ap.add_argument("--lead-prob", type=float, default=0.0,
+                    help="probability that one object's cell of a training image is less noisy than the rest "
+                         "(teaches where the other objects go once one is placed; see cell_noise_levels)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args(argv)
@@ -149,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     model_cfg = ShapesModelConfig(num_layers=args.layers, num_attention_heads=args.heads,
                                   attention_head_dim=args.head_dim, text_dim=args.text_dim,
-                                  text_encoder=args.text_encoder, group_relation=args.group_relation)
+                                  text_encoder=args.text_encoder, group_relation=args.group_relation,
+                                  position_code=args.position_code)
     model = ShapesFlowModel(model_cfg)
     if args.init_transformer:
         init = ShapesFlowModel.load(args.init_transformer)
@@ -169,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     rng = np.random.default_rng(args.seed)
+    lead_gen = torch.Generator().manual_seed(args.seed + 1)
     step, elapsed = 0, 0.0
     if state_path.exists():
         st = torch.load(state_path, weights_only=False)
@@ -189,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         x0, prompts = make_batch(rng, args.batch, 0.1, noise, tag_weights)
         sigma = shift_sigmas(torch.sigmoid(torch.randn(args.batch)), args.sigma_shift)
         eps = torch.randn_like(x0)
-        s = sigma.view(-1, 1, 1, 1)
+        s = cell_noise_levels(x0, sigma, args.lead_prob, lead_gen)
         xt = (1 - s) * x0 + s * eps
         hidden, pooled = model.encode(prompts)
         pred = model.predict(xt, sigma, hidden, pooled)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .prompts import heldout_specs
-from .relation_probe import relation_holds_rate, relation_prior
+from .relation_probe import placement_given_first, relation_holds_rate, relation_prior
 from .verify import Detection, detect, score
 from .world import COLORS, TAGS, SceneSpec, render
 
@@ -281,12 +281,14 @@ def ceiling(encode, specs: list[SceneSpec], threshold: float = THRESHOLD, identi
 
 
 def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_tag: int = 3, n: int = 64,
-              threshold: float = THRESHOLD, labels=words_of, predict_x0=None) -> dict:
-    """All six measurements on the first ``num_prompts`` held-out evaluation prompts.
+              threshold: float = THRESHOLD, labels=words_of, predict_x0=None, finish=None) -> dict:
+    """All seven measurements on the first ``num_prompts`` held-out evaluation prompts.
 
     ``encode(prompts)`` -> (hidden [B, L, D], pooled [B, D]); ``sample(prompts, seeds)`` -> uint8
-    [N, 32, 32, 3]; ``predict_x0`` as in :func:`relation_prior` (None: the prior is not measured). Swap pairs come from the held-out set, then from the position, colour-attribute
-    and two-object held-out pools (a fixed shuffle), at most ``num_prompts`` pairs per kind."""
+    [N, 32, 32, 3]; ``predict_x0`` as in :func:`relation_prior` (None: the prior is not measured);
+    ``finish`` as in :func:`placement_given_first` (None: not measured; else on the first 16 position
+    prompts of the order-swap pairs). Swap pairs come from the held-out set, then from the position,
+    colour-attribute and two-object held-out pools (a fixed shuffle), at most ``num_prompts`` pairs per kind."""
     from .prompts import split_specs
 
     specs = heldout_specs(num_prompts)
@@ -321,6 +323,8 @@ def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_t
         "relation_holds": relation_holds_rate(relation_samples),
         "relation_prior": (relation_prior(predict_x0, [a for a, _ in kinds["order_position"]])
                            if predict_x0 is not None else None),
+        "placement_given_first": (placement_given_first(finish, detect, [a for a, _ in kinds["order_position"]][:16])
+                                  if finish is not None else None),
         "settings": {"num_prompts": num_prompts, "seeds": seeds, "passk_prompts_per_tag": passk_per_tag, "n": n,
                      "threshold": threshold, "colours": list(COLORS)},
     }
