@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         sched.load_state_dict(st["sched"])
         rng.bit_generator.state = st["rng"]
         torch.set_rng_state(st["torch_rng"])
+        if "lead_rng" in st:  # states written before --lead-prob existed drew no leading cells
+            lead_gen.set_state(st["lead_rng"])
         step, elapsed = st["step"], st["elapsed"]
         print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min)", flush=True)
     meta = {"args": vars(args), "caption_noise": noise, "tag_weights": tag_weights}
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             ema.save(out / "snapshots" / f"step_{step}", extra={"pretrain": rec, "caption_noise": noise})
             _save_state(state_path, {"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(),
                                      "sched": sched.state_dict(), "rng": rng.bit_generator.state,
-                                     "torch_rng": torch.get_rng_state(), "step": step,
+                                     "torch_rng": torch.get_rng_state(), "lead_rng": lead_gen.get_state(), "step": step,
                                      "elapsed": time.time() - start})
     ema.save(out / "snapshots" / "final", extra={"pretrain": {"step": step, "caption_noise": noise}})
     print(f"done: {step} steps in {(time.time() - start) / 60:.1f} min", flush=True)
