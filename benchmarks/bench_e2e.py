@@ -166,30 +166,33 @@ def plot_e2e(curves: dict[str, dict[int, list[CurvePoint]]], target: float, targ
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(13.5, 4.2))
     for i, (preset, seeds) in enumerate(curves.items()):
-        color = f"C{i % 10}"
+        # ten colours, then the next line style: a race with its older or paper-settings rows has more
+        # than ten presets, and two presets must never share a look
+        color, style = f"C{i % 10}", ("-", "--", ":", "-.")[(i // 10) % 4]
         for key, ax in (("accuracy", axes[0]), ("fidelity", axes[1])):
             runs = [[(p.seconds / 60, getattr(p, key)) for p in c if getattr(p, key) is not None] for c in seeds.values()]
             runs = [r for r in runs if r]
             for r in runs:
-                ax.plot([x for x, _ in r], [y for _, y in r], color=color, lw=0.7, alpha=0.35)
+                ax.plot([x for x, _ in r], [y for _, y in r], color=color, ls=style, lw=0.7, alpha=0.35)
             if runs:
                 grid = np.array(sorted({x for r in runs for x, _ in r if x <= min(rr[-1][0] for rr in runs)}))
                 mean = np.mean([np.interp(grid, [x for x, _ in r], [y for _, y in r]) for r in runs], axis=0)
-                ax.plot(grid, mean, color=color, lw=2, label=f"{preset} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+                ax.plot(grid, mean, color=color, ls=style, lw=2,
+                        label=f"{preset} ({len(runs)} seed{'s' if len(runs) > 1 else ''})" if key == "accuracy" else None)
     axes[0].axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_name} final)")
     if min_fidelity > 0:
-        axes[1].axhline(min_fidelity, color="gray", ls="--", lw=0.8, label="counts toward the target above")
-        axes[1].legend(fontsize=7)
+        axes[1].axhline(min_fidelity, color="gray", ls="--", lw=0.8, label="fidelity gate: counts toward the target above")
     axes[0].set_ylabel("held-out accuracy")
     axes[1].set_ylabel("image fidelity (1 = the base model's)")
     for ax in axes:
         ax.set_xlabel(f"training {'CPU time' if clock == 'cpu' else 'wall-clock'} (min; evaluation not counted)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    handles = [h for ax in axes for h in ax.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="center right", fontsize=7)  # one legend beside both panels
     fig.suptitle("shapes world: thin lines one training seed, thick the mean over seeds", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
