@@ -121,7 +121,7 @@ def placement_given_first(finish, detect, specs: list[SceneSpec], sigma: float =
     other cells, 0.2, when B is placed without looking at A; 0 for a model that coordinates), on the
     relation's side (``holds``) and on the other (``reversed``); ``kept_first`` is the fraction of
     samples in which A stayed where it was drawn."""
-    from .world import GRID
+    from .world import CELL, GRID
 
     gen = torch.Generator().manual_seed(seed)
     states, prompts, meta = [], [], []
@@ -135,7 +135,7 @@ def placement_given_first(finish, detect, specs: list[SceneSpec], sigma: float =
                            for k in range(GRID * GRID)):
                     continue
                 for _ in range(draws):
-                    noise = torch.randn(3, GRID * 8, GRID * 8, generator=gen)
+                    noise = torch.randn(3, GRID * CELL, GRID * CELL, generator=gen)
                     states.append(placed_first_scene(spec, (r, c), sigma, lead_sigma, noise))
                     prompts.append(spec.prompt)
                     meta.append((spec, (r, c)))
