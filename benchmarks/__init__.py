@@ -39,6 +39,11 @@ def write_csv(path: str | Path, rows: list[dict], columns: list[str] | tuple[str
         w.writerows(rows)
 
 
+def number_or_dash(x, fmt: str = "{:.3f}") -> str:
+    """A table cell: ``x`` in ``fmt``, or "-" where it was not measured (None)."""
+    return "-" if x is None else fmt.format(x)
+
+
 def print_table(columns: list[str] | tuple[str, ...], cells: list[list[str]], *, title: str = "", caption: str = "",
                 left: tuple[str, ...] = (), styles: list[str | None] | None = None, width: int = 160) -> None:
     """Print a benchmark's table: ``cells`` (rows of strings under ``columns``) as a rich table with

@@ -45,6 +45,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from . import number_or_dash as _f  # noqa: E402
 from . import output_dir, print_table, write_csv, write_json  # noqa: E402
 
 ENV = "FLOWGRPO_REFERENCE"
@@ -315,10 +316,6 @@ def flat_rows(result: dict) -> list[dict]:
         walk(name, "", st)
     walk("summary", "", result["summary"])
     return rows
-
-
-def _f(x, fmt: str = "{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x)
 
 
 def print_tables(result: dict) -> None:

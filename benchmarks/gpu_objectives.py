@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import print_table
+from . import number_or_dash, print_table
 from .bench_reference import PROMPTS
 from .gpu_setup import ModelSize, build_components, registered_components, synchronize
 
@@ -156,16 +156,15 @@ def run_objectives_stage(device: torch.device, dtype: torch.dtype, size: ModelSi
 
 def print_objectives_table(obj: dict) -> None:
     """Stage (d)'s table: one row per preset."""
-    from .bench_gpu import _f as _fmt  # bench gpu's own "-"-for-None number format
 
     if not obj.get("rows"):
         return
     st = obj["settings"]
     print_table(("preset", "trained", "1st iteration s", "iteration s", "peak GiB", "rows / transitions", "loss", "error"),
-                [[r["preset"], "yes" if r.get("trained") else "NO", _fmt(r.get("first_iteration_s"), "{:.2f}"),
-                  _fmt(r.get("iteration_s"), "{:.2f}"), _fmt(r.get("peak_gib"), "{:.2f}"),
+                [[r["preset"], "yes" if r.get("trained") else "NO", number_or_dash(r.get("first_iteration_s"), "{:.2f}"),
+                  number_or_dash(r.get("iteration_s"), "{:.2f}"), number_or_dash(r.get("peak_gib"), "{:.2f}"),
                   str(r["iterations"][-1]["trained"]) if r.get("iterations") else "-",
-                  _fmt(r["iterations"][-1]["loss"], "{:.4g}") if r.get("iterations") else "-",
+                  number_or_dash(r["iterations"][-1]["loss"], "{:.4g}") if r.get("iterations") else "-",
                   (r.get("error") or "")[:60]] for r in obj["rows"]],
                 title=f"(d) objectives: {st['model']} {st['dtype']}, {st['resolution']} px, T={st['num_steps']}, "
                       f"{st['prompts']}x{st['group']} images, LoRA r={st['lora_rank']}, {st['iterations']} iterations each",

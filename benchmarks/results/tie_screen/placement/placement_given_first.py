@@ -2,7 +2,22 @@
 Usage: python placement_given_first.py WEIGHTS_or_RUN_or_"" 0.9 [0.95]. Results of 27 Nov: results.csv."""
 import sys, json, torch
 torch.set_num_threads(1)
-from flowgrpo.commands.probe import load_probe_policy
+from pathlib import Path
+from flowgrpo.shapes.model import ShapesFlowModel
+from flowgrpo.shapes.policy import ShapesPolicy
+
+
+def load_probe_policy(w):
+    """As `flowgrpo shapes probe --weights`: shipped weights, a weights folder, or a run / checkpoint."""
+    if w is None:
+        return ShapesPolicy(train_mode="frozen"), 1.0, "shipped base weights"
+    if (Path(w) / "model.safetensors").is_file():
+        return ShapesPolicy(ShapesFlowModel.load(w), train_mode="frozen"), 1.0, f"weights {w}"
+    from flowgrpo.trainer.checkpoint import load_trained_policy
+    run = load_trained_policy(Path(w), only_model="shapes")
+    return run.policy, run.cfg.sampler.shift, f"{run.weights.kind} weights of {run.weights.path}"
+
+
 from flowgrpo.images import to_uint8
 from flowgrpo.shapes.evaluate import finish_ode
 from flowgrpo.shapes.prompts import split_specs
