@@ -26,21 +26,27 @@ def seeded_noise(seeds: list[int], shape: tuple[int, ...]) -> Tensor:
 
 
 @torch.no_grad()
+def euler_ode(policy, prompts: list[str], x: Tensor, sigmas: Tensor, guidance_scale: float | None = None,
+              micro_batch: int = 128) -> Tensor:
+    """Euler ODE from states x [N, 3, H, W] along ``sigmas`` (descending, [T + 1], ending at 0).
+    Returns images [N, 3, H, W] in [0, 1] (float32, on CPU)."""
+    out = []
+    for start in range(0, len(prompts), micro_batch):
+        cond = policy.encode_prompts(prompts[start:start + micro_batch])
+        xs = x[start:start + micro_batch].to(policy.device)
+        for i in range(len(sigmas) - 1):
+            v = policy.velocity(xs, float(sigmas[i]), cond, guidance_scale)
+            xs = euler_step(xs, v, sigmas[i], sigmas[i + 1])
+        out.append(policy.decode(xs).cpu())
+    return torch.cat(out)
+
+
 def generate_ode(policy, prompts: list[str], seeds: list[int], num_steps: int = 20, shift: float = 1.0,
                  guidance_scale: float | None = None, micro_batch: int = 128) -> Tensor:
-    """Euler ODE sampling. Returns images [N, 3, H, W] in [0, 1] (float32, on CPU)."""
-    out = []
-    sigmas = sigma_grid(num_steps, shift)
-    for start in range(0, len(prompts), micro_batch):
-        p = prompts[start:start + micro_batch]
-        cond = policy.encode_prompts(p)
-        x = seeded_noise(seeds[start:start + micro_batch], policy.latent_shape).to(policy.device)
-        for i in range(num_steps):
-            s = torch.full((x.shape[0],), float(sigmas[i]), device=x.device)
-            v = policy.velocity(x, s, cond, guidance_scale)
-            x = euler_step(x, v, sigmas[i], sigmas[i + 1])
-        out.append(policy.decode(x).cpu())
-    return torch.cat(out)
+    """Euler ODE sampling from each seed's noise (:func:`seeded_noise`) over ``num_steps`` steps of the
+    shifted grid. Returns images [N, 3, H, W] in [0, 1] (float32, on CPU)."""
+    return euler_ode(policy, prompts, seeded_noise(seeds, policy.latent_shape), sigma_grid(num_steps, shift),
+                     guidance_scale, micro_batch)
 
 
 def finish_ode(policy, prompts: list[str], x: Tensor, sigma: float, num_steps: int = 20,
@@ -49,16 +55,7 @@ def finish_ode(policy, prompts: list[str], x: Tensor, sigma: float, num_steps: i
     ceil(num_steps * sigma) equal steps (the density of a ``num_steps`` grid at shift 1). Returns
     images [N, 3, H, W] in [0, 1] (float32, on CPU)."""
     steps = max(1, int(np.ceil(num_steps * sigma - 1e-9)))
-    sigmas = torch.linspace(float(sigma), 0.0, steps + 1)
-    out = []
-    for start in range(0, len(prompts), micro_batch):
-        cond = policy.encode_prompts(prompts[start:start + micro_batch])
-        xs = x[start:start + micro_batch].to(policy.device)
-        for i in range(steps):
-            v = policy.velocity(xs, torch.full((xs.shape[0],), float(sigmas[i]), device=xs.device), cond, None)
-            xs = euler_step(xs, v, sigmas[i], sigmas[i + 1])
-        out.append(policy.decode(xs).cpu())
-    return torch.cat(out)
+    return euler_ode(policy, prompts, x, torch.linspace(float(sigma), 0.0, steps + 1), None, micro_batch)
 
 
 def score_shapes(prompts: list[str], images: Tensor) -> EvalResult:

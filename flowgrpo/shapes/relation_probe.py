@@ -23,6 +23,11 @@ from .verify import Detection, group_hits
 from .world import SceneSpec, relation_cells_kind
 
 
+def to_model_range(img: np.ndarray) -> Tensor:
+    """A drawn uint8 image [H, W, 3] as the model's [3, H, W] in [-1, 1]."""
+    return torch.from_numpy(img).permute(2, 0, 1).float() / 127.5 - 1.0
+
+
 def relation_kind(spec: SceneSpec, dets: list[Detection]) -> str | None:
     """For a position spec with exactly one A and one B detected: ``"holds"``, ``"same_line"`` (A and B
     share the relation's axis coordinate, e.g. one column for "left of") or ``"reversed"`` (the opposite
@@ -48,9 +53,14 @@ def relation_holds_rate(samples: list[tuple[SceneSpec, list[Detection]]]) -> dic
     the fractions of the misses in which A and B share a line (``same_line``) or stand reversed."""
     kinds = [relation_kind(s, d) for s, d in samples if s.relation is not None]
     ok = [k for k in kinds if k is not None]
-    frac = (lambda k: float(np.mean([x == k for x in ok]))) if ok else (lambda k: None)
-    return {"rate": frac("holds"), "same_line": frac("same_line"), "reversed": frac("reversed"),
+    fr = kind_fractions(ok)
+    return {"rate": fr["holds"], "same_line": fr["same_line"], "reversed": fr["reversed"],
             "eligible": len(ok), "position_samples": len(kinds)}
+
+
+def kind_fractions(kinds: list[str]) -> dict[str, float | None]:
+    """Fractions of ``"holds"``, ``"same_line"`` and ``"reversed"`` among ``kinds`` (None for each when empty)."""
+    return {k: (float(np.mean([x == k for x in kinds])) if kinds else None) for k in ("holds", "same_line", "reversed")}
 
 
 @torch.no_grad()
@@ -69,7 +79,7 @@ def relation_prior(predict_x0, specs: list[SceneSpec], sigma: float = 0.98, draw
 
     def template(o) -> Tensor:
         cell = draw([(o.shape, o.color, 0, 0)])[:CELL, :CELL]
-        return torch.from_numpy(cell).permute(2, 0, 1).float() / 127.5 - 1.0
+        return to_model_range(cell)
 
     specs = [s for s in specs if s.relation is not None]
     gen = torch.Generator().manual_seed(seed)
@@ -101,7 +111,7 @@ def placed_first_scene(spec: SceneSpec, cell: tuple[int, int], sigma: float, lea
     from .world import CELL, draw
 
     a = spec.objects[0]
-    x0 = torch.from_numpy(draw([(a.shape, a.color or "red", *cell)])).permute(2, 0, 1).float() / 127.5 - 1.0
+    x0 = to_model_range(draw([(a.shape, a.color or "red", *cell)]))
     level = torch.full((1, x0.shape[1], x0.shape[2]), float(sigma))
     r, c = cell
     level[:, r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = lead_sigma
@@ -151,7 +161,5 @@ def placement_given_first(finish, detect, specs: list[SceneSpec], sigma: float =
         kept += 1
         if len(a_hits) == 1 and len(b_hits) == 1:
             kinds.append(relation_cells_kind(spec.relation, cell, (b_hits[0].row, b_hits[0].col)))
-    frac = (lambda k: float(np.mean([x == k for x in kinds]))) if kinds else (lambda k: None)
-    return {"same_line": frac("same_line"), "holds": frac("holds"), "reversed": frac("reversed"),
-            "kept_first": kept / len(states), "eligible": len(kinds), "n": len(states),
+    return {**kind_fractions(kinds), "kept_first": kept / len(states), "eligible": len(kinds), "n": len(states),
             "sigma": sigma, "lead_sigma": lead_sigma}
