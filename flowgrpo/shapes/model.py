@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .cell_bias import install_cell_offset_bias
 from .scene_text import SceneTextEncoder, SceneTokenizer, VocabularyError, prompt_words  # noqa: F401 (VocabularyError: re-exported)
 from .world import VOCAB
 
@@ -57,6 +58,9 @@ class ShapesModelConfig:
     # the image tokens' position code: "sincos" (SD3's table, the shipped weights) or "grid" (see
     # grid_position_code); weights whose config.json lacks the key have SD3's table
     position_code: str = "sincos"
+    # a learned attention bias per head between image cells by their row and column offset
+    # (flowgrpo.shapes.cell_bias); weights whose config.json lacks the key were trained without it
+    cell_offset_bias: bool = False
 
     def __post_init__(self):
         if self.text_encoder not in TEXT_ENCODERS:
@@ -165,6 +169,8 @@ class ShapesFlowModel(nn.Module):
             table = self.transformer.pos_embed.pos_embed  # persistent buffer [1, cells, width]: saved with the weights
             table.copy_(grid_position_code(c.image_size // c.patch_size, table.shape[-1],
                                            float(table[0].norm(dim=-1).mean()))[None])
+        if c.cell_offset_bias:
+            install_cell_offset_bias(self.transformer, c.image_size // c.patch_size)
 
     def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """Prompts -> (hidden [B, L, text_dim], pooled [B, text_dim]); L = 3 slots (scene) or max_tokens (words)."""

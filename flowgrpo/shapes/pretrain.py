@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--position-code", default="sincos", choices=POSITION_CODES,
                     help="image tokens' position code: sincos (SD3's table, nearly flat on a 4 x 4 grid; the "
                          "shipped weights) | grid (rows and columns told apart sharply; see grid_position_code)")
+    ap.add_argument("--cell-offset-bias", action="store_true",
+                    help="a learned attention bias per head between image cells by their row/column offset "
+                         "(see flowgrpo.shapes.cell_bias)")
     ap.add_argument("--lead-prob", type=float, default=0.0,
                     help="probability that one object's cell of a training image is less noisy than the rest "
                          "(teaches where the other objects go once one is placed; see cell_noise_levels)")
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     model_cfg = ShapesModelConfig(num_layers=args.layers, num_attention_heads=args.heads,
                                   attention_head_dim=args.head_dim, text_dim=args.text_dim,
                                   text_encoder=args.text_encoder, group_relation=args.group_relation,
-                                  position_code=args.position_code)
+                                  position_code=args.position_code, cell_offset_bias=args.cell_offset_bias)
     model = ShapesFlowModel(model_cfg)
     if args.init_transformer:
         init = ShapesFlowModel.load(args.init_transformer)
