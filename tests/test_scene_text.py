@@ -184,7 +184,7 @@ def test_pretrain_command_runs_resumes_and_records_its_settings(tmp_path):
 
     args = ["--out", str(tmp_path), "--batch", "4", "--eval-every", "2", "--eval-prompts", "6", "--threads", "1",
             "--layers", "1", "--heads", "2", "--head-dim", "16", "--text-dim", "32", "--warmup", "1",
-            "--sigma-shift", "3", "--caption-noise", "counting=0.3", "--position-code", "grid", "--lead-prob", "0.5"]
+            "--sigma-shift", "3", "--caption-noise", "counting=0.3", "--position-code", "grid", "--lead-prob", "0.5", "--cell-offset-bias", "--caption-dropout", "0.2"]
     pretrain.main([*args, "--steps", "2"])
     log = [json.loads(line) for line in (tmp_path / "pretrain_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2] and 0.0 <= log[0]["accuracy_cfg1"] <= 1.0
@@ -195,5 +195,6 @@ def test_pretrain_command_runs_resumes_and_records_its_settings(tmp_path):
     assert recorded["args"]["sigma_shift"] == 3.0 and recorded["caption_noise"]["counting"] == 0.3
     model = ShapesFlowModel.load(tmp_path / "snapshots" / "final")
     assert model.cfg.text_encoder == "scene" and model.cfg.num_layers == 1 and model.cfg.text_dim == 32
-    assert model.cfg.position_code == "grid" and recorded["args"]["position_code"] == "grid"
+    assert model.cfg.position_code == "grid" and recorded["args"]["position_code"] == "grid" and model.cfg.cell_offset_bias
+    assert recorded["args"]["caption_dropout"] == 0.2
     assert recorded["args"]["lead_prob"] == 0.5 and "lead_rng" in torch.load(tmp_path / "state.pt", weights_only=False)

@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=300, help="linear learning-rate warm-up steps")
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--caption-noise", default=None, help="per-tag probability of a mis-captioned image")
+    ap.add_argument("--caption-dropout", type=float, default=0.1,
+                    help="probability that a training caption is replaced by '' (the unconditional branch that "
+                         "classifier-free guidance needs)")
     ap.add_argument("--tag-weights", default=None,
                     help="relative share of each tag in the batches, e.g. 'position=3' (default: position 3, others 1)")
     ap.add_argument("--eval-every", type=int, default=1000)
@@ -174,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     noise = parse_noise(args.caption_noise)
     tag_weights = parse_noise(args.tag_weights, DEFAULT_TAG_WEIGHTS, "--tag-weights")
+    if not 0.0 <= args.caption_dropout < 1.0:
+        raise SystemExit(f"--caption-dropout must be in [0, 1), got {args.caption_dropout}")
     if min(tag_weights.values()) < 0 or sum(tag_weights.values()) <= 0:
         raise SystemExit(f"--tag-weights must be >= 0 with a positive sum, got {tag_weights}")
     out = Path(args.out)
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.time() - elapsed
     losses: list[float] = []
     while step < args.steps and time.time() - start < args.minutes * 60:
-        x0, prompts = make_batch(rng, args.batch, 0.1, noise, tag_weights)
+        x0, prompts = make_batch(rng, args.batch, args.caption_dropout, noise, tag_weights)
         sigma = shift_sigmas(torch.sigmoid(torch.randn(args.batch)), args.sigma_shift)
         eps = torch.randn_like(x0)
         s = cell_noise_levels(x0, sigma, args.lead_prob, lead_gen)
