@@ -160,7 +160,11 @@ def test_folded_update_matches_peft_update(prompt_file):
         runs[mode] = (trainer.iteration_step().metrics, trainer.policy.trainable_state_dict())
     (m_fast, w_fast), (m_plain, w_plain) = runs["always"], runs["never"]
     assert m_plain["kl"] > 0
-    for key in ("loss", "kl", "grad_norm"):
+    for key in ("kl", "grad_norm"):
         assert m_fast[key] == pytest.approx(m_plain[key], rel=1e-4, abs=1e-8), key
+    # on-policy the loss is beta * KL (4e-5 here) plus sum_i A_i * ratio_i / n with ratios 1 up to
+    # float32 rounding and |A_i| ~ 1: that sum cancels to ~1e-7, so the loss agrees to rounding of
+    # the advantages' scale, not to 1e-4 of its own small value (the KL and gradient norm above do)
+    assert m_fast["loss"] == pytest.approx(m_plain["loss"], abs=1e-6)
     for n in w_plain:
         torch.testing.assert_close(w_fast[n], w_plain[n], rtol=1e-4, atol=1e-6)
