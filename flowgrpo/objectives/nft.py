@@ -43,6 +43,7 @@ from .forward_rows import SampleRows, build_sample_rows, per_row_mean, rollout_t
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.anchor import LowNoiseAnchor
 from .terms.kl import VelocityKL
+from .terms.self_guidance import SelfGuidance
 
 
 def nft_optimality(adv: torch.Tensor, adv_clip: float, mode: str = "all") -> torch.Tensor:
@@ -93,6 +94,8 @@ class NFTObjective(Objective):
         self.opt = cfg.loss.nft
         self.seed = cfg.train.seed
         self.kl, self.anchor = VelocityKL.from_config(self.opt), LowNoiseAnchor.from_config(self.opt)
+        self.self_guidance = SelfGuidance.from_config(self.opt, min_t=self.opt.policy_min_t)
+        self._uncond = None  # the empty prompt's encoding, for the self-guidance term's unconditional pass
         self.needs_reference = "base" in self.kl.references | self.anchor.references
         self.schedule = DecaySchedule(self.opt.decay_flat, self.opt.decay_rate, self.opt.decay_cap)
         self.old: OldPolicy | None = None
@@ -102,6 +105,12 @@ class NFTObjective(Objective):
     def setup(self, policy) -> None:
         self.old = OldPolicy(policy)
         self._policy = policy
+        if self.self_guidance.active:
+            self._uncond = policy.encode_prompts([""])
+
+    def _uncond_rows(self, n: int):
+        """The empty prompt's conditioning for ``n`` rows (the self-guidance term's unconditional pass)."""
+        return self._uncond.index(torch.zeros(n, dtype=torch.long))
 
     def rollout_weights(self, policy):
         """The authors roll out with the old policy (``loss.nft.sample_with_old``)."""
@@ -120,12 +129,17 @@ class NFTObjective(Objective):
         x_in = x_t.to(ctx.dtype)
         with ctx.autocast():  # the old policy first: its weight swap must precede the graph's saved tensors
             v_old = self.old.velocity(policy, x_in, rows.t, cond, o.train_guidance).float()
+            if self.self_guidance.active:
+                v_old_u = self.old.velocity(policy, x_in, rows.t, self._uncond_rows(len(x_in)), 1.0).float()
             v = policy.velocity(x_in, rows.t, cond, o.train_guidance).float()
         r = nft_optimality(rows.advantage.to(v.device), o.adv_clip, o.adv_mode)
         t = rows.t.to(v.device)
         loss, parts = nft_policy_loss(v, v_old, x_t, rows.x0.float().to(v.device), t, r, o.beta, o.adv_clip,
                                       o.weight_floor)
         stats = {"nft_r": r.detach(), **parts, "v_old_dev": per_row_mean((v - v_old).abs()).detach()}
+        if self.self_guidance.active:
+            sg_term, stats["self_guidance_gap"] = self.self_guidance.value(v, v_old, v_old_u, t)
+            loss = loss + sg_term
         if self.needs_reference:
             v_ref = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
             kl_term, kl = self.kl.value(v, v_ref, t)
@@ -142,6 +156,8 @@ class NFTObjective(Objective):
         c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
         with ctx.autocast():
             self.old.velocity(policy, x, t, c, self.opt.train_guidance)
+            if self.self_guidance.active:
+                self.old.velocity(policy, x, t, self._uncond_rows(1), 1.0)
             v = policy.velocity(x, t, c, self.opt.train_guidance).float()
         if self.needs_reference:
             policy.reference_velocity(x, t, c, self.opt.train_guidance)

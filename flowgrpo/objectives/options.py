@@ -13,6 +13,7 @@ from typing import Literal
 from ..errors import ConfigError
 from ..fields import help_field as _f
 from .terms.anchor import LowNoiseAnchorOptions
+from .terms.self_guidance import SelfGuidanceOptions
 from .terms.base import term_field
 from .terms.kl import KLOptions
 
@@ -39,6 +40,8 @@ class NFTOptions:
     sample_with_old: bool = _f(True, "roll out with the old policy, as the authors do (false: with the trained weights)")
     policy_min_t: float = term_field(LowNoiseAnchorOptions, "policy_min_t")
     anchor_beta: float = term_field(LowNoiseAnchorOptions, "anchor_beta")
+    self_guidance_beta: float = term_field(SelfGuidanceOptions, "self_guidance_beta")
+    self_guidance_scale: float = term_field(SelfGuidanceOptions, "self_guidance_scale")
     decay_flat: int = _f(0, "old-policy EMA schedule d(step) = min(max(step - flat, 0) * rate, cap): flat")
     decay_rate: float = _f(0.001, "old-policy EMA schedule: rate per update")
     decay_cap: float = _f(0.5, "old-policy EMA schedule: cap (0 with rate 0: the old policy is the previous update's weights)")
@@ -106,6 +109,11 @@ def check_objective_options(loss_cfg) -> None:
         need(0 <= v < 1, key, v, "in [0, 1)")
     need(d.ema_decay_rate >= 0, "dgpo.ema_decay_rate", d.ema_decay_rate, ">= 0")
     need(d.ema_rollouts_after >= -1, "dgpo.ema_rollouts_after", d.ema_rollouts_after, ">= -1 (-1: never)")
+    # the self-guidance push compounds through the old policy; only the KL holds it (terms/self_guidance.py)
+    need(n.self_guidance_beta * (n.self_guidance_scale - 1) < n.kl_beta or n.self_guidance_beta == 0,
+         "nft.self_guidance_beta", n.self_guidance_beta,
+         f"< loss.nft.kl_beta / (loss.nft.self_guidance_scale - 1) = {n.kl_beta / (n.self_guidance_scale - 1):g} "
+         "(at or above it the policy's guidance runs away; 0: off)")
     need(n.policy_min_t == 0 or n.anchor_beta > 0 or n.kl_beta > 0, "nft.policy_min_t", n.policy_min_t,
          "0 when loss.nft.anchor_beta and loss.nft.kl_beta are both 0 (the low-noise rows would have no loss)")
     need(n.decay_flat >= 0, "nft.decay_flat", n.decay_flat, ">= 0")
