@@ -176,3 +176,42 @@ def test_the_cli_refuses_an_ignored_key_before_writing_anything(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("flowgrpo: error: config key 'loss.sft_weight' = 0.5 has no effect with loss.objective=nft")
     assert not out.exists()
+
+
+def test_self_guidance_is_its_formula_in_float64_and_pushes_along_the_guidance_direction():
+    """b * mean((v - T)^2), T = v_u + g (v_old - v_u), on rows at t >= min_t (0 below); at v = v_old its
+    gradient is -2 b (g - 1) (v_old - v_u) / D: the push along the guidance direction the module derives."""
+    from flowgrpo.objectives.terms.self_guidance import SelfGuidance, SelfGuidanceOptions
+
+    g = torch.Generator().manual_seed(0)
+    v_old, v_u = (torch.randn(4, 3, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    v = (v_old + 0.1 * torch.randn(4, 3, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    t = torch.tensor([0.2, 0.4, 0.7, 1.0], dtype=torch.float64)
+    term = SelfGuidance(SelfGuidanceOptions(self_guidance_beta=0.5, self_guidance_scale=3.0), min_t=0.4)
+    assert term.active and term.references == frozenset()  # the old policy is the objective's own copy
+    weighted, gap = term.value(v, v_old, v_u, t)
+    target = v_u + 3.0 * (v_old - v_u)
+    want = ((v - target) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(gap, want.detach(), rtol=1e-15, atol=0)
+    torch.testing.assert_close(weighted, 0.5 * want * torch.tensor([0.0, 1, 1, 1], dtype=torch.float64),
+                               rtol=1e-15, atol=0)
+    at_old = v_old.clone().requires_grad_(True)
+    term.value(at_old, v_old, v_u, t)[0].sum().backward()
+    push = -2 * 0.5 * (3.0 - 1) * (v_old - v_u) / 15
+    push[0] = 0  # the row below min_t
+    torch.testing.assert_close(at_old.grad, push, rtol=1e-13, atol=1e-15)
+    assert not SelfGuidance.from_config(NFTOptions()).active  # off by default
+
+
+def test_self_guidance_weight_is_refused_where_the_policy_would_run_away():
+    """beta (g - 1) must stay below the KL weight (terms/self_guidance.py: the fixed point's a < 1)."""
+    cfg = load_config("shapes-nft", overrides=["loss.nft.self_guidance_beta=5"])  # kl_beta 10, g 2: a = 0.5
+    assert cfg.loss.nft.self_guidance_beta == 5.0
+    with pytest.raises(ConfigError, match=r"'loss\.nft\.self_guidance_beta' must be < loss\.nft\.kl_beta / "
+                                          r"\(loss\.nft\.self_guidance_scale - 1\) = 10 .*got 10\.0"):
+        load_config("shapes-nft", overrides=["loss.nft.self_guidance_beta=10"])
+    with pytest.raises(ConfigError, match=r"= 0\.5 .*got 1\.0"):
+        load_config("shapes-nft", overrides=["loss.nft.self_guidance_beta=1", "loss.nft.kl_beta=1",
+                                             "loss.nft.self_guidance_scale=3"])
+    with pytest.raises(ConfigError, match=r"'loss\.nft\.self_guidance_scale' must be a finite number > 1"):
+        load_config("shapes-nft", overrides=["loss.nft.self_guidance_scale=1"])

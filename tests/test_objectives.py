@@ -282,3 +282,19 @@ def test_nft_low_noise_rows_train_only_the_anchor(objective_trainer):
     assert m0["anchor_rows"] == pytest.approx(0.5) and m0["kl"] < 1e-10  # 0 up to float32 round-off
     m1 = trainer.iteration_step().metrics
     assert m1["kl"] > 0  # the weights moved away from the base; the anchor now pulls back
+
+
+def test_nft_self_guidance_adds_its_term_from_the_old_policys_unconditional_pass(objective_trainer):
+    """loss.nft.self_guidance_beta > 0: the empty prompt is encoded once and the old policy's
+    unconditional velocity enters the loss (the gap is logged and the update differs); at 0 nothing
+    of it runs."""
+    plain = objective_trainer("nft", **{"loss.nft.kl_beta": 1.0})
+    guided = objective_trainer("nft", **{"loss.nft.kl_beta": 1.0, "loss.nft.self_guidance_beta": 0.5})
+    assert plain.objective._uncond is None and guided.objective._uncond is not None
+    before = guided.policy.trainable_state_dict()
+    m_plain, m_guided = plain.iteration_step().metrics, guided.iteration_step().metrics
+    assert "self_guidance_gap" not in m_plain
+    assert m_guided["self_guidance_gap"] > 0 and torch.isfinite(torch.tensor(m_guided["loss"]))
+    a, b = plain.policy.trainable_state_dict(), guided.policy.trainable_state_dict()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) > 0  # same rollout and rows, another update
+    assert max(float((b[k] - before[k]).abs().max()) for k in b) > 0
