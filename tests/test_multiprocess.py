@@ -183,8 +183,9 @@ def test_forward_objectives_on_two_processes_make_the_one_process_update(shapes_
 # ----------------------------------------------------------------------------- the CLI
 
 
-def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(flowgrpo_command() + args, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+def _cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(flowgrpo_command() + args, env=env or cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def _run_overrides(model_dir, out: Path, name: str, iterations: int, preset: str = "shapes") -> list[str]:
@@ -433,13 +434,9 @@ def test_fsdp_lora_export_equals_the_1_process_one(tmp_path):
           "train.iterations=2", "train.threads=1", "train.lr=3e-2", "train.adam_eps=1e-2", "train.ema_decay=0.5",
           "log.progress=false", "log.trackers=[]", f"log.out_dir={tmp_path}", "dist.timeout_s=60"]
     env = {**cli_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-
-    def cli(args):
-        return subprocess.run(flowgrpo_command() + args, env=env, capture_output=True, text=True, timeout=300)
-
-    one = cli(["train", *ov, "log.run_name=one"])
+    one = _cli(["train", *ov, "log.run_name=one"], env=env)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = cli(["train", "--num-processes", "2", "--accelerate-config", str(FSDP_CONFIG), *ov, "log.run_name=two"])
+    two = _cli(["train", "--num-processes", "2", "--accelerate-config", str(FSDP_CONFIG), *ov, "log.run_name=two"], env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     a = load_file(tmp_path / "one" / "lora" / "pytorch_lora_weights.safetensors")
     b = load_file(tmp_path / "two" / "lora" / "pytorch_lora_weights.safetensors")

@@ -24,26 +24,6 @@ from pathlib import Path
 from ..errors import UserError
 
 
-def load_probe_policy(weights: str | None):
-    """(frozen :class:`~flowgrpo.shapes.policy.ShapesPolicy`, evaluation shift, description) for ``weights``."""
-    from ..shapes.model import ShapesFlowModel
-    from ..shapes.policy import ShapesPolicy
-
-    if weights is None:
-        return ShapesPolicy(train_mode="frozen"), 1.0, "shipped base weights"
-    from ..trainer.checkpoint import CONFIG_FILE, STATE_FILE, load_trained_policy
-
-    path = Path(weights)
-    if (path / "model.safetensors").is_file():
-        return ShapesPolicy(ShapesFlowModel.load(path), train_mode="frozen"), 1.0, f"weights {path}"
-    if not ((path / CONFIG_FILE).exists() or (path / STATE_FILE).exists()):
-        raise UserError(f"{path} is neither a shapes weights folder (model.safetensors), a run directory "
-                        "nor a checkpoint folder")
-    run = load_trained_policy(path, only_model="shapes")  # the probe reads shapes-world models only
-    run.policy.eval()
-    return run.policy, run.cfg.sampler.shift, f"{run.weights.kind} weights of {run.weights.path}"
-
-
 def flat_rows(res: dict) -> list[tuple[str, str, str, float | int | None]]:
     """(section, key, stat, value) rows of a probe result, for the CSV."""
     rows = []
@@ -114,14 +94,14 @@ def _cmd_probe(args) -> int:
     from ..images import to_uint8
     from ..shapes.evaluate import finish_ode, generate_ode
     from ..shapes.probe import THRESHOLD, run_probe
+    from ..trainer.checkpoint import load_shapes_policy
 
     for name in ("prompts", "seeds", "passk_prompts", "n"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    policy, shift, desc = load_probe_policy(args.weights)
-    policy.eval()
+    policy, shift, desc = load_shapes_policy(args.weights)
 
     def sample(prompts, seeds):
         return to_uint8(generate_ode(policy, prompts, seeds, num_steps=args.steps, shift=shift))

@@ -2,22 +2,7 @@
 Usage: python placement_given_first.py WEIGHTS_or_RUN_or_"" 0.9 [0.95]. Results of 27 Nov: results.csv."""
 import sys, json, torch
 torch.set_num_threads(1)
-from pathlib import Path
-from flowgrpo.shapes.model import ShapesFlowModel
-from flowgrpo.shapes.policy import ShapesPolicy
-
-
-def load_probe_policy(w):
-    """As `flowgrpo shapes probe --weights`: shipped weights, a weights folder, or a run / checkpoint."""
-    if w is None:
-        return ShapesPolicy(train_mode="frozen"), 1.0, "shipped base weights"
-    if (Path(w) / "model.safetensors").is_file():
-        return ShapesPolicy(ShapesFlowModel.load(w), train_mode="frozen"), 1.0, f"weights {w}"
-    from flowgrpo.trainer.checkpoint import load_trained_policy
-    run = load_trained_policy(Path(w), only_model="shapes")
-    return run.policy, run.cfg.sampler.shift, f"{run.weights.kind} weights of {run.weights.path}"
-
-
+from flowgrpo.trainer.checkpoint import load_shapes_policy
 from flowgrpo.images import to_uint8
 from flowgrpo.shapes.evaluate import finish_ode
 from flowgrpo.shapes.prompts import split_specs
@@ -25,7 +10,7 @@ from flowgrpo.shapes.relation_probe import placement_given_first
 from flowgrpo.shapes.verify import detect
 import numpy as np
 w = sys.argv[1] or None
-pol, shift, desc = load_probe_policy(w); pol.eval()
+pol, shift, desc = load_shapes_policy(w)
 specs = list(split_specs("position")[1]); rng = np.random.default_rng(0)
 specs = [specs[i] for i in rng.permutation(len(specs))[:16]]
 fin = lambda p, x, s: to_uint8(finish_ode(pol, p, x, s))

@@ -3,9 +3,7 @@ Euler steps, shift 1. Usage: python relation_rates_guidance.py WEIGHTS_DIR_or_RU
 shipped weights; a run: its EMA weights, as `flowgrpo shapes probe --weights RUN`). Results of 27 Nov (third session): results.csv."""
 import sys, json, numpy as np, torch
 torch.set_num_threads(1)
-from pathlib import Path
-from flowgrpo.shapes.policy import ShapesPolicy
-from flowgrpo.shapes.model import ShapesFlowModel
+from flowgrpo.trainer.checkpoint import load_shapes_policy
 from flowgrpo.shapes.evaluate import generate_ode
 from flowgrpo.shapes.prompts import split_specs
 from flowgrpo.shapes.verify import detect
@@ -16,14 +14,9 @@ specs = list(split_specs("position")[1])
 rng = np.random.default_rng(0); specs = [specs[i] for i in rng.permutation(len(specs))[:48]]
 seeds = list(range(8000, 8008))
 ps = [s for s in specs for _ in seeds]; sd = [x for _ in specs for x in seeds]
+pol = load_shapes_policy(w)[0]
 for g in [float(x) for x in sys.argv[2:]]:
-    if w is None or (Path(w) / "model.safetensors").is_file():
-        pol = ShapesPolicy(ShapesFlowModel.load(w), train_mode="frozen", guidance_scale=g)
-    else:  # a training run: its trained weights, guidance set on the loaded policy
-        from flowgrpo.trainer.checkpoint import load_trained_policy
-        pol = load_trained_policy(Path(w), only_model="shapes").policy
-        pol.guidance_scale = g
-    pol.eval()
+    pol.guidance_scale = g  # the empty prompt is encoded for guidance once the scale is not 1
     with torch.no_grad():
         imgs = to_uint8(generate_ode(pol, [s.prompt for s in ps], sd, num_steps=20, shift=1.0))
     r = relation_holds_rate([(s, detect(im)) for s, im in zip(ps, imgs)])
