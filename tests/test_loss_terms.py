@@ -215,3 +215,9 @@ def test_self_guidance_weight_is_refused_where_the_policy_would_run_away():
                                              "loss.nft.self_guidance_scale=3"])
     with pytest.raises(ConfigError, match=r"'loss\.nft\.self_guidance_scale' must be a finite number > 1"):
         load_config("shapes-nft", overrides=["loss.nft.self_guidance_scale=1"])
+
+
+def test_self_guidance_uncond_choice_is_validated_and_names_the_choices():
+    assert load_config("shapes-nft", overrides=["loss.nft.self_guidance_uncond=base"]).loss.nft.self_guidance_uncond == "base"
+    with pytest.raises(ConfigError, match=r"self_guidance_uncond.*old.*base"):
+        load_config("shapes-nft", overrides=["loss.nft.self_guidance_uncond=ema"])

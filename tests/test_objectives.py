@@ -298,3 +298,18 @@ def test_nft_self_guidance_adds_its_term_from_the_old_policys_unconditional_pass
     a, b = plain.policy.trainable_state_dict(), guided.policy.trainable_state_dict()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) > 0  # same rollout and rows, another update
     assert max(float((b[k] - before[k]).abs().max()) for k in b) > 0
+
+
+def test_nft_self_guidance_from_the_frozen_base_uncond_moves_apart_once_the_old_policy_does(objective_trainer):
+    """self_guidance_uncond = base takes the empty prompt's velocity from the frozen base: on the first
+    update the old policy is the base, so the gap equals the old-policy variant's to round-off; once
+    the weights have moved, the two targets (and gaps) differ."""
+    opts = {"loss.nft.kl_beta": 1.0, "loss.nft.self_guidance_beta": 0.5, "loss.nft.decay_cap": 0.0,
+            "loss.nft.decay_rate": 0.0}
+    old = objective_trainer("nft", **opts)
+    base = objective_trainer("nft", **opts, **{"loss.nft.self_guidance_uncond": "base"})
+    assert base.objective.self_guidance.references == {"base"} and not old.objective.self_guidance.references
+    g_old, g_base = (t.iteration_step().metrics["self_guidance_gap"] for t in (old, base))
+    assert g_base == pytest.approx(g_old, rel=1e-4)
+    g_old, g_base = (t.iteration_step().metrics["self_guidance_gap"] for t in (old, base))
+    assert abs(g_base - g_old) > 1e-3 * g_old

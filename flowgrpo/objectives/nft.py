@@ -96,7 +96,7 @@ class NFTObjective(Objective):
         self.kl, self.anchor = VelocityKL.from_config(self.opt), LowNoiseAnchor.from_config(self.opt)
         self.self_guidance = SelfGuidance.from_config(self.opt, min_t=self.opt.policy_min_t)
         self._uncond = None  # the empty prompt's encoding, for the self-guidance term's unconditional pass
-        self.needs_reference = "base" in self.kl.references | self.anchor.references
+        self.needs_reference = "base" in self.kl.references | self.anchor.references | self.self_guidance.references
         self.schedule = DecaySchedule(self.opt.decay_flat, self.opt.decay_rate, self.opt.decay_cap)
         self.old: OldPolicy | None = None
         self._policy = None
@@ -111,6 +111,15 @@ class NFTObjective(Objective):
     def _uncond_rows(self, n: int):
         """The empty prompt's conditioning for ``n`` rows (the self-guidance term's unconditional pass)."""
         return self._uncond.index(torch.zeros(n, dtype=torch.long))
+
+    def _uncond_velocity(self, policy, x, t):
+        """The self-guidance target's empty-prompt velocity [R, ...] at x [R, ...], t [R]: the old
+        policy's or the frozen base's (``loss.nft.self_guidance_uncond``); never differentiated."""
+        c = self._uncond_rows(len(x))
+        if self.opt.self_guidance_uncond == "base":
+            with torch.no_grad():
+                return policy.reference_velocity(x, t, c, 1.0).float()
+        return self.old.velocity(policy, x, t, c, 1.0).float()
 
     def rollout_weights(self, policy):
         """The authors roll out with the old policy (``loss.nft.sample_with_old``)."""
@@ -130,7 +139,7 @@ class NFTObjective(Objective):
         with ctx.autocast():  # the old policy first: its weight swap must precede the graph's saved tensors
             v_old = self.old.velocity(policy, x_in, rows.t, cond, o.train_guidance).float()
             if self.self_guidance.active:
-                v_old_u = self.old.velocity(policy, x_in, rows.t, self._uncond_rows(len(x_in)), 1.0).float()
+                v_old_u = self._uncond_velocity(policy, x_in, rows.t)
             v = policy.velocity(x_in, rows.t, cond, o.train_guidance).float()
         r = nft_optimality(rows.advantage.to(v.device), o.adv_clip, o.adv_mode)
         t = rows.t.to(v.device)
@@ -157,7 +166,7 @@ class NFTObjective(Objective):
         with ctx.autocast():
             self.old.velocity(policy, x, t, c, self.opt.train_guidance)
             if self.self_guidance.active:
-                self.old.velocity(policy, x, t, self._uncond_rows(1), 1.0)
+                self._uncond_velocity(policy, x, t)
             v = policy.velocity(x, t, c, self.opt.train_guidance).float()
         if self.needs_reference:
             policy.reference_velocity(x, t, c, self.opt.train_guidance)

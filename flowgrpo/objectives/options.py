@@ -42,6 +42,7 @@ class NFTOptions:
     anchor_beta: float = term_field(LowNoiseAnchorOptions, "anchor_beta")
     self_guidance_beta: float = term_field(SelfGuidanceOptions, "self_guidance_beta")
     self_guidance_scale: float = term_field(SelfGuidanceOptions, "self_guidance_scale")
+    self_guidance_uncond: Literal["old", "base"] = term_field(SelfGuidanceOptions, "self_guidance_uncond")
     decay_flat: int = _f(0, "old-policy EMA schedule d(step) = min(max(step - flat, 0) * rate, cap): flat")
     decay_rate: float = _f(0.001, "old-policy EMA schedule: rate per update")
     decay_cap: float = _f(0.5, "old-policy EMA schedule: cap (0 with rate 0: the old policy is the previous update's weights)")
