@@ -169,7 +169,6 @@ def test_nft_old_policy_lags_and_rollouts_use_it(objective_trainer):
     assert m0["nft_old_decay"] == pytest.approx(0.25)  # d(1 optimizer step)
     live = trainer.policy.trainable_state_dict()
     old = trainer.objective.old.weights
-    init = trainer.ema  # noqa: F841  (the EMA is separate from the old policy)
     gap = max(float((live[k] - old[k]).abs().max()) for k in live)
     assert gap > 0  # old = 0.25 old + 0.75 theta, not theta
     m1 = trainer.iteration_step().metrics
