@@ -12,15 +12,15 @@ target is the teacher's conditional prediction). The sample pool is kept in OUT/
 
 Usage: python distill_self.py RUN_OR_WEIGHTS OUT G [STEPS [LR [SIGMA_LO [POOL]]]]
 """
-import copy, json, sys, time
+import sys
 from pathlib import Path
 import numpy as np
 import torch
 torch.set_num_threads(1)
-from flowgrpo.samplers.schedule import shift_sigmas
 from flowgrpo.shapes.evaluate import generate_ode
 from flowgrpo.shapes.prompts import sample_train_spec
 from flowgrpo.trainer.checkpoint import load_shapes_policy
+from distill import distill  # the same loop (this script's folder is on sys.path when run)
 
 src, out, G = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
 steps = int(sys.argv[4]) if len(sys.argv) > 4 else 800
@@ -29,7 +29,7 @@ sigma_lo = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
 batch, pool_n = 64, 2048
 torch.manual_seed(0); rng = np.random.default_rng(0)
 policy = load_shapes_policy(src)[0]
-teacher = policy.model.requires_grad_(False).eval()
+teacher = policy.model
 out.mkdir(parents=True, exist_ok=True)
 pool_path = Path(sys.argv[7]) if len(sys.argv) > 7 else out / "pool.pt"
 if pool_path.exists():
@@ -40,33 +40,12 @@ else:
         imgs = generate_ode(policy, prompts, list(range(pool_n)), num_steps=20, shift=1.0)
     pool = {"x0": imgs * 2 - 1, "prompts": prompts}
     torch.save(pool, pool_path)
-student = copy.deepcopy(teacher).requires_grad_(True).train()
-ema = copy.deepcopy(student).requires_grad_(False)
-opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
-log = (out / "log.jsonl").open("a")
-t0 = time.time(); losses = []
-for step in range(1, steps + 1):
-    idx = rng.integers(pool_n, size=batch)
-    x0 = pool["x0"][idx]
-    prompts = ["" if rng.random() < 0.1 else pool["prompts"][i] for i in idx]
-    sigma = shift_sigmas(torch.sigmoid(torch.randn(batch)), 3.0)
-    s = sigma.view(-1, 1, 1, 1)
-    xt = (1 - s) * x0 + s * torch.randn_like(x0)
-    with torch.no_grad():
-        hc, pc = teacher.encode(prompts)
-        hu, pu = teacher.encode([""] * batch)
-        xc, xu = teacher.predict(xt, sigma, hc, pc), teacher.predict(xt, sigma, hu, pu)
-        scale = torch.where(sigma >= sigma_lo, G, 1.0).view(-1, 1, 1, 1)
-        target = xu + scale * (xc - xu)
-    h, p = student.encode(prompts)
-    loss = torch.mean((student.predict(xt, sigma, h, p) - target) ** 2)
-    opt.zero_grad(set_to_none=True); loss.backward()
-    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0); opt.step()
-    with torch.no_grad():
-        for pe, pm in zip(ema.parameters(), student.parameters()):
-            pe.lerp_(pm, 0.01)
-    losses.append(loss.item())
-    if step % 200 == 0:
-        ema.save(out / f"step_{step}", extra={"distill_self": {"teacher": src, "G": G, "step": step, "lr": lr, "sigma_lo": sigma_lo}})
-        rec = {"step": step, "loss": float(np.mean(losses)), "minutes": (time.time() - t0) / 60}
-        log.write(json.dumps(rec) + "\n"); log.flush(); print(rec, flush=True); losses = []
+
+
+def from_pool(rng, b):
+    """b of the policy's own samples, 10 % of their captions empty."""
+    idx = rng.integers(pool_n, size=b)
+    return pool["x0"][idx], ["" if rng.random() < 0.1 else pool["prompts"][i] for i in idx]
+
+
+distill(teacher, from_pool, G, sigma_lo, steps, lr, out, {"teacher": src, "data": "own samples"}, rng, batch)
