@@ -14,6 +14,7 @@ import torch
 from flowgrpo.shapes.probe import (ceiling, class_ceiling, colour_swap, order_swap, pair_sensitivity, pass_at_k,
                                    pass_at_k_brute, scene_key, swap_group, words_of)
 from flowgrpo.shapes.relation_probe import (placed_first_scene, placement_given_first, relation_holds_rate, relation_kind,
+                                            same_colour_pair,
                                             relation_outcome, relation_prior)
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import Detection, detect, verify
@@ -136,6 +137,13 @@ def test_relation_outcome_and_scene_key():
     rates = relation_holds_rate([(spec, [a, b]), (spec, [a, tie]), (spec, [a2, rev]), (spec, [a2, rev]), (spec, [a])])
     assert (rates["eligible"], rates["position_samples"]) == (4, 5)
     assert (rates["rate"], rates["same_line"], rates["reversed"]) == (0.25, 0.25, 0.5)
+    # split by colour: a red circle left of a red square, tied, beside the two-colour samples above
+    red_pair = SceneSpec("position", (RED_CIRCLE, ObjectSpec("square", "red")), "left of")
+    assert same_colour_pair(red_pair) and not same_colour_pair(spec)
+    split = relation_holds_rate([(spec, [a, b]), (spec, [a2, rev]), (red_pair, [a, Detection("square", "red", 3, 0)])])
+    assert split["same_colour"] == {"rate": 0.0, "same_line": 1.0, "reversed": 0.0, "eligible": 1}
+    assert split["other_colours"] == {"rate": 0.5, "same_line": 0.0, "reversed": 0.5, "eligible": 2}
+    assert split["eligible"] == 3 and split["rate"] == pytest.approx(1 / 3)
     img = render(spec, np.random.default_rng(0))
     assert scene_key(detect(img)) == scene_key(list(reversed(detect(img))))
 
@@ -249,6 +257,10 @@ def test_probe_command_writes_json_and_csv(tmp_path, monkeypatch):
     rows = list(csv.DictReader((out / "probe.csv").open()))
     assert {r["section"] for r in rows} == {"sensitivity", "same_seed_identity", "pass_at_k", "ceiling",
                                            "relation_holds", "relation_prior", "placement_given_first"}
+    rel = res["relation_holds"]  # the colour split adds up to the whole
+    assert rel["same_colour"]["eligible"] + rel["other_colours"]["eligible"] == rel["eligible"]
+    assert {r["key"] for r in rows if r["section"] == "relation_holds"} == {
+        "position", "position.same_colour", "position.other_colours"}
     assert 0.0 <= res["relation_prior"]["leans_right_way"] <= 1.0 and res["relation_prior"]["n"] >= 1
     placed = res["placement_given_first"]
     assert placed["n"] >= 12 and 0.0 <= placed["kept_first"] <= 1.0 and placed["eligible"] <= placed["n"]

@@ -37,7 +37,9 @@ def flat_rows(res: dict) -> list[tuple[str, str, str, float | int | None]]:
     c = res["ceiling"]
     for which in ("conditioning", "swap_blind", "behavioural"):
         rows += [("ceiling", f"{which}.{t}", "accuracy", v) for t, v in (c[which] or {}).items()]
-    rows += [("relation_holds", "position", k, v) for k, v in res["relation_holds"].items()]
+    for k, v in res["relation_holds"].items():  # the colour split is one nested level: position.same_colour, ...
+        rows += ([("relation_holds", f"position.{k}", kk, vv) for kk, vv in v.items()] if isinstance(v, dict)
+                 else [("relation_holds", "position", k, v)])
     rows += [("relation_prior", "position", k, v) for k, v in (res.get("relation_prior") or {}).items()]
     rows += [("placement_given_first", "position", k, v) for k, v in (res.get("placement_given_first") or {}).items()]
     return rows
@@ -74,6 +76,9 @@ def print_tables(res: dict, title: str) -> None:
     con.print(f"relation holds given one A and one B: {f(rel['rate'])} ({rel['eligible']} of "
               f"{rel['position_samples']} position samples eligible); misses: same line {f(rel['same_line'])}, "
               f"reversed {f(rel['reversed'])}")
+    by = [(name, rel.get(key)) for name, key in (("A and B of one colour", "same_colour"), ("of two colours", "other_colours"))]
+    con.print("  " + "; ".join(f"{name}: holds {f(r['rate'])}, same line {f(r['same_line'])}, reversed "
+                                f"{f(r['reversed'])} (n={r['eligible']})" for name, r in by if r))
     prior = res.get("relation_prior")
     if prior:
         con.print(f"relation prior at sigma 0.98: leans the relation's way for {f(prior['leans_right_way'])} of "

@@ -48,14 +48,29 @@ def relation_outcome(spec: SceneSpec, dets: list[Detection]) -> bool | None:
     return None if kind is None else kind == "holds"
 
 
+def same_colour_pair(spec: SceneSpec) -> bool:
+    """Whether a position spec's two objects are named with one colour ("a red circle below a red
+    triangle"). Such pairs are the hard case for a model that lays out colour first: the colour says
+    nothing about which object is A (docs/shapes_world.md, "Which prompts tie")."""
+    a, b = spec.objects[0].color, spec.objects[1].color
+    return a is not None and a == b
+
+
 def relation_holds_rate(samples: list[tuple[SceneSpec, list[Detection]]]) -> dict:
     """Over position samples with exactly one A and one B: the fraction where the relation holds, and
-    the fractions of the misses in which A and B share a line (``same_line``) or stand reversed."""
-    kinds = [relation_kind(s, d) for s, d in samples if s.relation is not None]
-    ok = [k for k in kinds if k is not None]
-    fr = kind_fractions(ok)
-    return {"rate": fr["holds"], "same_line": fr["same_line"], "reversed": fr["reversed"],
-            "eligible": len(ok), "position_samples": len(kinds)}
+    the fractions of the misses in which A and B share a line (``same_line``) or stand reversed; the
+    same three (and ``eligible``) apart for pairs of one colour (``same_colour``) and the rest
+    (``other_colours``), since the first carry most of the misses."""
+    pos = [(s, relation_kind(s, d)) for s, d in samples if s.relation is not None]
+    ok = [(s, k) for s, k in pos if k is not None]
+
+    def rates(kinds: list[str]) -> dict:
+        fr = kind_fractions(kinds)
+        return {"rate": fr["holds"], "same_line": fr["same_line"], "reversed": fr["reversed"], "eligible": len(kinds)}
+
+    return {**rates([k for _, k in ok]), "position_samples": len(pos),
+            "same_colour": rates([k for s, k in ok if same_colour_pair(s)]),
+            "other_colours": rates([k for s, k in ok if not same_colour_pair(s)])}
 
 
 def kind_fractions(kinds: list[str]) -> dict[str, float | None]:
