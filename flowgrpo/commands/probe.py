@@ -76,9 +76,10 @@ def print_tables(res: dict, title: str) -> None:
     con.print(f"relation holds given one A and one B: {f(rel['rate'])} ({rel['eligible']} of "
               f"{rel['position_samples']} position samples eligible); misses: same line {f(rel['same_line'])}, "
               f"reversed {f(rel['reversed'])}")
-    by = [(name, rel.get(key)) for name, key in (("A and B of one colour", "same_colour"), ("of two colours", "other_colours"))]
     con.print("  " + "; ".join(f"{name}: holds {f(r['rate'])}, same line {f(r['same_line'])}, reversed "
-                                f"{f(r['reversed'])} (n={r['eligible']})" for name, r in by if r))
+                                f"{f(r['reversed'])} (n={r['eligible']})"
+                                for name, r in (("A and B of one colour", rel["same_colour"]),
+                                                ("of two colours", rel["other_colours"]))))
     prior = res.get("relation_prior")
     if prior:
         con.print(f"relation prior at sigma 0.98: leans the relation's way for {f(prior['leans_right_way'])} of "

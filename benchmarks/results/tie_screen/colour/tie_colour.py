@@ -2,13 +2,13 @@
 (8000-8007), 20 Euler steps, or with SAMPLER "sde:A:N" N steps of the flow-GRPO SDE at noise level A
 (a diagnostic: the world evaluates with the ODE). Also the strict accuracy and the fidelity of all
 these position samples. Usage: python tie_colour.py WEIGHTS [GUIDANCE [SAMPLER]]"""
-import sys, json, torch, collections
+import sys, json, torch
 torch.set_num_threads(1)
 from flowgrpo.trainer.checkpoint import load_shapes_policy
 from flowgrpo.shapes.evaluate import generate_ode, score_shapes, seeded_noise, sigma_grid
 from flowgrpo.shapes.prompts import split_specs
 from flowgrpo.shapes.verify import detect, group_hits
-from flowgrpo.shapes.relation_probe import relation_kind
+from flowgrpo.shapes.relation_probe import relation_holds_rate, relation_kind, same_colour_pair
 from flowgrpo.images import to_uint8
 from flowgrpo.samplers.steps import sde_step
 
@@ -38,22 +38,24 @@ with torch.no_grad():
         _, a, n = sampler.split(":")
         imgs = to_uint8(torch.cat([generate_sde(pol, [s.prompt for s in ps[i:i + 128]], sd[i:i + 128], float(a), int(n))
                                    for i in range(0, len(ps), 128)]))
-out = {}
-for name, keep in (("same colour", lambda s: s.objects[0].color == s.objects[1].color),
-                   ("different colours", lambda s: s.objects[0].color != s.objects[1].color)):
-    kinds = []; adj = 0
-    for s, im in zip(ps, imgs):
-        if not keep(s): continue
-        d = detect(im); k = relation_kind(s, d)
-        if k is None: continue
-        kinds.append(k)
-        if k == "same_line":
-            (a,), (b,) = [group_hits(o, d) for o in s.objects]
-            horiz = s.relation in ("left of", "right of")
-            adj += abs(a.row - b.row) == 1 if horiz else abs(a.col - b.col) == 1
-    c = collections.Counter(kinds); n = len(kinds)
-    out[name] = {"holds": c["holds"] / n, "same_line": c["same_line"] / n, "reversed": c["reversed"] / n,
-                 "eligible": n, "ties_adjacent": adj / max(c["same_line"], 1)}
+dets = [detect(im) for im in imgs]
+rates = relation_holds_rate(list(zip(ps, dets)))  # the probe's own split (same_colour / other_colours)
+
+
+def ties_adjacent(one_colour: bool) -> float:
+    """Share of the ties whose two objects are neighbours across the relation's axis."""
+    ties = [(s, d) for s, d in zip(ps, dets) if same_colour_pair(s) == one_colour and relation_kind(s, d) == "same_line"]
+    adj = 0
+    for s, d in ties:
+        (a,), (b,) = [group_hits(o, d) for o in s.objects]
+        adj += abs(a.row - b.row) == 1 if s.relation in ("left of", "right of") else abs(a.col - b.col) == 1
+    return adj / max(len(ties), 1)
+
+
+out = {name: {"holds": r["rate"], "same_line": r["same_line"], "reversed": r["reversed"], "eligible": r["eligible"],
+              "ties_adjacent": ties_adjacent(key == "same_colour")}
+       for name, key in (("same colour", "same_colour"), ("different colours", "other_colours"))
+       for r in [rates[key]]}
 ev = score_shapes([s.prompt for s in ps], torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255.0)
 print(json.dumps({"weights": w, "guidance": g, "sampler": sampler, "position_accuracy": ev.accuracy,
                   "position_fidelity": ev.fidelity, **out}))
