@@ -198,3 +198,16 @@ def test_pretrain_command_runs_resumes_and_records_its_settings(tmp_path):
     assert model.cfg.position_code == "grid" and recorded["args"]["position_code"] == "grid" and model.cfg.cell_offset_bias
     assert recorded["args"]["caption_dropout"] == 0.2
     assert recorded["args"]["lead_prob"] == 0.5 and "lead_rng" in torch.load(tmp_path / "state.pt", weights_only=False)
+
+
+def test_pretrain_device_choices(tmp_path, monkeypatch):
+    from flowgrpo.shapes import pretrain
+
+    assert pretrain.resolve_device("cpu") == torch.device("cpu")
+    assert pretrain.resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(SystemExit, match="valid choices are auto, cpu, cuda, cuda:N"):
+        pretrain.resolve_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: no CUDA device here"):
+        pretrain.main(["--out", str(tmp_path), "--steps", "1", "--device", "cuda"])
+    assert not (tmp_path / "state.pt").exists()  # refused before any training state is written

@@ -119,6 +119,21 @@ def cell_noise_levels(x0: torch.Tensor, sigma: torch.Tensor, lead_prob: float, g
     return levels
 
 
+def resolve_device(name: str) -> torch.device:
+    """``--device``: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; a
+    CUDA device that is not there is a one-line error naming the choices."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: no CUDA device here (torch.cuda.is_available() is False); "
+                             "valid choices: auto, cpu, cuda, cuda:N")
+        return torch.device(name)
+    raise SystemExit(f"--device {name!r}: valid choices are auto, cpu, cuda, cuda:N")
+
+
 def _save_state(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -169,12 +184,16 @@ def main(argv: list[str] | None = None) -> None:
                          "(teaches where the other objects go once one is placed; see cell_noise_levels)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--device", default="auto",
+                    help="where the model trains: auto (CUDA when there is one, else the CPU), cpu, cuda or cuda:N; "
+                         "batches and noise are drawn on the CPU either way, so a seed gives the same data")
     args = ap.parse_args(argv)
 
     from .evaluate import evaluate_shapes_model  # late import: evaluation pulls in the samplers
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
     noise = parse_noise(args.caption_noise)
     tag_weights = parse_noise(args.tag_weights, DEFAULT_TAG_WEIGHTS, "--tag-weights")
     if not 0.0 <= args.caption_dropout < 1.0:
@@ -197,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         except RuntimeError as exc:
             raise SystemExit(f"--init-transformer {args.init_transformer}: its MMDiT has another size than "
                              f"--layers/--heads/--head-dim/--text-dim ask for ({str(exc).splitlines()[0]})") from None
+    model.to(device)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
 
@@ -211,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     lead_gen = torch.Generator().manual_seed(args.seed + 1)
     step, elapsed = 0, 0.0
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+        st = torch.load(state_path, weights_only=False, map_location="cpu")  # the optimizer moves its state to the parameters
         model.load_state_dict(st["model"])
         ema.load_state_dict(st["ema"])
         opt.load_state_dict(st["opt"])
@@ -232,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         sigma = shift_sigmas(torch.sigmoid(torch.randn(args.batch)), args.sigma_shift)
         eps = torch.randn_like(x0)
         s = cell_noise_levels(x0, sigma, args.lead_prob, lead_gen)
+        x0, sigma, eps, s = (t.to(device, non_blocking=True) for t in (x0, sigma, eps, s))
         xt = (1 - s) * x0 + s * eps
         hidden, pooled = model.encode(prompts)
         pred = model.predict(xt, sigma, hidden, pooled)
