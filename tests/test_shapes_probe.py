@@ -13,12 +13,12 @@ import torch
 
 from flowgrpo.shapes.probe import (ceiling, class_ceiling, colour_swap, order_swap, pair_sensitivity, pass_at_k,
                                    pass_at_k_brute, scene_key, swap_group, words_of)
-from flowgrpo.shapes.relation_probe import (placed_first_scene, placement_given_first, relation_holds_rate, relation_kind,
-                                            same_colour_pair,
-                                            relation_outcome, relation_prior)
+from flowgrpo.shapes.relation_probe import (as_left_of, independent_placement_rates, placed_first_scene,
+                                            placement_given_first, relation_holds_rate, relation_kind,
+                                            relation_outcome, relation_prior, same_colour_pair)
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import Detection, detect, verify
-from flowgrpo.shapes.world import FLIPPED, GRID, VOCAB, ObjectSpec, SceneSpec, relation_holds, render
+from flowgrpo.shapes.world import FLIPPED, GRID, VOCAB, ObjectSpec, SceneSpec, place, relation_holds, render
 from flowgrpo.shapes.world import draw as render_cells
 
 RED_CIRCLE, BLUE_SQUARE = ObjectSpec("circle", "red"), ObjectSpec("square", "blue")
@@ -260,7 +260,7 @@ def test_probe_command_writes_json_and_csv(tmp_path, monkeypatch):
     rel = res["relation_holds"]  # the colour split adds up to the whole
     assert rel["same_colour"]["eligible"] + rel["other_colours"]["eligible"] == rel["eligible"]
     assert {r["key"] for r in rows if r["section"] == "relation_holds"} == {
-        "position", "position.same_colour", "position.other_colours"}
+        "position", "position.if_independent", "position.same_colour", "position.other_colours"}
     assert 0.0 <= res["relation_prior"]["leans_right_way"] <= 1.0 and res["relation_prior"]["n"] >= 1
     placed = res["placement_given_first"]
     assert placed["n"] >= 12 and 0.0 <= placed["kept_first"] <= 1.0 and placed["eligible"] <= placed["n"]
@@ -270,3 +270,57 @@ def test_probe_command_rejects_a_folder_without_weights(tmp_path):
     from flowgrpo.cli import main
 
     assert main(["shapes", "probe", "--weights", str(tmp_path), "--out", str(tmp_path)]) == 2
+
+
+def test_as_left_of_maps_every_relation_onto_left_of():
+    for rel in ("left of", "right of", "above", "below"):
+        for a in range(GRID * GRID):
+            for b in range(GRID * GRID):
+                ca, cb = divmod(a, GRID), divmod(b, GRID)
+                assert relation_holds(rel, ca, cb) == (as_left_of(rel, *ca)[1] < as_left_of(rel, *cb)[1])
+                # a tie stays a tie: the relation's axis is the mapped column
+                axis = 1 if rel in ("left of", "right of") else 0
+                assert (ca[axis] == cb[axis]) == (as_left_of(rel, *ca)[1] == as_left_of(rel, *cb)[1])
+
+
+def _cells_as_detections(spec, cells):
+    return [Detection(o.shape, o.color, r, c) for o, (r, c) in zip(spec.objects, cells)]
+
+
+def test_placement_null_separates_coupled_from_independent_placement():
+    rng = np.random.default_rng(3)
+    specs = [SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), rel) for rel in ("left of", "right of", "above", "below")]
+    # the training scenes themselves: every sample holds, yet their marginals alone would give 0.886
+    data = []
+    for i in range(2000):
+        spec = specs[i % 4]
+        data.append((spec, _cells_as_detections(spec, [(r, c) for _, _, r, c in place(spec, rng)])))
+    rates = relation_holds_rate(data)
+    assert rates["rate"] == 1.0
+    assert rates["if_independent"]["holds"] == pytest.approx(0.886, abs=0.02)
+    assert sum(rates["if_independent"].values()) == pytest.approx(1.0)
+    # the data's own marginals, exactly: uniform over valid cell pairs
+    pa, pb = np.zeros(GRID * GRID), np.zeros(GRID * GRID)
+    for a in range(GRID * GRID):
+        for b in range(GRID * GRID):
+            if a != b and relation_holds("left of", divmod(a, GRID), divmod(b, GRID)):
+                pa[a] += 1
+                pb[b] += 1
+    exact = independent_placement_rates(pa / pa.sum(), pb / pb.sum())
+    assert (exact["holds"], exact["same_line"], exact["reversed"]) == pytest.approx((31 / 35, 3 / 35, 1 / 35))
+    # objects placed each from its own marginal, one a cell: the observed rate is the null's
+    la = np.array([0.5, 0.3, 0.15, 0.05])  # A's column distribution in the left-of frame
+    ind = []
+    for i in range(4000):
+        spec = specs[i % 4]
+        while True:
+            ca, cb = (int(rng.integers(GRID)), int(rng.choice(GRID, p=la))), (int(rng.integers(GRID)), int(rng.choice(GRID, p=la[::-1])))
+            if ca != cb:
+                break
+        inv = {"left of": lambda r, c: (r, c), "right of": lambda r, c: (r, GRID - 1 - c),
+               "above": lambda r, c: (c, r), "below": lambda r, c: (GRID - 1 - c, r)}[spec.relation]
+        ind.append((spec, _cells_as_detections(spec, [inv(*ca), inv(*cb)])))
+    rates = relation_holds_rate(ind)
+    assert rates["rate"] == pytest.approx(rates["if_independent"]["holds"], abs=0.03)
+    assert rates["same_line"] == pytest.approx(rates["if_independent"]["same_line"], abs=0.03)
+    assert relation_holds_rate([])["if_independent"] == {"holds": None, "same_line": None, "reversed": None}

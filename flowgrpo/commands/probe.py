@@ -76,6 +76,11 @@ def print_tables(res: dict, title: str) -> None:
     con.print(f"relation holds given one A and one B: {f(rel['rate'])} ({rel['eligible']} of "
               f"{rel['position_samples']} position samples eligible); misses: same line {f(rel['same_line'])}, "
               f"reversed {f(rel['reversed'])}")
+    null = rel["if_independent"]
+    if null["holds"] is not None:
+        con.print(f"  if each object were placed on its own (the same samples' cell marginals): holds {f(null['holds'])}, "
+                  f"same line {f(null['same_line'])}, reversed {f(null['reversed'])}; coupling "
+                  f"{rel['rate'] - null['holds']:+.3f} (0: none; the training data's marginals alone give 0.886)")
     con.print("  " + "; ".join(f"{name}: holds {f(r['rate'])}, same line {f(r['same_line'])}, reversed "
                                 f"{f(r['reversed'])} (n={r['eligible']})"
                                 for name, r in (("A and B of one colour", rel["same_colour"]),
