@@ -15,7 +15,7 @@ from flowgrpo.samplers.steps import sde_step
 
 def generate_sde(pol, prompts, seeds, a, n):
     """Flow-GRPO SDE sampling (noise level a, n steps), the noise of each step drawn from the seed."""
-    x = seeded_noise(seeds, pol.latent_shape); sig = sigma_grid(n, 1.0)
+    x = seeded_noise(seeds, pol.latent_shape).to(pol.device); sig = sigma_grid(n, 1.0)
     gen = torch.Generator().manual_seed(seeds[0] * 7919 + len(seeds))
     cond = pol.encode_prompts(prompts)
     for i in range(n):
@@ -31,6 +31,8 @@ sampler = sys.argv[3] if len(sys.argv) > 3 else "ode"
 specs = list(split_specs("position")[1]); seeds = list(range(8000, 8008))
 ps = [s for s in specs for _ in seeds]; sd = [x for _ in specs for x in seeds]
 pol = load_shapes_policy(w)[0]; pol.guidance_scale = g
+if torch.cuda.is_available():  # the seeds' noise is drawn on the CPU either way, so the draws match
+    pol.to("cuda")
 with torch.no_grad():
     if sampler == "ode":
         imgs = to_uint8(generate_ode(pol, [s.prompt for s in ps], sd, num_steps=20, shift=1.0))
