@@ -211,3 +211,26 @@ def test_pretrain_device_choices(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--device cuda: no CUDA device here"):
         pretrain.main(["--out", str(tmp_path), "--steps", "1", "--device", "cuda"])
     assert not (tmp_path / "state.pt").exists()  # refused before any training state is written
+
+
+def test_pretrain_starts_from_other_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from flowgrpo.shapes import pretrain
+
+    tiny = ["--batch", "4", "--eval-every", "100", "--eval-prompts", "2", "--threads", "1", "--layers", "1", "--heads", "2",
+            "--head-dim", "16", "--text-dim", "32", "--warmup", "1", "--device", "cpu"]
+    pretrain.main(["--out", str(tmp_path / "a"), "--steps", "1", *tiny])
+    src = tmp_path / "a" / "snapshots" / "final"
+    a = load_file(str(src / "model.safetensors"))
+    pretrain.main(["--out", str(tmp_path / "m"), "--steps", "0", "--seed", "5", "--init-model", str(src), *tiny])
+    pretrain.main(["--out", str(tmp_path / "t"), "--steps", "0", "--seed", "5", "--init-transformer", str(src), *tiny])
+    m = load_file(str(tmp_path / "m" / "snapshots" / "final" / "model.safetensors"))
+    t = load_file(str(tmp_path / "t" / "snapshots" / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], m[k]) for k in a)  # every weight, the text encoder's too
+    assert all(torch.equal(a[k], t[k]) for k in a if k.startswith("transformer."))
+    assert not all(torch.equal(a[k], t[k]) for k in a if k.startswith("text_encoder."))  # fresh text side
+    with pytest.raises(SystemExit, match="give one of --init-transformer"):
+        pretrain.main(["--out", str(tmp_path / "x"), "--init-model", str(src), "--init-transformer", str(src), *tiny])
+    with pytest.raises(SystemExit, match="--init-model .*do not fit"):
+        pretrain.main(["--out", str(tmp_path / "y"), "--init-model", str(src), "--cell-offset-bias", *tiny])

@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init-transformer", default=None, metavar="DIR",
                     help="start the MMDiT (the image side) from the shapes weights in DIR (model.safetensors + "
                          "config.json of the same size); the text encoder starts fresh")
+    ap.add_argument("--init-model", default=None, metavar="DIR",
+                    help="start every weight (text encoder and MMDiT) from the shapes weights in DIR; the options "
+                         "that shape the model (size, --position-code, --cell-offset-bias, ...) must match them")
     ap.add_argument("--position-code", default="sincos", choices=POSITION_CODES,
                     help="image tokens' position code: sincos (SD3's table, nearly flat on a 4 x 4 grid; the "
                          "shipped weights) | grid (rows and columns told apart sharply; see grid_position_code)")
@@ -209,13 +212,17 @@ def main(argv: list[str] | None = None) -> None:
                                   text_encoder=args.text_encoder, group_relation=args.group_relation,
                                   position_code=args.position_code, cell_offset_bias=args.cell_offset_bias)
     model = ShapesFlowModel(model_cfg)
-    if args.init_transformer:
-        init = ShapesFlowModel.load(args.init_transformer)
+    if args.init_transformer and args.init_model:
+        raise SystemExit("give one of --init-transformer (the MMDiT only) and --init-model (every weight)")
+    if args.init_transformer or args.init_model:
+        option, folder = ("--init-model", args.init_model) if args.init_model else ("--init-transformer", args.init_transformer)
+        init = ShapesFlowModel.load(folder)
+        target, source = (model, init) if args.init_model else (model.transformer, init.transformer)
         try:
-            model.transformer.load_state_dict(init.transformer.state_dict())
+            target.load_state_dict(source.state_dict())
         except RuntimeError as exc:
-            raise SystemExit(f"--init-transformer {args.init_transformer}: its MMDiT has another size than "
-                             f"--layers/--heads/--head-dim/--text-dim ask for ({str(exc).splitlines()[0]})") from None
+            raise SystemExit(f"{option} {folder}: its weights do not fit the model that --layers/--heads/--head-dim/"
+                             f"--text-dim/--position-code/--cell-offset-bias ask for ({str(exc).splitlines()[0]})") from None
     model.to(device)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
