@@ -103,16 +103,15 @@ def placement_null(samples: list[tuple[SceneSpec, list[Detection]]]) -> dict[str
     object from its own marginal and coordinates nothing; the gap is what it couples. For reference, the
     training scenes' own marginals (uniform over valid cell pairs) give holds 0.886, same line 0.086,
     reversed 0.029, so a model that draws the data's marginals but not its coupling stops at 0.886."""
-    pa, pb = np.zeros(GRID * GRID), np.zeros(GRID * GRID)
-    for spec, dets in samples:
-        (a,), (b,) = [group_hits(o, dets) for o in spec.objects]
-        ra, ca = as_left_of(spec.relation, a.row, a.col)
-        rb, cb = as_left_of(spec.relation, b.row, b.col)
-        pa[ra * GRID + ca] += 1
-        pb[rb * GRID + cb] += 1
     if not samples:
         return {"holds": None, "same_line": None, "reversed": None}
-    return independent_placement_rates(pa / pa.sum(), pb / pb.sum())
+    counts = np.zeros((2, GRID * GRID))  # A's and B's cells in the "left of" frame
+    for spec, dets in samples:
+        for i, obj in enumerate(spec.objects):
+            (hit,) = group_hits(obj, dets)
+            r, c = as_left_of(spec.relation, hit.row, hit.col)
+            counts[i, r * GRID + c] += 1
+    return independent_placement_rates(counts[0] / len(samples), counts[1] / len(samples))
 
 
 def kind_fractions(kinds: list[str]) -> dict[str, float | None]:
