@@ -137,6 +137,7 @@ def test_relation_outcome_and_scene_key():
     rates = relation_holds_rate([(spec, [a, b]), (spec, [a, tie]), (spec, [a2, rev]), (spec, [a2, rev]), (spec, [a])])
     assert (rates["eligible"], rates["position_samples"]) == (4, 5)
     assert (rates["rate"], rates["same_line"], rates["reversed"]) == (0.25, 0.25, 0.5)
+    assert (rates["prompt_mean"], rates["prompts"]) == (0.25, 1)  # one prompt: its own rate
     # split by colour: a red circle left of a red square, tied, beside the two-colour samples above
     red_pair = SceneSpec("position", (RED_CIRCLE, ObjectSpec("square", "red")), "left of")
     assert same_colour_pair(red_pair) and not same_colour_pair(spec)
@@ -144,6 +145,12 @@ def test_relation_outcome_and_scene_key():
     assert split["same_colour"] == {"rate": 0.0, "same_line": 1.0, "reversed": 0.0, "eligible": 1}
     assert split["other_colours"] == {"rate": 0.5, "same_line": 0.0, "reversed": 0.5, "eligible": 2}
     assert split["eligible"] == 3 and split["rate"] == pytest.approx(1 / 3)
+    # per prompt: the two-colour prompt holds 1 of 2, the one-colour prompt 0 of 1 -> (0.5 + 0) / 2
+    assert split["prompts"] == 2 and split["prompt_mean"] == pytest.approx(0.25)
+    # a prompt drawn many times moves the pooled rate, but enters the prompt mean once
+    heavy = relation_holds_rate([(spec, [a, b])] * 30 + [(red_pair, [a, Detection("square", "red", 3, 0)])])
+    assert heavy["rate"] == pytest.approx(30 / 31) and heavy["prompt_mean"] == pytest.approx(0.5)
+    assert relation_holds_rate([])["prompt_mean"] is None
     img = render(spec, np.random.default_rng(0))
     assert scene_key(detect(img)) == scene_key(list(reversed(detect(img))))
 

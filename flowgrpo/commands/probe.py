@@ -76,6 +76,8 @@ def print_tables(res: dict, title: str) -> None:
     con.print(f"relation holds given one A and one B: {f(rel['rate'])} ({rel['eligible']} of "
               f"{rel['position_samples']} position samples eligible); misses: same line {f(rel['same_line'])}, "
               f"reversed {f(rel['reversed'])}")
+    con.print(f"  averaged over prompts, each once: {f(rel['prompt_mean'])} ({rel['prompts']} position prompts; "
+              f"the pooled rate above weighs the pass@k prompts' many draws more)")
     null = rel["if_independent"]
     if null["holds"] is not None:
         con.print(f"  if each object were placed on its own (the same samples' cell marginals): holds {f(null['holds'])}, "

@@ -60,7 +60,11 @@ def relation_holds_rate(samples: list[tuple[SceneSpec, list[Detection]]]) -> dic
     """Over position samples with exactly one A and one B: the fraction where the relation holds, and
     the fractions of the misses in which A and B share a line (``same_line``) or stand reversed; the
     same three (and ``eligible``) apart for pairs of one colour (``same_colour``) and the rest
-    (``other_colours``), since the first miss about three times as often (docs/shapes_world.md)."""
+    (``other_colours``), since the first miss about three times as often (docs/shapes_world.md).
+
+    ``rate`` pools samples, so a prompt drawn 64 times (the pass@k part of the probe) weighs 32 times
+    one drawn twice; ``prompt_mean`` is the mean over the ``prompts`` distinct position prompts of each
+    prompt's own holds fraction, which every prompt enters once."""
     pos = [(s, d, relation_kind(s, d)) for s, d in samples if s.relation is not None]
     ok = [(s, d, k) for s, d, k in pos if k is not None]
 
@@ -68,7 +72,12 @@ def relation_holds_rate(samples: list[tuple[SceneSpec, list[Detection]]]) -> dic
         fr = kind_fractions(kinds)
         return {"rate": fr["holds"], "same_line": fr["same_line"], "reversed": fr["reversed"], "eligible": len(kinds)}
 
+    by_prompt: dict[str, list[bool]] = {}
+    for s, _, k in ok:
+        by_prompt.setdefault(s.prompt, []).append(k == "holds")
     return {**rates([k for _, _, k in ok]), "position_samples": len(pos),
+            "prompt_mean": float(np.mean([np.mean(v) for v in by_prompt.values()])) if by_prompt else None,
+            "prompts": len(by_prompt),
             "if_independent": placement_null([(s, d) for s, d, _ in ok]),
             "same_colour": rates([k for s, _, k in ok if same_colour_pair(s)]),
             "other_colours": rates([k for s, _, k in ok if not same_colour_pair(s)])}
