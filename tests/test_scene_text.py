@@ -234,3 +234,29 @@ def test_pretrain_starts_from_other_weights(tmp_path):
         pretrain.main(["--out", str(tmp_path / "x"), "--init-model", str(src), "--init-transformer", str(src), *tiny])
     with pytest.raises(SystemExit, match="--init-model .*do not fit"):
         pretrain.main(["--out", str(tmp_path / "y"), "--init-model", str(src), "--cell-offset-bias", *tiny])
+
+
+def test_base_recipe_runs_its_stages_in_order_and_skips_finished_ones(tmp_path, monkeypatch, capsys):
+    """The shipped base's two-stage recipe, with the real stage arguments and one step each: stage 2 starts
+    from stage 1's final snapshot, and a rerun trains nothing again."""
+    import dataclasses
+
+    from flowgrpo.shapes import base_recipe
+
+    monkeypatch.setattr(base_recipe, "STAGES", tuple(dataclasses.replace(s, steps=1) for s in base_recipe.STAGES))
+    final = base_recipe.main(["--out", str(tmp_path), "--threads", "1", "--device", "cpu", "--seed", "3"])
+    assert final == tmp_path / "stage2" / "snapshots" / "final"
+    first = json.loads((tmp_path / "stage1" / "pretrain_args.json").read_text())
+    second = json.loads((tmp_path / "stage2" / "pretrain_args.json").read_text())
+    assert first["caption_noise"]["position"] == 0.0 and first["args"]["batch"] == 512
+    assert {t for t, w in first["tag_weights"].items() if w > 0} == {"position"}  # stage 1: position only
+    assert second["args"]["init_model"] == str(tmp_path / "stage1" / "snapshots" / "final")
+    assert second["caption_noise"]["position"] == 0.2 and second["tag_weights"]["position"] == 3.0  # the defaults
+    assert ShapesFlowModel.load(final).cfg.cell_offset_bias and first["args"]["seed"] == second["args"]["seed"] == 3
+    assert base_recipe.finished(tmp_path / "stage1", 1) and not base_recipe.finished(tmp_path / "stage1", 2)
+    before = (final / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    base_recipe.main(["--out", str(tmp_path), "--threads", "1", "--device", "cpu"])
+    assert capsys.readouterr().out.count("already finished") == 2
+    assert (final / "model.safetensors").stat().st_mtime_ns == before
+    assert len((tmp_path / "stage2" / "pretrain_log.jsonl").read_text().splitlines()) == 1
