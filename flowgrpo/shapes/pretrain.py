@@ -140,7 +140,8 @@ def _save_state(path: Path, state: dict) -> None:
     tmp.replace(path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m flowgrpo.shapes.pretrain`` (also used to check recorded runs' arguments)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (snapshots, log, resumable state)")
     ap.add_argument("--steps", type=int, default=12000, help="optimizer steps (the cosine schedule spans them)")
@@ -190,7 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto",
                     help="where the model trains: auto (CUDA when there is one, else the CPU), cpu, cuda or cuda:N; "
                          "batches and noise are drawn on the CPU either way, so a seed gives the same data")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     from .evaluate import evaluate_shapes_model  # late import: evaluation pulls in the samplers
 
