@@ -103,18 +103,18 @@ def test_two_processes_make_the_same_parameter_update_as_one(one_and_two):
 
 def test_guard_reweighting_on_two_processes_makes_the_one_process_update(tmp_path):
     """GRPO-Guard's per-step weights 1/|dt| are normalised to mean 1 over the steps trained in the
-    update. TempFlow-GRPO on the shipped shapes weights with its verifier (seed 24, shift 3: unequal
-    steps; seed 2 on the weights shipped before the re-pretraining of commit 37876c8, seed 5 on those
-    before issue 29) leaves some branch points without signal: at iteration 0 rank 1's trees have no
+    update. TempFlow-GRPO on the shipped shapes weights with its verifier (seed 11, shift 3: unequal
+    steps; seed 24 on the single-stage weights of f6f70e2, seed 2 on the weights shipped before the
+    re-pretraining of commit 37876c8, seed 5 on those before issue 29) leaves some branch points without signal: at iteration 0 rank 1's trees have no
     row at step 2 while rank 0's do. (To find a seed for new weights, predict the split from a
-    1-process iteration 0: rank 0 holds trees 0-3 of the 9, rank 1 trees 4-8; seeds 24 and 33 of
-    0-40 give this case.) Its weights must still be normalised over the whole iteration's
+    1-process iteration 0: rank 0 holds trees 0-3 of the 9, rank 1 trees 4-8; on the two-stage
+    weights seeds 11, 28 and 40 of 0-44 give this case.) Its weights must still be normalised over the whole iteration's
     steps {0, 1, 2}, as on one process (normalising over its own {0, 1} moved the weights by 4e-5
-    and the gradient norm by 6 %; at seed 24 on the current weights 4.1e-5 and 5.7 %)."""
+    and the gradient norm by 6 %; at seed 24 on the single-stage weights 4.1e-5 and 5.7 %)."""
     from flowgrpo.shapes.model import WEIGHTS_DIR
 
     ov = tiny_overrides(WEIGHTS_DIR, **SMOOTH_ADAM, **{
-        "train.seed": 24, "sampler.shift": 3.0, "loss.guard_reweight": "true", "sampler.strategy": "tempflow_grpo",
+        "train.seed": 11, "sampler.shift": 3.0, "loss.guard_reweight": "true", "sampler.strategy": "tempflow_grpo",
         "advantage.estimator": "tempflow", "strategy.branch": 3, "data.prompts_per_iteration": 3,
         "data.trees_per_prompt": 3, "reward.weights": "{shapes: 1.0}", "log.trackers": "[]"})
     one = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "one"), "1", *ov], env=cli_env(),

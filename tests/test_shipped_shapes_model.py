@@ -75,3 +75,21 @@ def test_shipped_model_places_groups_by_the_relation():
 
     res = relation_prior(predict_x0, list(split_specs("position")[1][:16]), draws=8)
     assert res["n"] == 16 and res["leans_right_way"] >= 0.8 and res["strength"] > 0.05, res
+
+
+def test_shipped_weights_were_made_by_the_base_recipe():
+    """The arguments recorded beside the weights are those `python -m flowgrpo.shapes.base_recipe` gives
+    each stage (docs/shapes_world.md, "Re-creating the base model"), so the documented command is the
+    one that made them."""
+    import json
+    from pathlib import Path
+
+    from flowgrpo.shapes import base_recipe, pretrain
+
+    ignore = {"out", "threads", "device", "init_model", "minutes"}  # where and how fast, not what
+    for stage, name in zip(base_recipe.STAGES, ("stage1_pretrain_args.json", "pretrain_args.json")):
+        recorded = json.loads((WEIGHTS_DIR / name).read_text())["args"]
+        parsed = vars(pretrain.build_parser().parse_args(base_recipe.stage_argv(stage, Path("/x"), None, 1, "cpu")))
+        diff = {k: (v, recorded.get(k)) for k, v in parsed.items() if k not in ignore and v != recorded.get(k)}
+        assert not diff, (stage.name, diff)
+    assert json.loads((WEIGHTS_DIR / "pretrain_args.json").read_text())["args"]["init_model"]  # stage 2 started from stage 1
