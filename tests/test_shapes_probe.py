@@ -331,3 +331,28 @@ def test_placement_null_separates_coupled_from_independent_placement():
     assert rates["rate"] == pytest.approx(rates["if_independent"]["holds"], abs=0.03)
     assert rates["same_line"] == pytest.approx(rates["if_independent"]["same_line"], abs=0.03)
     assert relation_holds_rate([])["if_independent"] == {"holds": None, "same_line": None, "reversed": None}
+
+
+def test_swap_pairs_draw_twins_from_one_noise_and_other_pairs_from_others():
+    """Twins share their seeds (so identity is measured); with a stride, no two pairs share a noise, since a
+    shared noise makes every prompt's layout alike and the pooled relation rate hang on a few noises."""
+    from flowgrpo.shapes.probe import passk_by_tag, same_seed_identity
+
+    pairs = [(SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), "left of"),) * 2,
+             (SceneSpec("position", (BLUE_SQUARE, RED_CIRCLE), "above"),) * 2]
+    drawn = []
+
+    def sample(prompts, seeds):
+        drawn.extend(seeds)
+        return np.stack([render(SceneSpec("position", (RED_CIRCLE, BLUE_SQUARE), "left of"),
+                                np.random.default_rng(sd)) for sd in seeds])
+
+    res = same_seed_identity(sample, pairs, [10, 11], seed_stride=2)
+    assert drawn == [10, 11, 10, 11, 12, 13, 12, 13]  # pair 0 twins, then pair 1 twins on new noise
+    assert res["n"] == 4 and res["identical"] == 1.0  # one prompt per twin here: identical scenes
+    drawn.clear()
+    same_seed_identity(sample, pairs, [10, 11])  # stride 0: every pair on the same noises
+    assert drawn == [10, 11, 10, 11, 10, 11, 10, 11]
+    drawn.clear()
+    passk_by_tag(sample, [pairs[0][0], pairs[1][0]], n=3, base_seed=100)
+    assert drawn == [100, 101, 102, 103, 104, 105]

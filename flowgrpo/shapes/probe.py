@@ -182,14 +182,18 @@ def scene_key(dets: list[Detection]) -> frozenset:
     return frozenset((d.row, d.col, d.color, d.shape) for d in dets)
 
 
-def same_seed_identity(sample, pairs: list[tuple[SceneSpec, SceneSpec]], seeds: list[int]) -> dict:
-    """Draw both prompts of each pair with the same ``seeds``; ``sample(prompts, seeds)`` -> uint8
-    images [N, 32, 32, 3]. Returns the identical-scene rate and the per-sample detections (for the
-    relation-holds rate), keyed ``"dets"`` as [(spec, detections)]."""
+def same_seed_identity(sample, pairs: list[tuple[SceneSpec, SceneSpec]], seeds: list[int], seed_stride: int = 0) -> dict:
+    """Draw both prompts of each pair with the same seeds; ``sample(prompts, seeds)`` -> uint8
+    images [N, 32, 32, 3]. Pair i uses ``[s + i * seed_stride for s in seeds]``: with a stride of at
+    least ``len(seeds)`` no two pairs share a noise. That matters for any rate pooled over pairs: one
+    seed gives every prompt the same initial noise, and the noise largely decides the layout, so with
+    shared seeds the relation-holds rate of 34 held-out prompts read 0.89 under seeds 7000-7007 and
+    0.96 under 8000-8007 on the same weights. Returns the identical-scene rate and the per-sample
+    detections (for the relation-holds rate), keyed ``"dets"`` as [(spec, detections)]."""
     if not pairs:
         return {"identical": None, "n": 0, "dets": []}
     specs = [s for a, b in pairs for s in (a, b) for _ in seeds]
-    seed_list = [sd for _ in pairs for _ in (0, 1) for sd in seeds]
+    seed_list = [sd + i * seed_stride for i in range(len(pairs)) for _ in (0, 1) for sd in seeds]
     dets = [detect(img) for img in sample([s.prompt for s in specs], seed_list)]
     same = []
     per_pair = 2 * len(seeds)
@@ -200,10 +204,11 @@ def same_seed_identity(sample, pairs: list[tuple[SceneSpec, SceneSpec]], seeds: 
 
 
 def passk_by_tag(sample, specs: list[SceneSpec], n: int, base_seed: int = 5000) -> dict:
-    """n samples per spec (seeds ``base_seed + j``); per tag the mean pass@k over its specs for every
-    k in :data:`KS` not above n. Returns {"per_tag": {tag: {"pass@k": ...}}, "prompts": [...], "dets": [...]}."""
+    """n samples per spec (spec i: seeds ``base_seed + i * n + j``, so no two specs share a noise); per
+    tag the mean pass@k over its specs for every k in :data:`KS` not above n. Returns
+    {"per_tag": {tag: {"pass@k": ...}}, "prompts": [...], "dets": [...]}."""
     prompts = [s.prompt for s in specs for _ in range(n)]
-    seeds = [base_seed + j for _ in specs for j in range(n)]
+    seeds = [base_seed + i * n + j for i in range(len(specs)) for j in range(n)]
     dets = [detect(img) for img in sample(prompts, seeds)]
     rows, by_tag = [], {}
     for i, s in enumerate(specs):
@@ -300,10 +305,10 @@ def run_probe(encode, sample, num_prompts: int = 64, seeds: int = 2, passk_per_t
     for kind, pairs in kinds.items():
         rows = pair_sensitivity(encode, [(a.prompt, b.prompt) for a, b in pairs], labels)
         sensitivity[kind] = {m: summarize([r[m] for r in rows]) for m in ("pooled_cos", "token_cos_min", "token_change")}
-    seed_list = [7000 + j for j in range(seeds)]
     identity, relation_samples = {}, []
-    for kind in ("order_position", "colour"):
-        res = same_seed_identity(sample, kinds[kind][:max(1, num_prompts // 2)], seed_list)
+    for k, kind in enumerate(("order_position", "colour")):  # a noise of its own for every pair (see same_seed_identity)
+        res = same_seed_identity(sample, kinds[kind][:max(1, num_prompts // 2)],
+                                 [7000 + 1000 * k + j for j in range(seeds)], seed_stride=seeds)
         identity[kind] = {"identical": res["identical"], "n": res["n"]}
         relation_samples += res["dets"]
     by_tag: dict[str, list] = {}
