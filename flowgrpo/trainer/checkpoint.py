@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from ..errors import ConfigError, UserError
+from .base_weights import check_base_weights
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -334,6 +335,7 @@ def load_trained_policy(target: Path, only_model: str | None = None, *, prefer_e
         validate(cfg)
     if only_model is not None and cfg.model.name != only_model:
         raise UserError(f"{run_dir} trained model {cfg.model.name!r}; only {only_model!r} runs are read here")
+    check_base_weights(run_dir, cfg.model)
     trained = load_policy_weights(run_dir, prefer_ema, checkpoint if checkpoint is not None else iteration)
     torch.manual_seed(cfg.train.seed)
     policy = build_policy(cfg.model)

@@ -2,6 +2,7 @@
 
 RUN_DIR/
   config.yaml          the full resolved config (resume reads it back)
+  base_weights.json    shapes runs: path and sha256 of the base weights (flowgrpo.trainer.base_weights)
   metrics.jsonl        one line per iteration
   tensorboard/         TensorBoard events (log.trackers; mlruns/ and wandb/ for those trackers)
   checkpoints/ckpt_N/  atomic checkpoints (trainable weights, optimizer, EMA, iteration, clock)
@@ -44,6 +45,7 @@ from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..output.plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
 from ..sharded_tensors import is_sharded
 from .accelerator import start_trackers
+from .base_weights import check_base_weights, record_base_weights
 from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint, write_problem
 from .metrics import MetricsLogger, json_safe, read_metrics
 from .progress import bar_fields, progress_bar
@@ -92,6 +94,7 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp) -> 
     """The run directory, created (fresh run) by the main process and the same on every rank."""
     if resume:
         assert run_dir is not None
+        check_base_weights(run_dir, cfg.model)  # before any checkpoint is loaded onto other base weights
         return Path(run_dir)
     outcome: tuple[str | None, str | None] = (None, None)
     if dp.is_main:
@@ -99,6 +102,7 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp) -> 
             path = run_dir or make_run_dir(cfg)
             path.mkdir(parents=True, exist_ok=True)
             (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            record_base_weights(path, cfg.model)  # shapes runs: which base the checkpoints belong to
             outcome = (str(path), None)
         except UserError as e:
             outcome = (None, str(e))
