@@ -1,5 +1,5 @@
-"""Held-out accuracy of a run's newest checkpoint on the 64 evaluation prompts x 16 seeds (1,024 samples; the
-training runs' own evaluation uses the first 4 seeds). Usage: python eval_16_seeds.py RUN"""
+"""Held-out accuracy of a run's newest checkpoint on the 64 evaluation prompts x 16 samples (1,024, a seed
+each, as the evaluator draws them; the runs' own evaluation draws 4 a prompt). Usage: python eval_16_seeds.py RUN"""
 import sys, json, torch
 torch.set_num_threads(1)
 from flowgrpo.trainer.checkpoint import load_shapes_policy
