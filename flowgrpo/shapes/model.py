@@ -29,6 +29,12 @@ from .world import VOCAB
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
 
+def weights_folder(directory: str | Path | None = None) -> Path:
+    """The folder of shapes weights that ``directory`` names: itself, or (None / empty) the weights
+    shipped inside the package, which is what ``model.path: null`` means."""
+    return Path(directory) if directory else WEIGHTS_DIR
+
+
 #: the text sides a shapes model can have (``ShapesModelConfig.text_encoder``)
 TEXT_ENCODERS = ("scene", "words")
 
@@ -224,7 +230,7 @@ class ShapesFlowModel(nn.Module):
         """Load from ``directory`` (default: the weights shipped inside the package)."""
         from safetensors.torch import load_file
 
-        directory = Path(directory) if directory else WEIGHTS_DIR
+        directory = weights_folder(directory)
         weights = directory / "model.safetensors"
         if not weights.exists():
             raise FileNotFoundError(

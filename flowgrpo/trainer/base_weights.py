@@ -25,9 +25,9 @@ BASE_FILE = "base_weights.json"
 def shapes_base_fingerprint(model_path: str | None) -> dict:
     """{"path", "sha256"} of the shapes base weights that ``model.path`` resolves to (None: the shipped
     weights); the hash is over ``model.safetensors`` (14 MB, tens of milliseconds)."""
-    from ..shapes.model import WEIGHTS_DIR
+    from ..shapes.model import weights_folder
 
-    folder = Path(model_path) if model_path else WEIGHTS_DIR
+    folder = weights_folder(model_path)
     digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     return {"path": str(folder.resolve()), "sha256": digest}
 
