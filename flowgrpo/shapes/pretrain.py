@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import UserError
+from ..safe_load import load_tensors
 from ..samplers.schedule import shift_sigmas
 from .model import POSITION_CODES, TEXT_ENCODERS, ShapesFlowModel, ShapesModelConfig
 from .prompts import sample_train_spec
@@ -243,7 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     lead_gen = torch.Generator().manual_seed(args.seed + 1)
     step, elapsed = 0, 0.0
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False, map_location="cpu")  # the optimizer moves its state to the parameters
+        try:  # on the CPU: the optimizer moves its state to the parameters
+            st = load_tensors(state_path, "pretraining state")
+        except UserError as exc:
+            raise SystemExit(str(exc)) from None
         model.load_state_dict(st["model"])
         ema.load_state_dict(st["ema"])
         opt.load_state_dict(st["opt"])

@@ -6,7 +6,9 @@ A checkpoint damaged later (a file cut short by a full disk or a partial copy, o
 inside it: every record of the zip archive torch writes carries a CRC-32, checked before loading) is
 passed over with a warning naming it and the record: resume,
 ``flowgrpo eval``, ``export`` and ``unigenbench generate`` use the newest intact one, and when none is
-intact they stop with one line (:class:`~flowgrpo.errors.UserError`).
+intact they stop with one line (:class:`~flowgrpo.errors.UserError`). State files are read as tensors
+and plain data only (:mod:`flowgrpo.safe_load`): one holding anything else, a pickle that would run
+code, is refused in one line rather than passed over.
 
 :func:`load_policy_weights` is the one way to get a run's trained weights (its EMA when the run kept
 one, as the run's own evaluation and its ``lora/`` export use), as a :class:`PolicyWeights` record.
@@ -26,6 +28,7 @@ import torch
 import yaml
 
 from ..errors import ConfigError, UserError
+from ..safe_load import UnsafeFileError, load_tensors
 from .base_weights import check_base_weights
 
 if TYPE_CHECKING:
@@ -186,6 +189,8 @@ def _load_intact(path: Path) -> Checkpoint:
         raise _Damaged(problem)
     try:
         return Checkpoint(path, _read_state(Path(path) / STATE_FILE))
+    except UnsafeFileError:  # not damage: an older checkpoint of a folder someone wrote into is no refuge
+        raise
     except UserError as exc:
         raise _Damaged(str(exc)) from None
 
@@ -229,9 +234,13 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def _read_state(file: Path) -> dict:
-    """torch.load of checkpoint file ``file``; a UserError naming it when it cannot be read."""
+    """Checkpoint file ``file`` read as tensors and plain data only (:func:`~flowgrpo.safe_load.load_tensors`:
+    an :class:`~flowgrpo.safe_load.UnsafeFileError` when it holds anything else); a UserError naming
+    it when it cannot be read."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=False)
+        return load_tensors(file)
+    except UnsafeFileError:
+        raise
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, ... for damage
         raise UserError(f"checkpoint {file} cannot be loaded ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else 'unreadable'})") from None

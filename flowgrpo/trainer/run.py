@@ -43,6 +43,7 @@ from ..config import RunConfig, to_dict
 from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..output.plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
+from ..safe_load import load_tensors
 from ..sharded_tensors import is_sharded
 from .accelerator import start_trackers
 from .base_weights import check_base_weights, record_base_weights
@@ -325,7 +326,7 @@ def _final_evaluation(trainer: GRPOTrainer, final: tuple[EvalResult, dict | None
     save_accuracy_curve(run_dir / "accuracy_curve.png", curve, eval_after["num_samples"])
     save_reward_curve(run_dir / "reward_curve.png", records, [(c["iteration"], c["accuracy"]) for c in curve])
     if before_images is None and (run_dir / "eval_before_grid.pt").exists():
-        before_images = torch.load(run_dir / "eval_before_grid.pt", weights_only=False)
+        before_images = load_tensors(run_dir / "eval_before_grid.pt", "evaluation grid")
     if before_images is not None:
         _save_before_after(run_dir / "before_after.png", before_images, _grid_subset(res, cfg.eval.seeds_per_prompt),
                            eval_before["accuracy"], eval_after["accuracy"],
