@@ -11,6 +11,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 from .config_layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override  # noqa: F401 (re-exported)
@@ -317,10 +318,37 @@ def _check_guard_log_prob(cfg: RunConfig) -> None:
                           "use sampler.cps_log_prob=gaussian (under Guard the mse ratio would equal it)")
 
 
+def _check_run_name(log: LogConfig) -> None:
+    """Refuse a ``log.run_name`` whose run directory ``out_dir/run_name`` is not a folder inside
+    ``log.out_dir``: an absolute path (``Path(out_dir) / "/abs"`` is ``/abs``), a ``..`` component, or
+    a folder that resolves elsewhere (through a symlink) would write the run outside it."""
+    name = log.run_name
+    if not name:  # the default: preset + time stamp
+        return
+    problem = None
+    if "\0" in name:
+        problem = "holds a NUL character"
+    elif PurePath(name).is_absolute():
+        problem = "is an absolute path"
+    elif ".." in PurePath(name).parts:
+        problem = "has a '..' component"
+    else:
+        out = Path(log.out_dir).resolve()
+        run = (out / name).resolve()
+        if run == out:
+            problem = "is log.out_dir itself"
+        elif out not in run.parents:
+            problem = f"resolves to {run}"
+    if problem:
+        raise ConfigError(f"config key 'log.run_name' = {name!r} {problem}: it must name a folder inside "
+                          f"log.out_dir ({log.out_dir})")
+
+
 def validate(cfg: RunConfig) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options."""
     check_choices(cfg)
     _check_trackers(cfg.log.trackers)
+    _check_run_name(cfg.log)
     check_ranges(cfg)
     _check_adam_betas(cfg.train.adam_betas)
     if not cfg.reward.weights:

@@ -106,3 +106,34 @@ def test_a_poisoned_pretraining_state_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="state.pt is not a flowgrpo pretraining state"):
         pretrain(["--out", str(tmp_path), "--steps", "1", "--device", "cpu"])
     assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- log.run_name
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("ABS", "is an absolute path"),
+    ("../escaped", "has a '..' component"),
+    ("a/../../escaped", "has a '..' component"),
+    (".", "is log.out_dir itself"),
+    ("link/escaped", "resolves to"),
+])
+def test_a_run_name_outside_out_dir_is_refused_before_anything_is_written(name, needle, shapes_model_dir, tmp_path,
+                                                                         capsys):
+    out, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "link").symlink_to(elsewhere)  # a folder of out_dir that resolves outside it
+    name = str(elsewhere / "abs") if name == "ABS" else name
+    rc = main(["train", *tiny_overrides(shapes_model_dir, **{"log.trackers": "[]"}), f"log.out_dir={out}",
+               f"log.run_name={name}"])
+    one_line_error(rc, capsys.readouterr().err, "config key 'log.run_name'", needle, "inside log.out_dir")
+    assert sorted(p.name for p in out.iterdir()) == ["link"] and not any(elsewhere.iterdir())
+    assert not (tmp_path / "escaped").exists()
+
+
+def test_run_names_inside_out_dir_are_kept():
+    for name in ("run", "group/run", "a..b", "./run"):
+        assert load_config("shapes", None, [f"log.run_name={name}"]).log.run_name == name
+    with pytest.raises(ConfigError, match="'log.run_name'"):
+        load_config("shapes", None, ["log.run_name=/tmp/x"])
