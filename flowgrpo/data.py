@@ -1,47 +1,24 @@
 """Prompt sources: what each training iteration asks the policy to draw.
 
-A prompt file is read whole, so its size is capped (:data:`MAX_PROMPT_FILE_BYTES`, checked before
-reading), and so is each prompt (:data:`MAX_PROMPT_CHARS`; text encoders read a few hundred tokens at
-most): either limit is one line naming the file (and line) and the limit.
+A prompt file is read by :func:`~flowgrpo.shapes.prompts.load_prompt_file`, the reader of every prompt
+file (``sample --prompts`` too): it refuses what is not a regular file before opening it, a file over
+:data:`~flowgrpo.shapes.prompts.MAX_PROMPT_FILE_BYTES` before reading it, and a prompt over
+:data:`~flowgrpo.shapes.prompts.MAX_PROMPT_CHARS` (text encoders read a few hundred tokens at most),
+each in one line naming the file (and line) and the limit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from torch import Tensor
 
 from .curriculum import SignalCurriculum
-from .errors import UserError
 from .references import read_reference
 from .seeds import PROMPTS
 from .shapes.prompts import load_prompt_file, sample_train_spec
 from .shapes.world import TAGS
-
-
-#: the largest prompt file read, in bytes (64 MiB: about a million prompts of 60 characters)
-MAX_PROMPT_FILE_BYTES = 64 * 2**20
-#: the longest prompt, in characters (T5 reads 512 tokens, about 2,000 characters; CLIP 77 tokens)
-MAX_PROMPT_CHARS = 10_000
-
-
-def read_prompt_rows(path: str | Path) -> list[dict]:
-    """The rows of prompt file ``path`` (:func:`~flowgrpo.shapes.prompts.load_prompt_file`), refusing a
-    file over :data:`MAX_PROMPT_FILE_BYTES` before reading it and a prompt over :data:`MAX_PROMPT_CHARS`
-    (one-line UserErrors naming the file, the line and the limit)."""
-    path = Path(path)
-    if path.is_file() and path.stat().st_size > MAX_PROMPT_FILE_BYTES:
-        raise UserError(f"prompt file {path} is {path.stat().st_size / 2**20:.1f} MiB, over the limit of "
-                        f"{MAX_PROMPT_FILE_BYTES // 2**20} MiB for data.prompts; split it or keep the prompts you train on")
-    rows = load_prompt_file(path)
-    for i, row in enumerate(rows):
-        if len(row["prompt"]) > MAX_PROMPT_CHARS:
-            lines = [n for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1) if line.strip()]
-            raise UserError(f"{path}:{lines[i]}: a prompt of {len(row['prompt']):,} characters, over the limit of "
-                            f"{MAX_PROMPT_CHARS:,} (text encoders read a few hundred tokens at most)")
-    return rows
 
 
 @dataclass
@@ -75,7 +52,7 @@ class PromptSource:
         self.spec = spec
         self.seed = seed
         self.curriculum = curriculum
-        self.rows = None if spec == "shapes" else read_prompt_rows(spec)
+        self.rows = None if spec == "shapes" else load_prompt_file(spec)
         self._references: dict[int, Tensor] = {}
         if self.rows is None and key_by == "prompt" and curriculum is not None:
             raise ValueError("the shapes world draws fresh prompts every iteration: its curriculum keys are its "

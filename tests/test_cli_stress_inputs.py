@@ -7,7 +7,8 @@ exit 2 (or a documented notice), with nothing half-written on disk.
 * checkpoint bytes overwritten inside a weight record (found by the archive's CRC-32), ``--resume`` of a
   run without checkpoints (a notice, then iteration 0);
 * an update that breaks the weights (``train.lr=1e30``) stops the run; metrics.jsonl is strict JSON;
-* ``lr: 1e-4`` in a YAML file; a 1.2 MB prompt; a prompt file over 64 MiB;
+* ``lr: 1e-4`` in a YAML file; a 1.2 MB prompt; a prompt file over 64 MiB (``train`` and ``sample``: one
+  reader); a FIFO, socket, device or directory as the prompt file, named for what it is and never opened;
 * overrides on both sides of ``--preset``; an unknown key names its near miss.
 """
 
@@ -363,11 +364,70 @@ def test_a_megabyte_prompt_is_one_line_naming_file_line_and_limit(shapes_model_d
 
 
 def test_a_prompt_file_over_64_mib_is_refused_before_it_is_read(shapes_model_dir, tmp_path, capsys):
-    big = tmp_path / "big.txt"
-    with open(big, "wb") as fh:  # sparse: 65 MiB on paper, nothing on disk (read, its NULs would fail as binary)
-        fh.truncate(65 * 2**20)
+    big = sparse_file(tmp_path / "big.txt", 65)  # read, its NULs would fail as binary
     rc = main(train_args(shapes_model_dir, tmp_path / "runs", "big", f"data.prompts={big}"))
     one_line_error(rc, capsys.readouterr().err, f"prompt file {big} is 65.0 MiB", "limit of 64 MiB")
+
+
+def sparse_file(path: Path, mib: int) -> Path:
+    """``path`` as a sparse file of ``mib`` MiB: that size on paper, nothing on disk."""
+    with open(path, "wb") as fh:
+        fh.truncate(mib * 2**20)
+    return path
+
+
+def test_sample_refuses_a_prompt_file_over_the_limit_before_reading_it(tmp_path, capsys, monkeypatch):
+    """``sample --prompts`` checks the same limit as ``train`` (one reader, one constant), from the file's
+    size: nothing of it is read (it used to be read whole first: 1.9 GiB RSS for 128 MiB of text)."""
+    from flowgrpo.shapes import prompts
+
+    big = sparse_file(tmp_path / "big.txt", 128)
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read"))
+    rc = main(["sample", str(tmp_path / "run"), "--prompts", str(big), "--out", str(tmp_path / "out")])
+    one_line_error(rc, capsys.readouterr().err, f"prompt file {big} is 128.0 MiB",
+                   f"limit of {prompts.MAX_PROMPT_FILE_BYTES // 2**20} MiB")
+    assert not (tmp_path / "out").exists()
+
+
+def special_files(folder: Path) -> dict[str, Path]:
+    """A FIFO, a socket and a directory in ``folder`` (short names: a socket path has ~100 characters at most)."""
+    import socket
+
+    os.mkfifo(folder / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    here = os.getcwd()
+    try:
+        os.chdir(folder)
+        sock.bind("sock")
+    finally:
+        os.chdir(here)
+    sock.close()
+    (folder / "dir.txt").mkdir()
+    return {"a FIFO (named pipe)": folder / "fifo", "a socket": folder / "sock", "a directory": folder / "dir.txt"}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+def test_a_fifo_socket_or_directory_as_prompts_is_named_before_it_is_opened(shapes_model_dir, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Opening a FIFO waits for a writer: each special file is refused from its ``stat`` with what it is,
+    by ``train`` and ``sample`` alike, and never opened."""
+    import builtins
+
+    found = special_files(tmp_path)
+    found["a character device"] = Path(os.devnull)
+    real_open = builtins.open
+
+    def guarded_open(file, *a, **k):
+        assert Path(str(file)) not in found.values(), f"{file} was opened"
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    for kind, path in found.items():
+        rc = main(train_args(shapes_model_dir, tmp_path / "runs", "special", f"data.prompts={path}"))
+        one_line_error(rc, capsys.readouterr().err, f"prompt file {path} is {kind}, not a .txt or .jsonl file")
+        rc = main(["sample", str(tmp_path / "run"), "--prompts", str(path), "--out", str(tmp_path / "out")])
+        one_line_error(rc, capsys.readouterr().err, f"prompt file {path} is {kind}")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_grid_captions_of_huge_prompts_are_cut(tmp_path):
