@@ -40,9 +40,12 @@ from .commands.train import check_text_file, cmd_train
 
 
 def _cmd_eval(args) -> int:
+    from .disk import check_output_file, write_text_atomically
     from .evaluation import build_evaluator
     from .trainer.checkpoint import load_trained_policy
 
+    # before the evaluation (minutes): a --json path that cannot be written would lose its result
+    out = check_output_file(args.json, "--json") if args.json else None
     run = load_trained_policy(Path(args.target))
     cfg, policy, ckpt = run.cfg, run.policy, run.weights.path
     evaluator, note = build_evaluator(cfg.eval, policy, cfg.sampler.shift)
@@ -63,8 +66,8 @@ def _cmd_eval(args) -> int:
     if res.get("num_unseen"):
         table.add_row(f"never-trained prompts ({res['num_unseen']} samples)", f"{res['accuracy_unseen']:.3f}")
     Console().print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    if out is not None:
+        write_text_atomically(out, json.dumps(res, indent=2))
     return 0
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import yaml
 
+from ..disk import write_problem
 from ..errors import ConfigError, UserError
 from ..safe_load import UnsafeFileError, load_tensors
 from .base_weights import check_base_weights
@@ -95,20 +96,6 @@ def save_checkpoint(run_dir: Path, iteration: int, state: dict, keep: int = 2) -
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def write_problem(exc: BaseException, folder: Path) -> str:
-    """One line on why a write into ``folder`` failed, with the free space on its disk where known."""
-    if isinstance(exc, OSError) and exc.strerror:
-        text = exc.strerror
-    else:  # torch's stream writer: "[enforce fail at ...] ... file write failed", the last line says what
-        lines = str(exc).strip().splitlines()
-        text = lines[-1] if lines else type(exc).__name__
-    try:
-        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
-        return f"{text} ({free / 2**20:.0f} MiB free on that disk)"
-    except OSError:
-        return text
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

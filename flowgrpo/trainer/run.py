@@ -40,6 +40,7 @@ import torch
 import yaml
 
 from ..config import RunConfig, to_dict
+from ..disk import write_problem
 from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..output.plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
@@ -47,7 +48,7 @@ from ..safe_load import load_tensors
 from ..sharded_tensors import is_sharded
 from .accelerator import start_trackers
 from .base_weights import check_base_weights, record_base_weights
-from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint, write_problem
+from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint
 from .metrics import MetricsLogger, json_safe, read_metrics
 from .progress import bar_fields, progress_bar
 from .trainer import GRPOTrainer
