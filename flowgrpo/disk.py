@@ -134,6 +134,21 @@ def new_folder(out: str | Path, what: str, need_bytes: int = 0,
         raise
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes the ``tensors`` hold: what their safetensors files take, headers aside (meta tensors count
+    as the tensors they stand for, so a size is known before anything is allocated)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def tensor_write_errors() -> tuple[type[BaseException], ...]:
+    """What the tensor writers raise when the disk refuses a write (for :func:`new_folder`'s
+    ``write_errors``): OSError, safetensors' SafetensorError (a full disk is its "IoError(... StorageFull
+    ...)") and torch's stream writer's RuntimeError ("file write failed")."""
+    from safetensors import SafetensorError
+
+    return OSError, SafetensorError, RuntimeError
+
+
 def _remove_empty(folders: list[Path]) -> None:
     """Remove each of ``folders`` (innermost first) that is empty: the parents made for an output."""
     for folder in folders:

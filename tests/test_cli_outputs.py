@@ -67,3 +67,68 @@ def test_text_written_atomically_keeps_the_old_file_when_the_disk_is_full(tmp_pa
     with pytest.raises(UserError, match=rf"cannot write {target}: No space left on device \(\d+ MiB free"):
         disk.write_text_atomically(target, "new")
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["eval.json"]
+
+
+# --------------------------------------------------------------------------- export --to
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """A 2-iteration tiny SD3 LoRA run (conftest's), for export."""
+    from conftest import train_tiny_sd3_lora_run
+
+    _, run_dir, _, _ = train_tiny_sd3_lora_run(tmp_path_factory.mktemp("lora_run"), ["a cat", "a lake"], seq=8,
+                                               steps=2, guidance=1.0)
+    return run_dir
+
+
+def disk_fills_in_save_file(monkeypatch, failure: str, under: Path) -> None:
+    """safetensors' save_file writes a part of a file under ``under``, then the disk is full: an OSError,
+    or the SafetensorError it raises itself for ENOSPC."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real = safetensors.torch.save_file
+
+    def save_file(tensors, filename, metadata=None):
+        if under not in Path(filename).parents:
+            return real(tensors, filename, metadata=metadata)
+        Path(filename).write_bytes(bytes(4096))
+        if failure == "oserror":
+            enospc()
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+@pytest.mark.parametrize("fuse, failure", [(False, "oserror"), (True, "safetensors")])
+def test_export_to_a_full_disk_is_one_line_and_leaves_nothing(lora_run, fuse, failure, tmp_path, capsys, monkeypatch):
+    """Used to leave a partial folder and print a traceback."""
+    disk_fills_in_save_file(monkeypatch, failure, tmp_path)
+    out = tmp_path / "new" / "export"
+    rc = main(["export", str(lora_run), "--to", str(out), *(["--fuse"] if fuse else [])])
+    one_line_error(rc, capsys.readouterr().err, f"cannot write {'fused pipeline' if fuse else 'LoRA'} folder {out}",
+                   "No space left on device", "MiB free", "nothing was left there")
+    assert list(tmp_path.iterdir()) == []  # neither the folder, its temporary sibling, nor the parent made for it
+
+
+def test_export_checks_the_free_space_and_the_target_first(lora_run, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    rc = main(["export", str(lora_run), "--to", str(full)])
+    one_line_error(rc, capsys.readouterr().err, f"--to {full} already exists and is not an empty folder")
+    assert [p.name for p in full.iterdir()] == ["keep.txt"]
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    rc = main(["export", str(lora_run), "--to", str(tmp_path / "lora")])
+    one_line_error(rc, capsys.readouterr().err, f"LoRA folder {tmp_path / 'lora'} needs about", "0 MiB free")
+    assert not (tmp_path / "lora").exists()
+    monkeypatch.undo()
+    assert main(["export", str(lora_run), "--to", str(tmp_path / "lora")]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["full", "lora"]
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -12,6 +12,10 @@ model then reproduces the trained policy::
 default the latest; ``--raw`` for the raw instead of the EMA weights), or with ``--fuse`` the whole
 pipeline with the adapter fused into the transformer (``save_pretrained`` layout, loadable without
 peft). A model adapter takes part by implementing :meth:`flowgrpo.policies.Policy.save_lora`.
+
+``--to`` must be new or an empty folder. The export is written into a temporary folder beside it
+and renamed at the end (:func:`flowgrpo.disk.new_folder`), after a check that its disk has room for
+the weights: a write that fails (a full disk) removes what it wrote and is one line.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from ..disk import check_new_folder, new_folder, tensor_bytes, tensor_write_errors
 from ..errors import UserError
 
 LORA_DIRNAME = "lora"
@@ -49,6 +54,7 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     from ..policies.diffusers.common import load_pipeline
     from ..policies.diffusers.sd3 import torch_dtype
 
+    to = check_new_folder(to, "--to")  # before the weights are read and the pipeline loaded
     cfg, trained = checkpoint_weights(Path(run_dir), checkpoint, raw)
     weights, which, ckpt = trained.weights, trained.kind, trained.path
     adapter, base = resolve_adapter(cfg.model)
@@ -59,10 +65,10 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     policy = build_policy(cfg.model)
     if not policy.exports_lora:
         policy.save_lora(to)  # the base hook's one-line UserError
-    to = Path(to)
     if not fuse:
-        policy.save_lora(to, weights)
-        print(f"wrote {to / 'pytorch_lora_weights.safetensors'} ({which} weights of {ckpt})")
+        with new_folder(to, "LoRA folder", tensor_bytes(weights.values()), tensor_write_errors()) as tmp:
+            policy.save_lora(tmp, weights)
+        print(f"wrote {to / LORA_FILENAME} ({which} weights of {ckpt})")
         return to
     from diffusers import DiffusionPipeline
 
@@ -84,6 +90,9 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
             with torch.no_grad():
                 pipe.transformer.fuse_lora()
             pipe.transformer.unload_lora()
-    pipe.save_pretrained(to)
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    need = tensor_bytes(t for m in modules for t in m.state_dict().values())
+    with new_folder(to, "fused pipeline folder", need, tensor_write_errors()) as tmp:
+        pipe.save_pretrained(tmp)
     print(f"wrote {to} ({type(pipe).__name__} with the {which} LoRA of {ckpt} fused into its weights)")
     return to

@@ -24,12 +24,8 @@ Everything is written to a temporary folder beside ``--out`` and renamed into pl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..disk import check_new_folder, new_folder
 from ..errors import UserError
 from ..output.drawing import draw, noise_seed
 
@@ -80,9 +77,7 @@ def _check_options(opts: SampleOptions) -> list[dict]:
         raise UserError(f"--batch-size must be at least 1, got {opts.batch_size}")
     if not 0 <= opts.seed < 2**40:
         raise UserError(f"--seed must be in 0..2^40, got {opts.seed}")
-    out = Path(opts.out)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise UserError(f"--out {out} already exists and is not an empty folder; give a new or empty one")
+    check_new_folder(opts.out, "--out")
     rows = load_prompt_file(opts.prompts)
     if len(rows) > 100_000:
         raise UserError(f"{opts.prompts} holds {len(rows)} prompts; at most 100000 are sampled in one call")
@@ -152,22 +147,9 @@ def sample_run(run: str | Path, opts: SampleOptions, progress: bool = True) -> d
               "iteration": trained.weights.iteration, "weights": trained.weights.kind, "steps": steps,
               "guidance": cfg.model.guidance_scale, "shift": cfg.sampler.shift, "solver": "euler",
               "seed": opts.seed, "files": []}
-    out = Path(opts.out).absolute()
-    made = [d for d in out.parents if not d.exists()]  # folders this call creates (innermost first)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with new_folder(opts.out, "--out") as tmp:  # nothing half-written: not even the parents made for it
         _sample_into(tmp, policy, rows, opts, steps, cfg.sampler.shift, record, progress)
         (tmp / SETTINGS_FILE).write_text(json.dumps(record, indent=2, ensure_ascii=False), encoding="utf-8")
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for folder in made:  # nothing half-written: not even the parents made for it
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
     return record
 
 
