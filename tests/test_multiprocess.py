@@ -188,6 +188,11 @@ def _cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subp
                           timeout=timeout)
 
 
+def _env_importing(folder: Path) -> dict:
+    """The CLI's environment with ``folder`` on the import path (a reward plug-in written there)."""
+    return {**cli_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
 def _run_overrides(model_dir, out: Path, name: str, iterations: int, preset: str = "shapes") -> list[str]:
     # GRPO (preset shapes) by default: these runs are compared with the 1-process summary to 1e-4, and
     # under FSDP a DiffusionNFT run's weights differ from the 1-process ones by float rounding of the
@@ -245,6 +250,28 @@ def test_num_processes_2_writes_the_same_summary_as_1_process(shapes_model_dir, 
     _assert_close(_comparable(s1), _comparable(s2))
     # only the main process writes: one metrics line per iteration
     assert len((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_rank_without_rows_trains_with_the_others(shapes_model_dir, tmp_path):
+    """2 prompts x 4 trees on 2 processes: each rank rolls out one prompt's group (trees 0-3, 4-7).
+    The default preset (DiffusionNFT, rows=signal) trains only groups with reward spread, so a rank can
+    hold no row while the other trains (issue 43: rank 1 failed on ``rows.step`` of None, and then the
+    ranks pooled different statistics, a collective the other never joined). A reward with spread
+    only in group 0 leaves rank 1 without rows at every iteration; the run must finish with the
+    1-process run's update."""
+    (tmp_path / "group0_reward.py").write_text("def first_group_only(images, prompts, groups):\n"
+                                               "    return images.float().mean((1, 2, 3)) * (groups == 0)\n")
+    env = _env_importing(tmp_path)
+    ov = tiny_overrides(shapes_model_dir, **SMOOTH_ADAM, **ONE_NODE_PER_CALL, **{
+        "reward.weights": '{"group0_reward:first_group_only": 1.0}', "log.trackers": "[]", "dist.timeout_s": 60,
+        "data.prompts_per_iteration": 2, "data.trees_per_prompt": 4}) + [f"log.out_dir={tmp_path}"]
+    one = _cli(["train", *ov, "log.run_name=one"], env=env)  # the default preset
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _cli(["train", "--num-processes", "2", *ov, "log.run_name=two"], env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = (_comparable(json.loads((tmp_path / r / "summary.json").read_text())) for r in ("one", "two"))
+    assert b["iterations"] == 2 and a["final_metrics"]["zero_std_ratio"] == 0.5  # group 1: no spread, no rows
+    _assert_close(a["final_metrics"], b["final_metrics"])
 
 
 def _pid_of_rank(run_name: str, rank: int) -> int | None:
@@ -433,7 +460,7 @@ def test_fsdp_lora_export_equals_the_1_process_one(tmp_path):
           "data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3", "sampler.strategy=flow_grpo",
           "train.iterations=2", "train.threads=1", "train.lr=3e-2", "train.adam_eps=1e-2", "train.ema_decay=0.5",
           "log.progress=false", "log.trackers=[]", f"log.out_dir={tmp_path}", "dist.timeout_s=60"]
-    env = {**cli_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    env = _env_importing(tmp_path)
     one = _cli(["train", *ov, "log.run_name=one"], env=env)
     assert one.returncode == 0, one.stderr[-3000:]
     two = _cli(["train", "--num-processes", "2", "--accelerate-config", str(FSDP_CONFIG), *ov, "log.run_name=two"], env=env)

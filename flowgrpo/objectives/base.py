@@ -192,15 +192,23 @@ class StatsCollector:
         out = {"loss": float(loss.sum()) / rows if rows else 0.0,
                "grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else 0.0,
                "rows": int(dp.sum_scalar(self.rows_total)) if dp is not None else self.rows_total}
-        for k, parts in self.stats.items():
-            v = cat(parts)
+        for k in _agreed_keys(self.stats, dp):
+            v = cat(self.stats.get(k, []))
             out[k] = float(v.mean()) if len(v) else 0.0
-        for k, parts in self.extra.items():
-            v = cat(parts)
+        for k in _agreed_keys(self.extra, dp):
+            v = cat(self.extra.get(k, []))
             if dp is not None and len(v):  # each rank holds its share of every minibatch's term
                 v = v.view(dp.world, -1).sum(0)
             out[k] = float(v.mean()) if len(v) else 0.0
         return out
+
+
+def _agreed_keys(named: dict, dp=None) -> list[str]:
+    """The names of ``named`` on every rank, in one order (each is pooled with a collective, which every
+    rank must make: a rank without rows has no per-row statistics while the others have some)."""
+    if dp is None:
+        return list(named)
+    return list(dict.fromkeys(k for keys in dp.gather(list(named)) for k in keys))
 
 
 class Objective(ABC):

@@ -46,10 +46,15 @@ def run_update(ctx: UpdateContext, objective: Objective, engine, idle_pass=None)
         idle_pass: ``() -> None`` running one zero-gradient padding pass (default: the objective's).
     """
     tc, dp = ctx.cfg.train, ctx.dp
+    # None or empty: no row on this rank. A forward-process objective builds rows from this rank's own
+    # leaves, so a rank whose shard holds only groups without signal (e.g. 2 prompts on 2 ranks under
+    # rows=signal) has none while others train; it still takes part in every collective and step.
     rows = objective.rows(ctx)
+    if rows is not None and not len(rows):
+        rows = None
     collect = objective.new_collector(rows)
     n_trees = len(ctx.collected.rollout.tree_prompt)  # tree ids are global
-    tree = rows.tree.cpu() if rows is not None and len(rows) else torch.zeros(0, dtype=torch.long)
+    tree = rows.tree.cpu() if rows is not None else torch.zeros(0, dtype=torch.long)
     rank_rows = torch.bincount(tree, minlength=n_trees)[None]  # [ranks, trees]
     if dp.world > 1:
         rank_rows = torch.stack(dp.gather(rank_rows[0]))
@@ -73,12 +78,10 @@ def run_update(ctx: UpdateContext, objective: Objective, engine, idle_pass=None)
                 continue
             micro = (rank_rows[:, mb_trees].sum(1) + tc.micro_batch - 1) // tc.micro_batch
             idle = engine.idle_passes(micro)
-            idx = torch.isin(tree, mb_trees).nonzero(as_tuple=True)[0]
-            idx = idx[torch.argsort(rows.step.cpu()[idx], stable=True)]  # ordered by step, as rolled out
-            mb = rows.select(idx) if rows is not None else None
+            mb = _minibatch_rows(rows, tree, mb_trees)
             objective.begin_minibatch(ctx, mb, int(micro.max()))
             with engine.accumulate():  # one gradient reduction per step (DeepSpeed)
-                for part in torch.split(torch.arange(len(idx)), tc.micro_batch) if len(idx) else ():
+                for part in torch.split(torch.arange(len(mb)), tc.micro_batch) if mb is not None else ():
                     m = mb.select(part)
                     out = objective.micro_loss(ctx, m)
                     _check_finite(float(out.loss.detach()), "loss", ctx)
@@ -95,6 +98,17 @@ def run_update(ctx: UpdateContext, objective: Objective, engine, idle_pass=None)
             collect.grad_norms.append(norm)
             objective.after_step(ctx)
     return _finish(objective, ctx, collect)
+
+
+def _minibatch_rows(rows, tree: torch.Tensor, mb_trees: torch.Tensor):
+    """This rank's rows of the minibatch over the global trees ``mb_trees``, ordered by step (as rolled
+    out); None when this rank holds none of them (or no rows at all)."""
+    if rows is None:
+        return None
+    idx = torch.isin(tree, mb_trees).nonzero(as_tuple=True)[0]
+    if len(idx) == 0:
+        return None
+    return rows.select(idx[torch.argsort(rows.step.cpu()[idx], stable=True)])
 
 
 def _finish(objective: Objective, ctx: UpdateContext, collect: StatsCollector) -> dict[str, float]:
