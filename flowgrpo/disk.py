@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,9 +80,9 @@ def write_text_atomically(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` through a temporary sibling renamed over it: ``path`` holds the
     old content or the new, never a part. A failed write removes the sibling and is one UserError."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    try:  # not mkstemp: the file keeps the umask's mode, as the file written in place did
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
     except OSError as exc:
@@ -116,7 +116,8 @@ def new_folder(out: str | Path, what: str, need_bytes: int = 0,
     made = [d for d in out.parents if not d.exists()]  # folders this call creates (innermost first)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}"
+        tmp.mkdir()  # not mkdtemp: the folder keeps the umask's mode (0700 would hide the output from others)
     except OSError as exc:
         _remove_empty(made)
         raise UserError(f"cannot create {what} {out}: {write_problem(exc, out.parent)}") from None

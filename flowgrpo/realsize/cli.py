@@ -13,8 +13,10 @@ import json
 
 def _cmd_write_pipeline(args) -> int:
     from ..errors import UserError
+    from ..policies.diffusers.common import show_library_progress
     from .pipeline_folder import write_pipeline
 
+    show_library_progress(False)  # transformers' "Writing model shards" bar per text encoder: noise here
     overrides = {"num_layers": args.num_layers} if args.num_layers else {}
     try:
         out = write_pipeline(args.recipe, args.out, seed=args.seed, **overrides)

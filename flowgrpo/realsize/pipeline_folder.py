@@ -18,8 +18,10 @@
   48 channels, 16x / 4x; HunyuanVideo 1.5: 32, 16x / 4x), the stock scheduler.
 
 Everything is saved in bfloat16 (2 bytes per weight: the SD3.5-Medium folder is 4.7 GB, Wan 2.1
-1.3B 2.7 GB); building needs about as much RAM as that (the transformer is built in bf16).
-:data:`WRITERS` maps every recipe's pipeline class to its builder.
+1.3B 2.7 GB). The transformer is built on the meta device and its random weights are written as they
+are drawn (:mod:`flowgrpo.realsize.stream_weights`), so memory stays bounded whatever its size; the
+folder is written beside ``out`` and renamed at the end, after a check that the disk has room for it
+(:func:`flowgrpo.disk.new_folder`). :data:`WRITERS` maps every recipe's pipeline class to its builder.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def sd3_components(entry: RealTransformer) -> dict:
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(max_length=CLIP_TOKENS), tiny_clip_tokenizer(max_length=CLIP_TOKENS)
     tokenizer_3 = tiny_t5_tokenizer()
     return {
-        "transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+        "transformer": build_transformer(entry),
         "text_encoder": _clip(tokenizer, clip_l), "tokenizer": tokenizer,
         "text_encoder_2": _clip(tokenizer_2, clip_g), "tokenizer_2": tokenizer_2,
         "text_encoder_3": T5EncoderModel(T5Config(**_t5_config(tokenizer_3, t5_width))).eval(),
@@ -102,7 +104,7 @@ def flux_components(entry: RealTransformer) -> dict:
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(max_length=CLIP_TOKENS), tiny_t5_tokenizer(max_length=512)
     clip = _clip(tokenizer, cfg["pooled_projection_dim"])
     text_encoder = CLIPTextModel(CLIPTextConfig(**clip.config.to_dict())).eval()
-    return {"transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+    return {"transformer": build_transformer(entry),
             "text_encoder": text_encoder, "tokenizer": tokenizer,
             "text_encoder_2": T5EncoderModel(T5Config(**_t5_config(tokenizer_2, cfg["joint_attention_dim"]))).eval(),
             "tokenizer_2": tokenizer_2, "vae": _kl_vae(cfg["in_channels"] // 4, scaling=0.3611, shift=0.1159),
@@ -123,7 +125,7 @@ def zimage_components(entry: RealTransformer) -> dict:
         vocab_size=len(tokenizer), hidden_size=cfg["cap_feat_dim"], intermediate_size=_SMALL["ffn"],
         num_hidden_layers=_SMALL["layers"], num_attention_heads=2, num_key_value_heads=2, head_dim=8,
         max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id)).eval()
-    return {"transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16), "text_encoder": text_encoder,
+    return {"transformer": build_transformer(entry), "text_encoder": text_encoder,
             "tokenizer": tokenizer, "vae": _kl_vae(cfg["in_channels"], scaling=0.3611, shift=0.1159),
             "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)}
 
@@ -149,14 +151,14 @@ def wan_components(entry: RealTransformer) -> dict:
         vae = AutoencoderKLWan(base_dim=3, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True]).eval()
     components = {
-        "transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16), "vae": vae,
+        "transformer": build_transformer(entry), "vae": vae,
         "text_encoder": UMT5EncoderModel(UMT5Config(**_t5_config(tokenizer, cfg["text_dim"]))).eval(),
         "tokenizer": tokenizer,
         "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                              num_train_timesteps=1000, flow_shift=5.0 if channels == 48 else 3.0),
     }
     if len(entry.experts) == 2:
-        components["transformer_2"] = build_transformer(entry, device="cpu", dtype=torch.bfloat16)
+        components["transformer_2"] = build_transformer(entry)
         components["boundary_ratio"] = WAN22_BOUNDARY
     elif channels == 48:
         components.update(transformer_2=None, boundary_ratio=None, expand_timesteps=True)
@@ -192,7 +194,7 @@ def qwen_image_components(entry: RealTransformer) -> dict:
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     components = {
-        "transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+        "transformer": build_transformer(entry),
         "text_encoder": Qwen2_5_VLForConditionalGeneration(config).eval(), "tokenizer": tokenizer,
         "vae": AutoencoderKLQwenImage(base_dim=4, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                       temperal_downsample=[False, True, True], latents_mean=[0.0] * channels,
@@ -235,7 +237,7 @@ def flux2_components(entry: RealTransformer) -> dict:
         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
         latent_channels=cfg["in_channels"] // 4, norm_num_groups=4, use_quant_conv=False,
         use_post_quant_conv=False).eval()
-    return {"transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+    return {"transformer": build_transformer(entry),
             "text_encoder": Mistral3ForConditionalGeneration(config).eval(), "tokenizer": processor, "vae": vae,
             "scheduler": FlowMatchEulerDiscreteScheduler()}
 
@@ -266,7 +268,7 @@ def hunyuan_video15_components(entry: RealTransformer) -> dict:
         in_channels=3, out_channels=3, latent_channels=cfg["out_channels"], block_out_channels=(8, 16, 32, 64),
         layers_per_block=1, spatial_compression_ratio=16, temporal_compression_ratio=4,
         downsample_match_channel=False, upsample_match_channel=False).eval()
-    return {"transformer": build_transformer(entry, device="cpu", dtype=torch.bfloat16),
+    return {"transformer": build_transformer(entry),
             "text_encoder": text_encoder, "tokenizer": tokenizer,
             "text_encoder_2": T5EncoderModel(T5Config(**t5)).eval(), "tokenizer_2": tokenizer_2, "vae": vae,
             "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0), "guider": ClassifierFreeGuidance(guidance_scale=6.0)}
@@ -280,17 +282,25 @@ WRITERS = {"StableDiffusion3Pipeline": sd3_components, "WanPipeline": wan_compon
            "HunyuanVideo15Pipeline": hunyuan_video15_components}
 
 
+#: room left on the disk beyond the weights: configs, tokenizer files, safetensors headers
+FOLDER_MARGIN_BYTES = 64 * 2**20
+
+
 def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> Path:
     """Write ``recipe``'s random-weight pipeline folder into ``out`` (bf16 safetensors); returns ``out``.
 
     ``overrides`` replace transformer config keys (tests: ``num_layers=1``). ValueError for a recipe
-    whose family has no writer (:data:`WRITERS`)."""
+    whose family has no writer (:data:`WRITERS`); a UserError when ``out`` exists and is not an empty
+    folder, when its disk has too little room, or when a write fails (nothing is left then)."""
     import dataclasses
 
     import diffusers
 
+    from ..disk import check_new_folder, new_folder, tensor_bytes, tensor_write_errors
     from ..policies.diffusers.common import cast_module
+    from .stream_weights import attach_streamed_save, is_meta_module
 
+    out = check_new_folder(out, "--out")
     entry = transformer_config(recipe)
     entry = dataclasses.replace(entry, config={**entry.config, **overrides})
     if entry.pipeline not in WRITERS:
@@ -301,9 +311,12 @@ def write_pipeline(recipe: str, out: str | Path, seed: int = 0, **overrides) -> 
         torch.manual_seed(seed)
         components = WRITERS[entry.pipeline](entry)
     pipe = getattr(diffusers, entry.pipeline)(**components)
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            cast_module(module, torch.bfloat16)  # the classes' float32 submodules stay float32
-    out = Path(out)
-    pipe.save_pretrained(str(out), safe_serialization=True)
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    for module in modules:
+        cast_module(module, torch.bfloat16)  # the classes' float32 submodules stay float32
+        if is_meta_module(module):  # the transformer(s): written as drawn
+            attach_streamed_save(module, seed)
+    need = tensor_bytes(t for m in modules for t in m.state_dict().values()) + FOLDER_MARGIN_BYTES
+    with new_folder(out, "pipeline folder", need, tensor_write_errors()) as tmp:
+        pipe.save_pretrained(str(tmp), safe_serialization=True)
     return out
