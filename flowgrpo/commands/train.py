@@ -83,10 +83,12 @@ def check_text_file(path: Path, what: str) -> None:
 def _train_fresh(cfg) -> dict:
     """Train a new run. The main process makes the run folder first, and removes it again (with the
     ``log.out_dir`` it made) when the run fails before anything of value is in it: no checkpoint,
-    no exported LoRA, no summary. A folder that was there before is never removed."""
+    no exported LoRA, no summary. A folder that was there before, or that another run holds (it may
+    have made it a moment before this one looked), is never removed."""
     import shutil
 
     from ..trainer.run import make_run_dir, train
+    from ..trainer.run_lock import RunFolderInUse
 
     if os.environ.get("RANK", "0") != "0":  # another rank: the main process names the folder
         return train(cfg)
@@ -96,6 +98,8 @@ def _train_fresh(cfg) -> dict:
     run_dir = make_run_dir(cfg)
     try:
         return train(cfg, run_dir)
+    except RunFolderInUse:
+        raise
     except Exception:
         if run_dir not in before and not _holds_results(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -131,9 +135,10 @@ def _drop_option(argv: list[str], *names: str) -> list[str]:
 def _train_in_launched_process(args) -> int:
     """One rank of a multi-process run: a failed collective ends this rank with one line and
     :data:`~flowgrpo.trainer.launch.PEER_LOST_EXIT` (the launcher names the rank that caused it)."""
-    import torch.distributed as dist
+    from ..trainer.launch import PEER_LOST_EXIT, follow_launcher, is_collective_failure
 
-    from ..trainer.launch import PEER_LOST_EXIT, is_collective_failure
+    follow_launcher()  # before torch's import: seconds in which a killed launcher would leave this rank behind
+    import torch.distributed as dist
 
     rank = os.environ.get("RANK", "?")
     args_single = argparse.Namespace(**{**vars(args), "num_processes": 1})

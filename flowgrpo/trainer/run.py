@@ -2,6 +2,7 @@
 
 RUN_DIR/
   config.yaml          the full resolved config (resume reads it back)
+  .lock                held (flock) by the process writing the folder (flowgrpo.trainer.run_lock)
   base_weights.json    shapes runs: path and sha256 of the base weights (flowgrpo.trainer.base_weights)
   metrics.jsonl        one line per iteration
   tensorboard/         TensorBoard events (log.trackers; mlruns/ and wandb/ for those trackers)
@@ -51,6 +52,7 @@ from .base_weights import check_base_weights, record_base_weights
 from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint
 from .metrics import MetricsLogger, json_safe, read_metrics
 from .progress import bar_fields, progress_bar
+from .run_lock import LOCK_FILE, RunLock, lock_run_dir
 from .trainer import GRPOTrainer
 
 _GRID_PROMPTS = 16
@@ -64,8 +66,12 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
+    """``log.out_dir/log.run_name`` (default name: preset and time), created; a UserError when a run is
+    writing it (:mod:`.run_lock`) or it holds checkpoints already (a hint to ``--resume`` it)."""
     name = cfg.log.run_name or f"{cfg.preset or 'run'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.log.out_dir) / name
+    if (run_dir / LOCK_FILE).exists():  # a run writing it: named before its checkpoints say "resume it"
+        lock_run_dir(run_dir).release()
     if (run_dir / "checkpoints").exists():
         raise UserError(f"run directory {run_dir} already holds checkpoints; use --resume {run_dir} or another log.run_name")
     try:
@@ -92,25 +98,33 @@ def _next_end(train_seconds: float, recent: list[float]) -> float:
     return train_seconds + (1.25 * max(recent[-5:]) if recent else 0.0)
 
 
-def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp) -> Path:
-    """The run directory, created (fresh run) by the main process and the same on every rank."""
+def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp, locks: list[RunLock]) -> Path:
+    """The run directory, the same on every rank: created (fresh run) or continued (resume) by the main
+    process, which locks it (:mod:`.run_lock`) before writing anything there and appends the lock to
+    ``locks`` for the caller to release when the run ends."""
     if resume:
         assert run_dir is not None
         check_base_weights(run_dir, cfg.model)  # before any checkpoint is loaded onto other base weights
-        return Path(run_dir)
     outcome: tuple[str | None, str | None] = (None, None)
+    failure = None
     if dp.is_main:
+        path = Path(run_dir) if run_dir is not None else None
         try:
-            path = run_dir or make_run_dir(cfg)
-            path.mkdir(parents=True, exist_ok=True)
-            (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-            record_base_weights(path, cfg.model)  # shapes runs: which base the checkpoints belong to
+            if not resume:
+                path = path or make_run_dir(cfg)
+                path.mkdir(parents=True, exist_ok=True)
+            locks.append(lock_run_dir(path))  # a second run on this folder stops here, having written nothing
+            if not resume:
+                (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+                record_base_weights(path, cfg.model)  # shapes runs: which base the checkpoints belong to
             outcome = (str(path), None)
         except UserError as e:
-            outcome = (None, str(e))
+            failure, outcome = e, (None, str(e))
         except OSError as e:  # a run directory that exists but cannot be written
-            outcome = (None, f"cannot write {path / 'config.yaml'} (log.out_dir={cfg.log.out_dir}): {e.strerror or e}")
+            outcome = (None, f"cannot write in run directory {path} (log.out_dir={cfg.log.out_dir}): {e.strerror or e}")
     path, error = dp.broadcast(outcome)
+    if failure is not None:
+        raise failure  # its own class (the caller keeps a folder another run holds)
     if error is not None:
         raise UserError(error)
     return Path(path)
@@ -119,7 +133,19 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp) -> 
 def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, trainer: GRPOTrainer | None = None) -> dict:
     """Run (or resume) training. Returns the summary dict (also written to RUN_DIR/summary.json).
     ``trainer``: one assembled from parts (:class:`~flowgrpo.trainer.trainer.Trainer`; default: the one
-    ``cfg`` describes); its callbacks see every iteration, evaluation and checkpoint (:mod:`.callbacks`)."""
+    ``cfg`` describes); its callbacks see every iteration, evaluation and checkpoint (:mod:`.callbacks`).
+    The run folder is locked while the run writes it (:mod:`.run_lock`): a second run on it is refused."""
+    locks: list[RunLock] = []
+    try:
+        return _train(cfg, run_dir, resume, trainer, locks)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _train(cfg: RunConfig, run_dir: Path | None, resume: bool, trainer: GRPOTrainer | None,
+           locks: list[RunLock]) -> dict:
+    """:func:`train`; ``locks`` receives the run folder's lock, held until :func:`train` releases it."""
     from ..policies.diffusers.common import show_library_progress
 
     show_library_progress(cfg.log.progress)  # diffusers' and transformers' own bars follow log.progress
@@ -133,7 +159,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
     gathers = trainer.engine.collective_state  # every rank takes part in checkpoints and the LoRA export
     say = print if main else (lambda *a, **k: None)
     evaluator, eval_note = build_evaluator(cfg.eval, trainer.policy, cfg.sampler.shift)
-    run_dir = _prepare_run_dir(cfg, run_dir, resume, dp)
+    run_dir = _prepare_run_dir(cfg, run_dir, resume, dp, locks)
     train_seconds = 0.0
     start_iter = 0
     # the newest checkpoint that loads (a damaged newer one is passed over with a warning)
