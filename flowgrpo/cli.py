@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except UserError as exc:
         print(f"flowgrpo: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except BrokenPipeError:  # output piped into `head` and the like: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

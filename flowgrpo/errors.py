@@ -4,6 +4,9 @@
 class UserError(Exception):
     """Bad input from the user: a config key, a value, a preset name, a prompt file, missing weights."""
 
+    #: the CLI's exit code (a subclass that is not bad input may say otherwise)
+    exit_code = 2
+
 
 class ConfigError(UserError):
     """An invalid configuration key or value."""

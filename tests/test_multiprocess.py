@@ -289,6 +289,92 @@ def _pid_of_rank(run_name: str, rank: int) -> int | None:
     return None
 
 
+def _wait_for_iterations(run_dir: Path, n: int, timeout: float = 180) -> None:
+    """Until the run in ``run_dir`` has logged ``n`` iterations (or ``timeout`` seconds passed)."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < n):
+        time.sleep(0.2)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of the processes whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for p in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = p.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(p.parent.name))
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie waiting to be reaped has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal_the_launcher(shapes_model_dir, tmp_path: Path, sig: signal.Signals) -> tuple[int, str, list[int]]:
+    """Start a 2-process run, send ``sig`` to the launcher once the run has logged 2 iterations (so it
+    has written a checkpoint and may be writing the next), and wait for the launcher. Returns its exit code, its stderr and the ranks still running 5 s later
+    (killed before returning, so a failed check leaves none behind)."""
+    args = ["train", "--num-processes", "2", *_run_overrides(shapes_model_dir, tmp_path, "run", 200)[1:]]
+    with open(tmp_path / "stderr.txt", "w") as err:  # a file, not a pipe: ranks left behind would hold a pipe open
+        proc = subprocess.Popen(flowgrpo_command() + args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=err)
+    ranks = []
+    try:
+        _wait_for_iterations(tmp_path / "run", 2)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2 and proc.poll() is None, "the run ended before the launcher could be signalled"
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        time.sleep(5)
+        left = [r for r in ranks if _running(r)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for r in ranks:
+            if _running(r):
+                os.kill(r, signal.SIGKILL)
+    return code, (tmp_path / "stderr.txt").read_text(), left
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_launcher_stops_its_ranks_with_one_line(shapes_model_dir, tmp_path, sig):
+    """SIGTERM or SIGINT (Ctrl-C) to ``flowgrpo train --num-processes 2``: the ranks stop, the launcher
+    says so in one line without a traceback and exits 128 + signal, and the last checkpoint resumes
+    (issue 43: the launcher ended in a SignalException traceback)."""
+    from flowgrpo.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+
+    code, err, left = _signal_the_launcher(shapes_model_dir, tmp_path, sig)
+    assert not left, f"ranks {left} outlived the launcher"
+    assert code == 128 + sig and "Traceback" not in err, err[-3000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("flowgrpo")] == [
+        f"flowgrpo: error: the run was stopped by {sig.name}; resume with flowgrpo train --resume RUN_DIR "
+        "--num-processes 2"], err[-3000:]
+    if sig == signal.SIGTERM:  # the newest checkpoint is whole and the run goes on from it
+        run = tmp_path / "run"
+        assert latest_checkpoint(run) == list_checkpoints(run)[-1]
+        done = load_checkpoint(latest_checkpoint(run))["trainer"]["iteration"]
+        resumed = _cli(["train", "--resume", str(run), f"train.iterations={done + 1}"])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+def test_ranks_die_with_a_killed_launcher(shapes_model_dir, tmp_path):
+    """SIGKILL to the launcher forwards nothing: each rank has the kernel kill it when its parent goes
+    (issue 43: both ranks were still training 30 s later)."""
+    code, err, left = _signal_the_launcher(shapes_model_dir, tmp_path, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert not left, f"ranks {left} outlived the launcher"
+    assert "Traceback" not in err, err[-3000:]
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
 def test_a_killed_rank_stops_the_run_with_one_line_and_resume_matches(shapes_model_dir, tmp_path):
     iters = 6
@@ -298,10 +384,7 @@ def test_a_killed_rank_stops_the_run_with_one_line_and_resume_matches(shapes_mod
     args = ["train", "--num-processes", "2", *_run_overrides(shapes_model_dir, tmp_path, "killed", iters)[1:]]
     proc = subprocess.Popen(flowgrpo_command() + args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.2)
+    _wait_for_iterations(tmp_path / "killed", 2)
     pid = _pid_of_rank("killed", 1)
     assert pid is not None and proc.poll() is None, "the run ended before rank 1 could be killed"
     os.kill(pid, signal.SIGKILL)
