@@ -29,6 +29,7 @@ from flowgrpo.errors import ConfigError
 from flowgrpo.images import png_bytes
 
 from .base import RewardOutput
+from .http_client import DEFAULT_MAX_RESPONSE_MB
 from .openai_client import ChatClient
 from .pairwise import PairwiseJudgeBase, PairwiseReward, parse_verdict
 
@@ -207,10 +208,10 @@ class JudgeCore:
 
 
 def _client_options(base_url, model, api_key_env, max_concurrency, timeout, retries, backoff, temperature,
-                    max_tokens, cache_size) -> dict:
+                    max_tokens, cache_size, max_response_mb) -> dict:
     return dict(base_url=base_url, model=model, api_key_env=api_key_env, max_concurrency=max_concurrency,
                 timeout=timeout, retries=retries, backoff=backoff, temperature=temperature,
-                max_tokens=max_tokens, cache_size=cache_size)
+                max_tokens=max_tokens, cache_size=cache_size, max_response_mb=max_response_mb)
 
 
 # --------------------------------------------------------------------------- the rewards
@@ -222,8 +223,9 @@ class PointwiseJudgeReward:
     Options: ``model`` (required), ``base_url`` (API root, ``{base_url}/chat/completions`` is
     called), ``api_key_env`` (name of the env var holding the key), ``template`` (with
     ``{prompt}``; default per parser), ``parser`` ("score_0_10" or "yes_no"), ``max_concurrency``,
-    ``timeout`` (s per attempt), ``retries``, ``backoff`` (s), ``temperature``, ``max_tokens``,
-    ``cache_size``. Component ``judge_failed``: 1 for a dropped sample.
+    ``timeout`` (s per attempt, the whole exchange), ``retries``, ``backoff`` (s), ``temperature``,
+    ``max_tokens``, ``cache_size``, ``max_response_mb`` (the largest answer read, MiB after
+    decompression; a larger one stops the run). Component ``judge_failed``: 1 for a dropped sample.
     """
 
     name = "judge"
@@ -231,11 +233,11 @@ class PointwiseJudgeReward:
     def __init__(self, model: str, base_url: str = DEFAULT_BASE_URL, api_key_env: str | None = None,
                  template: str | None = None, parser: str = "score_0_10", max_concurrency: int = 8,
                  timeout: float = 60.0, retries: int = 2, backoff: float = 0.5, temperature: float = 0.0,
-                 max_tokens: int = 512, cache_size: int = 4096):
+                 max_tokens: int = 512, cache_size: int = 4096, max_response_mb: float = DEFAULT_MAX_RESPONSE_MB):
         if parser not in PARSERS:
             raise ConfigError(f"unknown judge parser {parser!r}; valid: {', '.join(PARSERS)}")
         opts = _client_options(base_url, model, api_key_env, max_concurrency, timeout, retries, backoff,
-                               temperature, max_tokens, cache_size)
+                               temperature, max_tokens, cache_size, max_response_mb)
         self.core = JudgeCore(f"pointwise:{parser}", template or DEFAULT_TEMPLATES[parser], PARSERS[parser], opts)
 
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
@@ -289,9 +291,9 @@ class PairwiseJudgeReward(PairwiseReward):
     def __init__(self, model: str, base_url: str = DEFAULT_BASE_URL, api_key_env: str | None = None,
                  template: str | None = None, swap: bool = False, max_concurrency: int = 8,
                  timeout: float = 120.0, retries: int = 2, backoff: float = 0.5, temperature: float = 0.0,
-                 max_tokens: int = 2048, cache_size: int = 4096):
+                 max_tokens: int = 2048, cache_size: int = 4096, max_response_mb: float = DEFAULT_MAX_RESPONSE_MB):
         opts = _client_options(base_url, model, api_key_env, max_concurrency, timeout, retries, backoff,
-                               temperature, max_tokens, cache_size)
+                               temperature, max_tokens, cache_size, max_response_mb)
         self.core = JudgeCore("pairwise", template or PAIRWISE_TEMPLATE, parse_pairwise, opts)
         super().__init__(HTTPPairwiseJudge(self.core), swap=bool(swap))
 

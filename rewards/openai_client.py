@@ -7,10 +7,13 @@ have an outcome. It therefore works when called repeatedly from a sync loop, and
 that is itself running inside an event loop (a notebook), where ``asyncio.run`` would refuse.
 
 Every request gets at most ``1 + retries`` attempts. An attempt fails on a transport error or
-timeout, on HTTP 429 or 5xx, on a malformed response body, or when the caller's ``parse`` cannot
-read the answer; a failed attempt is retried after ``backoff * 2**attempt`` seconds. HTTP 401, 403
-and 404 mean a wrong key, model or URL: they raise :class:`JudgeEndpointError` at once instead of
-dropping every sample. Other 4xx answers fail the request without retrying.
+timeout (``timeout`` bounds the whole attempt, :mod:`flowgrpo.rewards.http_client`), on HTTP 429 or
+5xx, on a malformed response body, or when the caller's ``parse`` cannot read the answer; a failed
+attempt is retried after the server's ``Retry-After`` (ASCII seconds or an HTTP date, at most 60 s)
+or ``backoff * 2**attempt`` seconds. HTTP 401, 403 and 404 mean a wrong key, model or URL, and a
+body over ``max_response_mb`` after decompression a server that is not a judge: they raise
+:class:`JudgeEndpointError` at once instead of dropping every sample. Other 4xx answers fail the
+request without retrying.
 
 Large requests (an image each) can be passed as zero-argument callables that build the messages:
 they are built in a worker thread shortly before they are sent (at most ``2 * max_concurrency`` are
@@ -22,12 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from flowgrpo.errors import ConfigError, UserError
+
+from .http_client import (DEFAULT_MAX_RESPONSE_MB, HTTPLoop, ResponseRefused, gather_all, max_response_bytes,
+                          retry_after_s)
+
+#: the longest wait a server's Retry-After gets (s)
+MAX_RETRY_AFTER_S = 60.0
 
 
 class JudgeEndpointError(UserError):
@@ -82,12 +90,13 @@ class ChatClient:
             e.g. ``http://127.0.0.1:8000/v1`` for ``vllm serve``.
         model: the served model name. api_key_env: name of an environment variable holding the key
             (sent as ``Authorization: Bearer ...``); None sends no key.
-        timeout: seconds per attempt. retries: extra attempts per request. backoff: first retry delay (s).
+        timeout: seconds per attempt, the whole exchange. retries: extra attempts per request.
+        backoff: first retry delay (s). max_response_mb: the largest answer read (MiB, decompressed).
     """
 
     def __init__(self, base_url: str, model: str, api_key_env: str | None = None, max_concurrency: int = 8,
                  timeout: float = 60.0, retries: int = 2, backoff: float = 0.5, temperature: float = 0.0,
-                 max_tokens: int = 512):
+                 max_tokens: int = 512, max_response_mb: float = DEFAULT_MAX_RESPONSE_MB):
         if not base_url or not model:
             raise ConfigError("an OpenAI-compatible judge needs base_url and model")
         if int(max_concurrency) < 1 or int(retries) < 0 or float(timeout) <= 0 or float(backoff) < 0:
@@ -103,46 +112,14 @@ class ChatClient:
         self.backoff = float(backoff)
         self.temperature = float(temperature)
         self.max_tokens = int(max_tokens)
+        self.max_response_mb = float(max_response_mb)
+        self.max_response_bytes = max_response_bytes(max_response_mb, "judge option max_response_mb")
         self.stats = {"requests": 0, "retries": 0, "failed": 0, "http_errors": 0, "timeouts": 0, "unparsed": 0}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._http = None
-        self._pid = None
-        self._lock = threading.Lock()
-
-    # ------------------------------------------------------------------ the event-loop thread
-
-    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None or self._pid != os.getpid() or not self._thread.is_alive():
-                # first use, or a forked child (the parent's loop thread does not exist here)
-                self._loop = asyncio.new_event_loop()
-                self._http = None
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._loop.run_forever, name="judge-http", daemon=True)
-                self._thread.start()
-            return self._loop
+        self._http = HTTPLoop("judge-http", self.timeout, max_connections=self.max_concurrency)
 
     def close(self) -> None:
         """Close the HTTP connections and stop the loop thread (a later call starts them again)."""
-        with self._lock:
-            loop, thread, http = self._loop, self._thread, self._http
-            self._loop = self._thread = self._http = None
-        if loop is None or self._pid != os.getpid():
-            return
-        if http is not None:
-            asyncio.run_coroutine_threadsafe(http.aclose(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
-
-    def _client(self):
-        import httpx
-
-        if self._http is None:  # created on the loop thread, used only there
-            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout), limits=limits)
-        return self._http
+        self._http.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -161,13 +138,7 @@ class ChatClient:
         parsers = list(parse) if isinstance(parse, (list, tuple)) else [parse] * len(requests)
         if len(parsers) != len(requests):
             raise ValueError(f"{len(parsers)} parsers for {len(requests)} requests")
-        loop = self._ensure_loop()
-        fut = asyncio.run_coroutine_threadsafe(self._complete_all(list(requests), parsers, on_outcome), loop)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()
-            raise
+        return self._http.run(self._complete_all(list(requests), parsers, on_outcome))
 
     async def _complete_all(self, requests, parsers, on_outcome) -> list[Outcome]:
         sem = asyncio.Semaphore(self.max_concurrency)
@@ -183,13 +154,7 @@ class ChatClient:
                 on_outcome(i, out)
             return out
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        return await gather_all([one(i) for i in range(len(requests))])
 
     def _headers(self) -> dict:
         headers = {"Content-Type": "application/json"}
@@ -242,23 +207,25 @@ class ChatClient:
         import httpx
 
         self.stats["requests"] += 1
-        try:  # httpx bounds each phase; wait_for bounds the whole attempt (a server trickling bytes)
-            resp = await asyncio.wait_for(self._client().post(self.url, json=body, headers=self._headers()),
-                                          self.timeout)
-        except (httpx.TimeoutException, asyncio.TimeoutError):
+        try:
+            resp = await self._http.fetch("POST", self.url, json=body, headers=self._headers(),
+                                            timeout=self.timeout, max_bytes=self.max_response_bytes)
+        except (httpx.TimeoutException, TimeoutError):
             self.stats["timeouts"] += 1
             raise _Retry(f"timed out after {self.timeout:g} s") from None
         except httpx.TransportError as e:
             self.stats["http_errors"] += 1
             raise _Retry(f"transport error: {type(e).__name__}: {e}") from None
+        except ResponseRefused as e:
+            raise JudgeEndpointError(f"judge endpoint {self.url} {e}; refused (judge option max_response_mb="
+                                     f"{self.max_response_mb:g})") from None
         if resp.status_code in (401, 403, 404):
             raise JudgeEndpointError(f"judge endpoint {self.url} answered HTTP {resp.status_code} "
                                      f"(check base_url, model {self.model!r} and api_key_env): {resp.text[:200]}")
         if resp.status_code == 429 or resp.status_code >= 500:
             self.stats["http_errors"] += 1
-            ra = resp.headers.get("retry-after", "")
-            delay = min(float(ra), 60.0) if ra.replace(".", "", 1).isdigit() else None
-            raise _Retry(f"HTTP {resp.status_code}", delay)
+            delay = retry_after_s(resp.headers.get("retry-after"))
+            raise _Retry(f"HTTP {resp.status_code}", None if delay is None else min(delay, MAX_RETRY_AFTER_S))
         if resp.status_code >= 400:
             self.stats["http_errors"] += 1
             raise _Fail(f"HTTP {resp.status_code}: {resp.text[:200]}")

@@ -9,18 +9,20 @@ hold at most ``batch_size`` images and never split a group (pairwise rewards com
 without groups, images of one prompt stay together. A request over the server's limits (images per
 request, decoded size) is refused with a 413 naming the limit: lower ``batch_size``.
 
-Connection errors, timeouts, 429 and 5xx answers are retried ``retries`` times with exponential
-backoff (``backoff``, ``2 * backoff``, ...); then :class:`~flowgrpo.errors.RewardUnavailableError`
-names the URL (the trainer stops; its last checkpoint is intact and ``--resume`` continues). Any
-other 4xx answer is an immediate :class:`~flowgrpo.errors.UserError` with the server's reason.
+``timeout`` bounds each request's whole exchange, and an answer is read up to ``max_response_mb``
+after decompression (:mod:`flowgrpo.rewards.http_client`). Connection errors, timeouts, 429 and 5xx
+answers are retried ``retries`` times with exponential backoff (``backoff``, ``2 * backoff``, ...);
+then :class:`~flowgrpo.errors.RewardUnavailableError` names the URL (the trainer stops; its last
+checkpoint is intact and ``--resume`` continues). Any other 4xx answer, and an answer over
+``max_response_mb``, is an immediate :class:`~flowgrpo.errors.UserError` with the reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -28,6 +30,8 @@ from torch import Tensor
 from flowgrpo.errors import ConfigError, RewardUnavailableError, UserError
 
 from .base import RewardOutput
+from .http_client import (DEFAULT_MAX_RESPONSE_MB, HTTPLoop, Reply, ResponseRefused, gather_all,
+                          max_response_bytes)
 from .wire import encode_png_b64, one_line, pack_groups, parse_floats
 
 
@@ -36,7 +40,8 @@ class RemoteReward:
 
     Options: ``url`` (``http://host:port``), ``token_env`` (name of an environment variable holding
     the server's bearer token; the token itself never sits in a config), ``timeout`` (seconds per
-    request), ``retries`` and ``backoff`` (seconds before the first retry, doubled each time),
+    request, the whole exchange), ``retries`` and ``backoff`` (seconds before the first retry, doubled
+    each time), ``max_response_mb`` (the largest answer read, MiB after decompression),
     ``batch_size`` (images per request), ``concurrency`` (requests in flight at once: the server
     batches concurrent requests, so a slow reward model is called fewer times), ``name`` (the
     reward's display name), ``references`` (image editing: the server's reward compares each image
@@ -46,9 +51,9 @@ class RemoteReward:
 
     def __init__(self, url: str, token_env: str | None = None, timeout: float = 30.0, retries: int = 3,
                  backoff: float = 1.0, batch_size: int = 64, concurrency: int = 1, name: str | None = None,
-                 references: bool = False):
+                 references: bool = False, max_response_mb: float = DEFAULT_MAX_RESPONSE_MB):
         try:
-            import httpx
+            import httpx  # noqa: F401 (used by the HTTP loop; checked here, before any request)
         except ImportError:
             raise ConfigError("the remote reward needs httpx: pip install 'flowgrpo[remote]'") from None
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -60,6 +65,9 @@ class RemoteReward:
         self.url = url.rstrip("/")
         self.endpoint = f"{self.url}/score"
         self.retries, self.backoff, self.batch_size = int(retries), float(backoff), int(batch_size)
+        self.timeout = float(timeout)
+        self.max_response_mb = float(max_response_mb)
+        self.max_response_bytes = max_response_bytes(max_response_mb, "reward.options.remote.max_response_mb")
         self.name = name or "remote"
         self.wants_references = bool(references)
         headers = {}
@@ -68,8 +76,7 @@ class RemoteReward:
             if not token:
                 raise ConfigError(f"reward.options.remote.token_env: environment variable {token_env} is not set")
             headers["Authorization"] = f"Bearer {token}"
-        self._httpx = httpx
-        self._client = httpx.Client(timeout=float(timeout), headers=headers)
+        self._http = HTTPLoop("remote-reward", self.timeout, max_connections=self.concurrency, headers=headers)
 
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None,
                  references: Tensor | None = None) -> RewardOutput:
@@ -91,11 +98,8 @@ class RemoteReward:
             if self.wants_references:
                 body["references"] = encode_png_b64(references[idx])
             bodies.append(body)
-        if self.concurrency > 1 and len(bodies) > 1:  # httpx.Client is thread-safe; answers keep request order
-            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(bodies))) as pool:
-                answers = list(pool.map(self._post, bodies))
-        else:
-            answers = [self._post(b) for b in bodies]
+        # encoded here, off the HTTP loop: the images' base64 text is most of each body
+        answers = self._http.run(self._post_all([json.dumps(b, separators=(",", ":")).encode() for b in bodies]))
         for idx, answer in zip(packs, answers):
             try:
                 scores[idx] = parse_floats(answer.get("scores"), len(idx), "scores")
@@ -109,18 +113,36 @@ class RemoteReward:
                 raise UserError(f"reward server {self.endpoint} sent a malformed answer: {one_line(exc)}") from None
         return RewardOutput(scores, comps)
 
-    def _post(self, body: dict) -> dict:
+    async def _post_all(self, bodies: list[bytes]) -> list[dict]:
+        """POST every JSON body, at most ``concurrency`` at once; the answers in request order (the
+        first failure cancels the rest)."""
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(body: bytes) -> dict:
+            async with sem:
+                return await self._post(body)
+
+        return await gather_all([one(b) for b in bodies])
+
+    async def _post(self, body: bytes) -> dict:
         """POST one request; retry transient failures; return the decoded JSON answer."""
+        import httpx
+
         attempts = self.retries + 1
         reason = ""
         for attempt in range(attempts):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                resp = self._client.post(self.endpoint, json=body)
-            except self._httpx.HTTPError as exc:  # connection refused/reset, timeouts, protocol errors
+                resp = await self._http.fetch("POST", self.endpoint, content=body, timeout=self.timeout,
+                                              max_bytes=self.max_response_bytes,
+                                              headers={"Content-Type": "application/json"})
+            except (httpx.HTTPError, TimeoutError) as exc:  # connection refused/reset, timeouts, protocol errors
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 continue
+            except ResponseRefused as exc:
+                raise UserError(f"reward server {self.endpoint} {exc}; refused (reward.options.remote."
+                                f"max_response_mb={self.max_response_mb:g})") from None
             if resp.status_code == 429 or resp.status_code >= 500:
                 reason = f"HTTP {resp.status_code}: {_server_reason(resp)}"
                 continue
@@ -135,12 +157,13 @@ class RemoteReward:
                                      f"{one_line(reason)}")
 
     def close(self) -> None:
-        self._client.close()
+        """Close the HTTP connections and stop the loop thread."""
+        self._http.close()
 
 
-def _server_reason(resp) -> str:
+def _server_reason(resp: Reply) -> str:
     with contextlib.suppress(ValueError):  # a body that is not JSON: its text is the reason
         data = resp.json()
         if isinstance(data, dict) and "error" in data:
             return str(data["error"])
-    return resp.text[:200] or resp.reason_phrase
+    return resp.text[:200] or resp.reason

@@ -230,16 +230,22 @@ def start_server_process(reward: str, port: int, options: list[str] = (), extra:
 
 def poll_health(url: str, alive: Callable[[], bool], timeout: float = 60.0) -> bool:
     """Poll ``url``/health until it answers (any status): True then; False once ``alive()`` turns
-    False (the server process exited) or ``timeout`` seconds have passed."""
+    False (the server process exited) or ``timeout`` seconds have passed. Each poll is bounded as
+    every flowgrpo client's request is (:mod:`flowgrpo.rewards.http_client`): 1 s in all, 1 MiB."""
     import httpx
 
+    from ..rewards.http_client import MIB, HTTPLoop, ResponseRefused
+
     deadline = time.monotonic() + timeout
-    while alive() and time.monotonic() <= deadline:
-        try:
-            httpx.get(f"{url}/health", timeout=1.0)
-            return True
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    with HTTPLoop("health-poll", 1.0) as http:
+        while alive() and time.monotonic() <= deadline:
+            try:
+                http.run(http.fetch("GET", f"{url}/health", timeout=1.0, max_bytes=MIB))
+                return True
+            except ResponseRefused:  # an answer all the same
+                return True
+            except (httpx.HTTPError, TimeoutError):
+                time.sleep(0.05)
     return False
 
 

@@ -75,7 +75,8 @@ def _cmd_score(args) -> int:
 
     results = Path(args.out) if args.out else Path(args.images) / f"results_{args.set}"
     opts = JudgeOptions(url=args.judge_url, model=args.judge_model, api_key_env=args.api_key_env,
-                        workers=args.workers, timeout=args.timeout, retries=args.retries, max_tokens=args.max_tokens)
+                        workers=args.workers, timeout=args.timeout, retries=args.retries, max_tokens=args.max_tokens,
+                        max_response_mb=args.max_response_mb)
     try:
         summary = score_folder(args.images, load_prompt_set(args.set, args.csv), results, opts,
                                images_per_prompt=args.images_per_prompt, limit=args.limit,
@@ -119,6 +120,8 @@ def _cmd_compare(args) -> int:
 
 def register(subparsers) -> None:
     """Add ``unigenbench`` and its subcommands to the ``flowgrpo`` parser's ``subparsers``."""
+    from ..rewards.http_client import DEFAULT_MAX_RESPONSE_MB
+
     u = subparsers.add_parser("unigenbench", help="UniGenBench: generate, judge (resumable), report and compare")
     usub = u.add_subparsers(dest="unigenbench_command", required=True)
     sets = list(SETS)
@@ -155,9 +158,11 @@ def register(subparsers) -> None:
     s.add_argument("--out", default=None, metavar="RESULTS_DIR", help="results folder (default: DIR/results_SET)")
     s.add_argument("--csv", default=None, metavar="FILE", help="a newer prompt file of the set's language")
     s.add_argument("--images-per-prompt", type=int, default=4)
-    s.add_argument("--timeout", type=float, default=300.0, help="seconds per attempt")
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds per attempt, the whole exchange")
     s.add_argument("--retries", type=int, default=3, help="extra attempts per image (errors, unreadable answers)")
     s.add_argument("--max-tokens", type=int, default=2048)
+    s.add_argument("--max-response-mb", type=float, default=DEFAULT_MAX_RESPONSE_MB,
+                   help="the largest judge answer read, MiB after decompression (a larger one stops the run)")
     s.add_argument("--retry-failed", action="store_true", help="ask again for images whose judgement failed")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(fn=_cmd_score)

@@ -21,6 +21,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from ..errors import UserError
+from ..rewards.http_client import DEFAULT_MAX_RESPONSE_MB
 from .generate import SETTINGS_NAME, read_settings
 from .judgements import JudgementLog, file_sha256
 from .prompts import BenchPrompt, PromptSet
@@ -35,8 +36,9 @@ class JudgeOptions:
         url: the API root (``http://host:8080/v1``; a URL without a path gets ``/v1``).
         model: the served model name (``QwenVL`` in the official vLLM command).
         api_key_env: environment variable holding the API key (None: no key is sent).
-        workers: requests in flight at once. timeout: seconds per attempt. retries: extra attempts
-        per image. backoff: first retry delay (s, doubling). max_tokens, temperature: sampling.
+        workers: requests in flight at once. timeout: seconds per attempt (the whole exchange).
+        retries: extra attempts per image. backoff: first retry delay (s, doubling). max_tokens,
+        temperature: sampling. max_response_mb: the largest answer read (MiB, decompressed).
     """
 
     url: str
@@ -48,6 +50,7 @@ class JudgeOptions:
     backoff: float = 1.0
     max_tokens: int = 2048
     temperature: float = 0.0
+    max_response_mb: float = DEFAULT_MAX_RESPONSE_MB
 
     def base_url(self) -> str:
         parts = urlsplit(self.url)
@@ -82,17 +85,29 @@ def _record(task: ImageTask, outcome) -> dict:
             "seconds": round(outcome.seconds, 4)}
 
 
+#: the longest the reachability check waits for the judge's ``/models`` answer (s)
+REACH_TIMEOUT_S = 10.0
+
+
 def check_reachable(options: JudgeOptions) -> None:
     """Raise a one-line UserError when nothing answers at the judge's address (any HTTP answer,
     even an error status, counts as reachable); so a wrong port fails at once instead of
-    recording every image as failed after its retries."""
+    recording every image as failed after its retries. The answer is read within the same bounds
+    as a judgement's (a whole-exchange deadline, ``max_response_mb``)."""
     import httpx
 
+    from ..rewards.http_client import HTTPLoop, ResponseRefused, max_response_bytes
+
     url = options.base_url()
-    try:
-        httpx.get(url + "/models", timeout=min(options.timeout, 10.0))
-    except httpx.TransportError as e:
-        raise UserError(f"cannot reach the judge at {url} ({type(e).__name__}: {e}); is the server up?") from None
+    limit = max_response_bytes(options.max_response_mb, "--max-response-mb")
+    timeout = min(options.timeout, REACH_TIMEOUT_S)
+    with HTTPLoop("judge-reach", timeout) as http:
+        try:
+            http.run(http.fetch("GET", url + "/models", timeout=timeout, max_bytes=limit))
+        except (httpx.TransportError, TimeoutError) as e:
+            raise UserError(f"cannot reach the judge at {url} ({type(e).__name__}: {e}); is the server up?") from None
+        except ResponseRefused as e:
+            raise UserError(f"the judge at {url} {e}; refused (--max-response-mb {options.max_response_mb:g})") from None
 
 
 def judge_images(tasks: list[ImageTask], language: str, options: JudgeOptions,
@@ -107,7 +122,8 @@ def judge_images(tasks: list[ImageTask], language: str, options: JudgeOptions,
     check_reachable(options)
     client = ChatClient(options.base_url(), options.model, api_key_env=options.api_key_env,
                         max_concurrency=options.workers, timeout=options.timeout, retries=options.retries,
-                        backoff=options.backoff, temperature=options.temperature, max_tokens=options.max_tokens)
+                        backoff=options.backoff, temperature=options.temperature, max_tokens=options.max_tokens,
+                        max_response_mb=options.max_response_mb)
     records: list[dict | None] = [None] * len(tasks)
 
     def arrived(i: int, outcome) -> None:
