@@ -1,7 +1,8 @@
 """VLM judges at an OpenAI-compatible endpoint: a pointwise score and Pref-GRPO pairwise win rates.
 
 ``judge`` (:class:`PointwiseJudgeReward`) asks the model to rate each image against its prompt and
-parses the answer (``parser="score_0_10"``: "Score: N" scaled to [0, 1]; ``"yes_no"``: 1 / 0).
+parses the answer (``parser="score_0_10"``: "Score: N" scaled to [0, 1], on the scale the answer
+states if it states one, "4/5"; ``"yes_no"``: 1 / 0).
 ``judge_pairwise`` (:class:`PairwiseJudgeReward`) asks which of two images of one group follows
 the prompt better (UnifiedReward-Think style: "Image 1 is better") and feeds
 :func:`~flowgrpo.rewards.pairwise.win_rates`.
@@ -74,18 +75,26 @@ def answer_part(text: str) -> str | None:
     return body.strip()
 
 
+#: a number and the scale the answer states for it, if any: "4/5", "4 / 5", "4 out of 5" (groups 1, 2)
+_SCORED = r"(\d+(?:\.\d+)?)(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?))?"
+
+
 def parse_score_0_10(text: str) -> float | None:
-    """"Score: N" (N in [0, 10], the last such line wins; "N/10" and a bare number also work) -> N / 10."""
+    """"Score: N" (the last such line wins; "Rating: N" and a bare number also work) -> N / 10, N in [0, 10].
+
+    A scale the answer states is the one read: "Score: 4/5" and "4 out of 5" are 0.8, "8/10" is 0.8.
+    Reading "4/5" as 4 on the asked-for 1 to 10 scale (0.4) would score a judge that answers on its own
+    scale silently wrong. A number above its scale, or a scale of 0, is unparseable (None)."""
     part = answer_part(text)
     if not part:
         return None
-    found = re.findall(r"(?:score|rating)\s*(?:is)?\s*[:=]?\s*\**\s*(\d+(?:\.\d+)?)(?:\s*/\s*10)?", part, flags=re.I)
+    found = re.findall(r"(?:score|rating)\s*(?:is)?\s*[:=]?\s*\**\s*" + _SCORED, part, flags=re.I)
     if not found:
-        found = re.findall(r"^\s*\**(\d+(?:\.\d+)?)\**(?:\s*/\s*10)?\s*\.?\s*$", part)
+        found = re.findall(r"^\s*\**" + _SCORED + r"\**\s*\.?\s*$", part, flags=re.I)
     if not found:
         return None
-    value = float(found[-1])
-    return value / 10.0 if 0.0 <= value <= 10.0 else None
+    value, scale = float(found[-1][0]), float(found[-1][1] or 10.0)
+    return value / scale if scale > 0 and 0.0 <= value <= scale else None
 
 
 def parse_yes_no(text: str) -> float | None:

@@ -35,6 +35,7 @@ from flowgrpo.cli import main  # noqa: E402
 from flowgrpo.errors import ConfigError, RewardUnavailableError, UserError  # noqa: E402
 from flowgrpo.rewards import build_reward  # noqa: E402
 from flowgrpo.rewards.http_client import retry_after_s  # noqa: E402
+from flowgrpo.rewards.judge import parse_score_0_10  # noqa: E402
 from flowgrpo.rewards.openai_client import JudgeEndpointError  # noqa: E402
 from flowgrpo.rewards.remote import RemoteReward  # noqa: E402
 from flowgrpo.serve import ServerThread, create_app  # noqa: E402
@@ -288,5 +289,24 @@ def test_a_non_ascii_retry_after_in_unigenbench_score_is_no_traceback(tmp_path, 
     assert rc == 0 and "Traceback" not in cap.err
     record = json.loads((tmp_path / "res" / "judgements.jsonl").read_text().splitlines()[-1])
     assert record["attempts"] == 2 and not record["ok"]  # the 503, then an unreadable answer
+
+
+# --------------------------------------------------------------------------- the judge's scale
+
+
+@pytest.mark.parametrize("answer, score", [
+    ("Score: 4/5", 0.8), ("Score: 4 out of 5", 0.8), ("Rating: 8/10", 0.8), ("Score: 7", 0.7), ("4/5", 0.8),
+    ("**Score:** 3 / 4", 0.75), ("Score: 6/5", None), ("Score: 3/0", None), ("Score: 11", None),
+])
+def test_a_stated_scale_is_the_one_read(answer, score):
+    assert parse_score_0_10(answer) == (None if score is None else pytest.approx(score))
+
+
+def test_a_judge_answering_out_of_five_is_scored_on_that_scale():
+    with RawHTTP(lambda method, path, n: [chat("The layout is right.\nScore: 4/5")]) as srv:
+        judge = build_reward("judge", model="m", base_url=srv.url + "/v1", retries=0)
+        out = judge(IMAGES[:1], ["a"])
+        judge.close()
+    assert out.scores.tolist() == [pytest.approx(0.8)]
 
 
