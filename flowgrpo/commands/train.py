@@ -20,6 +20,8 @@ def cmd_train(args) -> int:
 
         return explain_config(args.help_config or None)
     if args.num_processes > 1 and not in_launched_process():
+        if args.resume:  # refused here in one line, not once by every rank
+            resumed_config_of(args)
         argv = args.raw_argv[args.raw_argv.index("train") + 1:]
         return launch(args.num_processes, _drop_option(argv, "--num-processes", "--accelerate-config"),
                       args.accelerate_config)
@@ -30,19 +32,11 @@ def cmd_train(args) -> int:
 
 def _run_train(args) -> int:
     """Train (or resume) in this process and print the outcome (the main process's)."""
-    from ..trainer.checkpoint import read_run_config
+    from ..trainer.launch import in_launched_process
     from ..trainer.run import train
 
-    if args.resume:
-        run_dir = Path(args.resume)
-        cfg = read_run_config(run_dir)
-        if args.overrides:
-            from ..config import apply_dict, parse_override, validate
-
-            for ov in args.overrides:
-                apply_dict(cfg, parse_override(ov))
-            validate(cfg)
-        summary = train(cfg, run_dir, resume=True)
+    if args.resume:  # the launcher of a multi-process run named the changes: its ranks stay quiet
+        summary = train(resumed_config_of(args, quiet=in_launched_process()), Path(args.resume), resume=True)
     else:
         summary = _train_fresh(_fresh_config(args))
     if "rank" in summary:  # a non-main rank of a multi-process run: the main process reports
@@ -54,6 +48,16 @@ def _run_train(args) -> int:
         b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
         print(f"{done}; held-out accuracy {b:.3f} -> {a:.3f} ({a - b:+.3f})")
     return 0
+
+
+def resumed_config_of(args, quiet: bool = False):
+    """The configuration ``train --resume`` continues with: the recorded one, changed only where
+    :mod:`flowgrpo.commands.resume` allows (a note names the changes unless ``quiet``)."""
+    from .resume import resumed_config
+
+    if args.config:
+        check_text_file(Path(args.config), "config file")
+    return resumed_config(Path(args.resume), args.preset, args.recipe, args.config, args.overrides, quiet=quiet)
 
 
 def _fresh_config(args):

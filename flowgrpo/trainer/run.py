@@ -41,7 +41,7 @@ import torch
 import yaml
 
 from ..config import RunConfig, to_dict
-from ..disk import write_problem
+from ..disk import write_problem, write_text_atomically
 from ..errors import UserError
 from ..evaluation import EvalResult, build_evaluator, paired_gain
 from ..output.plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
@@ -49,7 +49,7 @@ from ..safe_load import load_tensors
 from ..sharded_tensors import is_sharded
 from .accelerator import start_trackers
 from .base_weights import check_base_weights, record_base_weights
-from .checkpoint import latest_checkpoint, load_latest_intact, save_checkpoint
+from .checkpoint import CONFIG_FILE, latest_checkpoint, load_latest_intact, save_checkpoint
 from .metrics import MetricsLogger, json_safe, read_metrics
 from .progress import bar_fields, progress_bar
 from .run_lock import LOCK_FILE, RunLock, lock_run_dir
@@ -114,8 +114,8 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp, loc
                 path = path or make_run_dir(cfg)
                 path.mkdir(parents=True, exist_ok=True)
             locks.append(lock_run_dir(path))  # a second run on this folder stops here, having written nothing
+            _record_config(path, cfg)
             if not resume:
-                (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
                 record_base_weights(path, cfg.model)  # shapes runs: which base the checkpoints belong to
             outcome = (str(path), None)
         except UserError as e:
@@ -128,6 +128,18 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, dp, loc
     if error is not None:
         raise UserError(error)
     return Path(path)
+
+
+def _record_config(run_dir: Path, cfg: RunConfig) -> None:
+    """Write ``cfg`` as ``RUN_DIR/config.yaml`` (atomically) unless the file holds it already: a fresh
+    run's resolved configuration, or a resumed run's with the budgets it changed, which a later
+    ``--resume`` then keeps (:mod:`flowgrpo.commands.resume`)."""
+    path = run_dir / CONFIG_FILE
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if path.read_text(encoding="utf-8") == text:
+            return
+    write_text_atomically(path, text)
 
 
 def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, trainer: GRPOTrainer | None = None) -> dict:
