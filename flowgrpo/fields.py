@@ -63,22 +63,27 @@ def range_text(bounds: dict[str, float]) -> str:
     return " and ".join(f"{BOUNDS[k]} {v}" for k, v in bounds.items())
 
 
+def check_range(key: str, value: float, bounds: dict[str, float]) -> None:
+    """A :class:`~flowgrpo.errors.ConfigError` naming ``key`` unless the number ``value`` is finite and
+    within ``bounds`` (``{"ge": 0, "lt": 1}``; NaN and inf are never within bounds)."""
+    ok = math.isfinite(value) and all({"gt": value > b, "ge": value >= b, "lt": value < b, "le": value <= b}[k]
+                                      for k, b in bounds.items())
+    if not ok:
+        what = range_text(bounds) if isinstance(value, int) else f"a finite number {range_text(bounds)}"
+        raise ConfigError(f"config key '{key}' must be {what}, got {value!r}")
+
+
 def check_ranges(cfg: Any, prefix: str = "") -> None:
     """Every bounded field of ``cfg`` (recursively) is a finite number within its bounds; else a
-    :class:`~flowgrpo.errors.ConfigError` naming the key (NaN and inf are never within bounds)."""
+    :class:`~flowgrpo.errors.ConfigError` naming the key (:func:`check_range`)."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             check_ranges(value, f"{prefix}{f.name}.")
             continue
         bounds = f.metadata.get("range")
-        if not bounds or value is None:
-            continue
-        ok = math.isfinite(value) and all({"gt": value > b, "ge": value >= b, "lt": value < b, "le": value <= b}[k]
-                                          for k, b in bounds.items())
-        if not ok:
-            what = range_text(bounds) if isinstance(value, int) else f"a finite number {range_text(bounds)}"
-            raise ConfigError(f"config key '{prefix}{f.name}' must be {what}, got {value!r}")
+        if bounds and value is not None:
+            check_range(f"{prefix}{f.name}", value, bounds)
 
 
 def hints(obj_or_cls: Any) -> dict[str, Any]:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import os
+import typing
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import Tensor
 
 from flowgrpo.errors import ConfigError
+from flowgrpo.fields import as_number, check_range, coerce
 
 
 @dataclass
@@ -37,7 +40,9 @@ class Reward(Protocol):
 
 
 def check_options(name: str, factory, options: dict) -> None:
-    """Refuse options that ``factory`` (a reward class or function) does not take, naming the valid ones."""
+    """Refuse options that ``factory`` (a reward class or function) does not take, naming the valid
+    ones, and values of the wrong type or out of range (:func:`check_option_values`). The config's
+    ``reward.options.<name>`` and ``flowgrpo serve-reward --option`` both come here."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # no introspectable signature: let the call decide
@@ -53,6 +58,26 @@ def check_options(name: str, factory, options: dict) -> None:
     if missing:
         raise ConfigError(f"reward {name!r} needs option(s) {', '.join(missing)} "
                           f"(set reward.options.{name}.{missing[0]}=...)")
+    check_option_values(name, factory, options)
+
+
+def check_option_values(name: str, factory, options: dict) -> None:
+    """Each option's value against the factory's annotation (:func:`flowgrpo.fields.coerce`, as a config
+    key's: ``quality: int`` refuses ``"abc"``) and the bounds it declares in ``option_ranges``
+    (``{"quality": {"ge": 1, "le": 100}}``, :func:`flowgrpo.fields.check_range`). A ConfigError names
+    the option as ``reward.options.<name>.<option>``; options without an annotation pass."""
+    try:
+        hints = typing.get_type_hints(factory.__init__ if isinstance(factory, type) else factory)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: let the factory decide
+        hints = {}
+    ranges = getattr(factory, "option_ranges", {})
+    for option, value in options.items():
+        key = f"reward.options.{name}.{option}"
+        number = as_number(value)
+        if option in ranges and number is not None:  # first: 1e9 for an int option names the range
+            check_range(key, value if isinstance(value, (int, float)) else number, ranges[option])
+        if option in hints and not isinstance(value, os.PathLike):  # a Path from Python code where a str is declared
+            coerce(value, hints[option], key)
 
 
 def wants_references(reward) -> bool:

@@ -28,6 +28,8 @@ class JpegCompressibility:
     """Reward = -(JPEG size in kB): smaller files score higher. Option ``quality`` (DDPO: 95)."""
 
     name = "jpeg_compressibility"
+    #: PIL's JPEG quality scale (:func:`~flowgrpo.rewards.base.check_option_values`)
+    option_ranges = {"quality": {"ge": 1, "le": 100}}
 
     def __init__(self, quality: int = 95):
         self.quality = int(quality)

@@ -310,3 +310,23 @@ def test_a_judge_answering_out_of_five_is_scored_on_that_scale():
     assert out.scores.tolist() == [pytest.approx(0.8)]
 
 
+# --------------------------------------------------------------------------- serve-reward options
+
+
+@pytest.mark.parametrize("option, needle", [
+    ("quality=abc", "'reward.options.jpeg_compressibility.quality' expects int, got str 'abc'"),
+    ("quality=1e9", "'reward.options.jpeg_compressibility.quality' must be a finite number >= 1 and <= 100, got 1000000000.0"),
+    ("quality=0", "'reward.options.jpeg_compressibility.quality' must be >= 1 and <= 100, got 0"),
+])
+def test_serve_reward_refuses_a_bad_option_value_in_one_line(option, needle, capsys):
+    with socket.socket() as taken:  # a value let through fails at the bind instead of serving
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        rc = main(["serve-reward", "--reward", "jpeg_compressibility", "--option", option, "--port", str(port)])
+    one_line_error(rc, capsys.readouterr().err, needle)
+
+
+def test_reward_option_values_are_checked_for_training_too():
+    with pytest.raises(ConfigError, match="'reward.options.jpeg_compressibility.quality' expects int"):
+        build_reward("jpeg_compressibility", quality="abc")
+    assert build_reward("jpeg_compressibility", quality=90).quality == 90
