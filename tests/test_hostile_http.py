@@ -38,6 +38,7 @@ from flowgrpo.rewards.http_client import retry_after_s  # noqa: E402
 from flowgrpo.rewards.judge import parse_score_0_10  # noqa: E402
 from flowgrpo.rewards.openai_client import JudgeEndpointError  # noqa: E402
 from flowgrpo.rewards.remote import RemoteReward  # noqa: E402
+from flowgrpo.rewards.wire import encode_png_b64  # noqa: E402
 from flowgrpo.serve import ServerThread, create_app  # noqa: E402
 from flowgrpo.unigenbench.score import JudgeOptions, check_reachable  # noqa: E402
 
@@ -330,3 +331,28 @@ def test_reward_option_values_are_checked_for_training_too():
     with pytest.raises(ConfigError, match="'reward.options.jpeg_compressibility.quality' expects int"):
         build_reward("jpeg_compressibility", quality="abc")
     assert build_reward("jpeg_compressibility", quality=90).quality == 90
+
+
+# --------------------------------------------------------------------------- request framing
+
+
+def test_a_request_framed_twice_is_refused_and_its_connection_closed():
+    """Content-Length and Transfer-Encoding: chunked, the chunked body empty and a whole second
+    request after it within the Content-Length: 400, then the connection closes; nothing is scored."""
+    inner = json.dumps({"prompts": ["a"], "images": encode_png_b64(IMAGES[:1])}).encode()
+    hidden = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(inner)) + inner
+    body = b"0\r\n\r\n" + hidden
+    request = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n" % len(body)) + body
+    app = create_app(build_reward("jpeg_compressibility"))
+    with ServerThread(app) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request)
+            answer = b""
+            while chunk := sock.recv(65536):  # b"" once the server closes the connection
+                answer += chunk
+        assert app.state.batcher.requests == 0
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"connection: close" in answer.lower()
+    assert answer.count(b"HTTP/1.1 ") == 1

@@ -17,6 +17,12 @@ server logged "Too many open files". :func:`guarded_protocol` gives uvicorn an h
   every open connection is in the middle of a request, the new one is closed instead). So idle or stalled connections can never
   lock out a client that sends its request at once, and the open sockets stay under the file limit.
 
+A request that declares its body's length twice, with both ``Content-Length`` and
+``Transfer-Encoding``, is answered 400 and its connection closed (RFC 9112 section 6.1: such a message
+may be an attempt at request smuggling, and a server that answers it must close the connection): h11
+alone frames the body by ``Transfer-Encoding``, answers the request, and reads whatever the
+``Content-Length`` covered beyond the chunked body as the next request on the same connection.
+
 Each header block is also capped at h11's 16 KiB (uvicorn's ``h11_max_incomplete_event_size``), so a
 held connection costs a few KiB. The listening backlog is ``max_connections`` too (asyncio accepts up
 to a backlog of connections in one go, before any of them can be closed), and :class:`GuardedServer`
@@ -31,8 +37,9 @@ import logging
 import resource
 import time
 
+import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from .codec import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 
@@ -42,13 +49,34 @@ _WARN_EVERY_S = 60.0
 log = logging.getLogger("uvicorn.error")
 
 
+class OneFramingConnection(h11.Connection):
+    """h11's connection, refusing a request with both ``Content-Length`` and ``Transfer-Encoding``.
+
+    The refusal is h11's :class:`h11.RemoteProtocolError`, which uvicorn answers with a 400 carrying
+    ``Connection: close`` and then closes the connection, so nothing after the request's header
+    block is read as another request."""
+
+    def next_event(self):
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name.lower() for name, _ in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding", error_status_hint=400)
+        return event
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header deadline and a connection cap (see the module docstring);
-    :func:`guarded_protocol` sets the two class attributes."""
+    """uvicorn's h11 protocol with a header deadline, a connection cap and one body framing per
+    request (see the module docstring); :func:`guarded_protocol` sets the two class attributes."""
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     _last_warning = [float("-inf")]  # shared by the connections of one server
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        size = config.h11_max_incomplete_event_size  # as uvicorn sizes its own connection
+        self.conn = OneFramingConnection(h11.SERVER, DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
