@@ -152,7 +152,7 @@ class CallLayout:
 
     # ------------------------------------------------------------------ replay
     def call(self, transformer, x: Tensor, timestep: Tensor, enc: dict[str, Tensor]):
-        """Call ``transformer`` on latents x [b, ...] and per-row timestep values [b] (float32) with
+        """Call ``transformer`` on latents x [b, ...] and per-row timestep values [b] (as the pipeline passes them) with
         the conditioning rows ``enc``; returns its output as [k, b, *x.shape[1:]] (float32)."""
         b = x.shape[0]
         args, kwargs = [], {}

@@ -20,6 +20,7 @@ picks the scheme that reproduces a recorded velocity; ``sign`` -1 is Z-Image's n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,13 +62,32 @@ def candidates(m: int) -> list[Combine]:
     return out
 
 
+def combine_tolerance(parts: Tensor, g: float, velocity_dtype: torch.dtype, rtol: float = 1e-4) -> Tensor:
+    """Elementwise [b, ...] bound on how far a scheme computed here in float32 from ``parts`` [m, b, ...]
+    can be from the velocity a pipeline combined in ``velocity_dtype``: ``rtol`` of the largest part,
+    or, in a narrower type, four roundings of each term the pipeline added (the parts, ``g`` times
+    their difference, and the result), the bfloat16 pipelines' case (Wan 2.2 guides in bf16)."""
+    floor = rtol * float(parts.abs().max().clamp_min(1e-12))
+    if not velocity_dtype.is_floating_point or torch.finfo(velocity_dtype).eps <= torch.finfo(torch.float32).eps:
+        return torch.full_like(parts[0], floor)
+    eps = float(torch.finfo(velocity_dtype).eps)
+    terms = parts.abs().sum(0)
+    if parts.shape[0] > 1:
+        terms = terms + (abs(g) + 1.0) * (parts[0] - parts[1]).abs() + (abs(g) + 1.0) * parts.abs().amax(0)
+    return (4.0 * eps * terms).clamp_min(floor)
+
+
 def infer_combine(parts: Tensor, g: float, velocity: Tensor, rtol: float = 1e-4) -> Combine | None:
-    """The first of :func:`candidates` that gives ``velocity`` [b, ...] from ``parts`` [m, b, ...] to
-    ``rtol`` of its largest magnitude; None when none does."""
+    """The scheme of :func:`candidates` that gives ``velocity`` [b, ...] from ``parts`` [m, b, ...] with the
+    smallest error relative to :func:`combine_tolerance` (``velocity``'s dtype sets the rounding the
+    pipeline's own arithmetic had); None when none is within it."""
     target = velocity.float()
-    scale = float(target.abs().max()) or 1.0
-    for rule in candidates(parts.shape[0]):
+    parts = parts.float()
+    tol = combine_tolerance(parts, g, velocity.dtype, rtol).reshape(target.shape)
+    best, best_ratio = None, math.inf
+    for rule in candidates(parts.shape[0]):  # on a tie the earlier (simpler) scheme stays
         got = rule(parts, g).reshape(target.shape)
-        if bool(torch.isfinite(got).all()) and float((got - target).abs().max()) <= rtol * scale:
-            return rule
-    return None
+        ratio = float(((got - target).abs() / tol).max()) if bool(torch.isfinite(got).all()) else math.inf
+        if ratio <= 1.0 and ratio < best_ratio:
+            best, best_ratio = rule, ratio
+    return best

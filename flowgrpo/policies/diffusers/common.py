@@ -30,8 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import UserError
+from ...model_size import check_pipeline_folder
 from ..base import TRAIN_MODES, check_train_mode  # noqa: F401  (the adapters import them from here)
 from ..base.lora import add_lora
+from .dtype_bridge import bridge_dtype
 
 
 def float32_submodules(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
@@ -48,12 +50,20 @@ def float32_submodules(module: nn.Module, dtype: torch.dtype) -> frozenset[str]:
 
 
 def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast the floating weights and buffers of ``module`` in place to ``dtype``, except those under
-    :func:`float32_submodules` (float32), as loading the module in ``dtype`` would; only tensors whose
-    dtype differs are touched (a pipeline loaded in ``dtype`` is left as loaded, and diffusers'
-    warning about ``.to(dtype)`` casts is avoided). Returns ``module``."""
+    """Cast the floating weights and persistent buffers of ``module`` in place to ``dtype``, except those
+    under :func:`float32_submodules` (float32), as loading the module in ``dtype`` would; only tensors
+    whose dtype differs are touched (a pipeline loaded in ``dtype`` is left as loaded, and diffusers'
+    warning about ``.to(dtype)`` casts is avoided). Non-persistent buffers stay as built: the
+    libraries compute them at construction in the precision they need and ``from_pretrained(dtype=...)``
+    leaves them so (transformers' RoPE ``inv_freq`` stays float32; cast to bf16 it moves a Qwen or
+    Mistral text encoder's prompt embeddings by up to 2 % of their scale). Returns ``module``."""
     keep = float32_submodules(module, dtype)
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+    tensors = list(module.named_parameters())
+    for prefix, sub in module.named_modules():
+        skip = getattr(sub, "_non_persistent_buffers_set", set())
+        tensors += [(f"{prefix}.{n}" if prefix else n, b) for n, b in sub.named_buffers(recurse=False)
+                    if n not in skip]
+    for name, tensor in tensors:
         want = torch.float32 if keep and not keep.isdisjoint(name.split(".")) else dtype
         if tensor.is_floating_point() and tensor.dtype != want:
             tensor.data = tensor.data.to(want)
@@ -62,11 +72,13 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def load_frozen(policy: nn.Module, dtype: torch.dtype, **modules: nn.Module | None) -> None:
     """Set ``policy.<name> = module`` for each module, frozen: the VAE (name ``vae``) in float32 and
-    eval, text encoders (``text_encoder*``) in ``dtype`` and eval, anything else (the transformer) in
+    eval (bridged, :func:`~flowgrpo.policies.diffusers.dtype_bridge.bridge_dtype`, to callers in ``dtype``), text encoders (``text_encoder*``) in ``dtype`` and eval, anything else (the transformer) in
     ``dtype`` (:func:`cast_module`: the submodules the library keeps in float32 stay so). None stays None."""
     for name, module in modules.items():
         if module is not None:
             cast_module(module, torch.float32 if name == "vae" else dtype)
+            if name == "vae" and dtype != torch.float32:
+                bridge_dtype(module)  # stock pipelines hand it tensors in their dtype
             if name == "vae" or name.startswith("text_encoder"):
                 module = module.eval()
             module.requires_grad_(False)
@@ -155,7 +167,10 @@ def _apply_progress(library: str) -> None:
 
 def load_pipeline(pipeline_cls, path, dtype: torch.dtype):
     """``pipeline_cls.from_pretrained(path, torch_dtype=dtype, local_files_only=True)`` without diffusers'
-    ``torch_dtype`` FutureWarning, its bars shown as :func:`show_library_progress` last said."""
+    ``torch_dtype`` FutureWarning, its bars shown as :func:`show_library_progress` last said, after
+    :func:`~flowgrpo.model_size.check_pipeline_folder` (a UserError for a config that describes a model
+    far larger than the folder's weights)."""
+    check_pipeline_folder(path)  # an absurd size in a component's config.json, before anything is built
     for library in ("diffusers", "transformers"):
         _apply_progress(library)
     with warnings.catch_warnings():

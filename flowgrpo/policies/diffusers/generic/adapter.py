@@ -9,7 +9,8 @@ prompts (:func:`~flowgrpo.diffusers.replay.step_record.record_pipeline`) and lea
   (:mod:`~flowgrpo.diffusers.replay.latent_layout`) maps between the two (:meth:`pipeline_latents`);
 * per transformer call of a step, how each argument is rebuilt (:class:`~flowgrpo.diffusers.replay.call_replay.CallLayout`);
 * the timestep the transformer gets: ``a * sigma + b`` fitted from the two steps (SD3 / Wan ``1000
-  sigma``, FLUX / Qwen-Image ``sigma``, Z-Image ``1 - sigma``), snapped to integers;
+  sigma``, FLUX / Qwen-Image ``sigma``, Z-Image ``1 - sigma``), the simplest integers within the
+  rounding of the dtype it was recorded in (:mod:`~flowgrpo.diffusers.replay.timestep_map`);
 * how the step combines the call outputs into the velocity
   (:func:`~flowgrpo.diffusers.replay.velocity_combine.infer_combine`).
 
@@ -36,6 +37,7 @@ from flowgrpo.diffusers.replay.call_replay import CallLayout, sample_part
 from flowgrpo.diffusers.replay.latent_layout import learn_layout
 from flowgrpo.diffusers.replay.row_calls import mark_per_prompt, row, stack_rows
 from flowgrpo.diffusers.replay.step_record import record_pipeline
+from flowgrpo.diffusers.replay.timestep_map import fit_timestep_map
 from flowgrpo.diffusers.replay.velocity_combine import infer_combine
 from flowgrpo.errors import UserError
 from flowgrpo.references import probe_references, quantize, resize_references, to_pil
@@ -50,13 +52,8 @@ from .experts import ExpertSwitch, route_rows
 from .families import PipelineFamily, family_of
 
 PROBE_PROMPTS = ("a red cube on a table", "two blue spheres", "a photo of a cat")
-
-
-def _snap(value: float, what: str) -> float:
-    snapped = float(round(value))
-    if abs(value - snapped) > 1e-3 * max(1.0, abs(snapped)):
-        raise ValueError(f"the transformer's timestep is not an integer affine map of sigma ({what} = {value:.6g})")
-    return snapped
+#: steps of the stubbed run whose timesteps fit the sigma -> timestep map (many sigmas pin its rounding)
+TIMESTEP_PROBE_STEPS = 24
 
 
 class PipelinePolicy(DiffusersPolicy):
@@ -156,16 +153,22 @@ class PipelinePolicy(DiffusersPolicy):
             mark_per_prompt(self.layouts, first.calls, [self._record(
                 self._call_kwargs([p], 4, references=refs[i:i + 1]), max_steps=1, run_transformer=False).steps[0].calls
                 for i, p in enumerate(PROBE_PROMPTS) if i])
-        ts = [self._timestep_value(step) for step in (first, second)]
-        a = (ts[0] - ts[1]) / (first.sigma - second.sigma)
-        self.timestep_scale = _snap(a, "scale")
-        self.timestep_offset = _snap(ts[0] - a * first.sigma, "offset")
+        self.timestep_map = self._learn_timestep_map()
         parts = torch.cat([o.output_parts for o in self._outputs(first)])
         combine = infer_combine(parts, self.cfg_scale, first.velocity)
         if combine is None:
             raise ValueError(f"its {len(parts)} transformer outputs per step combine into the velocity by no known "
                              "scheme (single, CFG, CFG with norm rescale)")
         self.combine = combine
+
+    def _learn_timestep_map(self, steps: int = TIMESTEP_PROBE_STEPS):
+        """The sigma -> timestep map, from every step of a ``steps``-step run with the transformer stubbed
+        (cheap: the pipeline's text encoding once, then its loop at zero velocity), so that the exact
+        rounding the pipeline applies is seen at many sigmas (:func:`fit_timestep_map`)."""
+        rec = self._record(self._call_kwargs(PROBE_PROMPTS[:1], steps), max_steps=steps, run_transformer=False)
+        ts = [self._timestep_value(step) for step in rec.steps]
+        train_steps = getattr(self.pipe.scheduler.config, "num_train_timesteps", None)
+        return fit_timestep_map([step.sigma for step in rec.steps], [float(t) for t in ts], ts[0].dtype, train_steps)
 
     def _record(self, call_kwargs: dict, guidance: float | None = None, **options):
         """:func:`~flowgrpo.diffusers.replay.step_record.record_pipeline` of this pipeline and its experts; where
@@ -183,11 +186,12 @@ class PipelinePolicy(DiffusersPolicy):
         finally:
             setattr(owner, name, old)
 
-    def _timestep_value(self, step) -> float:
+    def _timestep_value(self, step) -> Tensor:
+        """The timestep the step's first call received (its first element, a 0-d tensor in its dtype)."""
         call = step.calls[0]
         key = self.family.timestep_arg
         value = call.kwargs[key] if isinstance(key, str) else call.args[key]
-        return float(torch.as_tensor(value).reshape(-1)[0])
+        return torch.as_tensor(value).reshape(-1)[0]
 
     def _outputs(self, step):
         b = step.sample.shape[0]
@@ -317,7 +321,7 @@ class PipelinePolicy(DiffusersPolicy):
         if self.family.prompts_per_call == 1 and x.shape[0] > 1:  # the transformer as the pipeline calls it
             return torch.cat([self.velocity(x[r:r + 1], sigma[r:r + 1], Conditioning(row(cond.tensors, r)), g)
                               for r in range(x.shape[0])])
-        timestep = sigma * self.timestep_scale + self.timestep_offset
+        timestep = self.timestep_map(sigma)
 
         def run(expert: int, rows: Tensor | None) -> Tensor:  # [m, rows, ...]: every call's outputs
             module = getattr(self, self.switch.names[expert])
@@ -397,3 +401,21 @@ def build_pipeline_policy(cfg) -> PipelinePolicy:
                               **runtime_options(cfg))
     except ValueError as exc:
         raise UserError(f"{name} in {str(path)!r} cannot be trained: {exc}") from None
+    except RuntimeError as exc:  # the stock pipeline itself failed on the probe's call
+        raise UserError(f"{name} in {str(path)!r} failed when probed at model.resolution={cfg.resolution} "
+                        f"({type(exc).__name__}: {first_line(exc)}){resolution_hint(pipe)}") from None
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of ``exc``'s message, at most ``limit`` characters."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def resolution_hint(pipe) -> str:
+    """A hint naming the pipeline's VAE downsampling factor, the usual lower bound of its resolution."""
+    factor = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
+    if not factor:
+        return ""
+    return (f"; its VAE downsamples by {factor} and the transformer may patch the latents further, so the "
+            f"resolution must be a multiple of {factor} and usually of {2 * factor}")
