@@ -79,19 +79,20 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_presets(args) -> int:
-    from .config import preset_names, read_preset
+    from .config import preset_names
+    from .config_show import preset_description
 
     for name in preset_names():
-        data = read_preset(name)
-        print(f"{name:24s} {data.get('description', '')}")
+        print(f"{name:24s} {preset_description(name)}")
     return 0
 
 
 def _cmd_recipes(args) -> int:
-    from .recipes import recipe_meta, recipe_names
+    from .config_show import recipe_description
+    from .recipes import recipe_names
 
     for name in recipe_names():
-        print(f"{name:20s} {recipe_meta(name, 'description', '')}")
+        print(f"{name:20s} {recipe_description(name)}")
     return 0
 
 

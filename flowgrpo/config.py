@@ -344,8 +344,10 @@ def _check_run_name(log: LogConfig) -> None:
                           f"log.out_dir ({log.out_dir})")
 
 
-def validate(cfg: RunConfig) -> None:
-    """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options."""
+def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False) -> None:
+    """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options.
+    ``model_folder_may_be_absent``: a ``model.name`` that names nothing yet is let through (``config
+    show`` of a recipe for a folder about to be downloaded; ``train`` never sets it)."""
     check_choices(cfg)
     _check_trackers(cfg.log.trackers)
     _check_run_name(cfg.log)
@@ -370,7 +372,7 @@ def validate(cfg: RunConfig) -> None:
     from .samplers.strategies import STRATEGIES, options_class
     from .samplers.strategy_base import parse_options
 
-    if cfg.model.name not in POLICIES:  # a pipeline directory or cached hub id picks its adapter
+    if cfg.model.name not in POLICIES and not model_folder_may_be_absent:  # a folder or cached hub id picks its adapter
         try:
             resolve_adapter(cfg.model)
         except UserError as exc:

@@ -4,13 +4,23 @@ layer that set it (``default``, ``recipe:NAME``, ``preset:NAME``, ``recipe-metho
 
 The text is a valid config file: fed back with ``--config`` it gives the same configuration. The
 strategy options the run leaves unset are listed with their defaults (marked ``default``).
+
+Descriptions (a preset's ``description`` key, a recipe's meta ``description``) name the values they
+quote as ``{section.key}`` placeholders, filled from the resolved configuration wherever they are
+shown (:func:`fill_description`): a recipe's settings for a method (``methods:``) or an override
+then show in the text as they do in the keys below it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from .config_help import format_value
+from .errors import ConfigError
+
+#: a ``{section.key}`` placeholder of a description (``{strategy.window}``, ``{sampler.noise_level}``)
+PLACEHOLDER = re.compile(r"\{([a-z_]+(?:\.[a-z_0-9]+)+)\}")
 
 
 #: source comments line up at this column; longer lines (descriptions) carry theirs after two spaces
@@ -23,6 +33,65 @@ def resolved_strategy_options(cfg) -> dict:
     from .samplers.strategy_base import parse_options
 
     return dataclasses.asdict(parse_options(options_class(cfg.sampler.strategy), cfg.strategy, cfg.sampler.num_steps))
+
+
+def config_value(cfg, key: str):
+    """The resolved value of ``key`` (``section.key``; ``strategy.*`` over the strategy's defaults);
+    KeyError when there is none."""
+    section, _, rest = key.partition(".")
+    if section == "strategy":
+        return resolved_strategy_options(cfg)[rest]
+    value = cfg
+    for part in key.split("."):
+        if isinstance(value, dict):
+            value = value[part]
+        elif dataclasses.is_dataclass(value) and part in {f.name for f in dataclasses.fields(value)}:
+            value = getattr(value, part)
+        else:
+            raise KeyError(key)
+    return value
+
+
+def _quoted(value) -> str:
+    if value is None:  # an unset list option means all of them (tempflow's branch_steps)
+        return "all"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_quoted(v) for v in value)
+    if isinstance(value, dict):  # reward.weights: the rewards' names
+        return " + ".join(str(k) for k in value)
+    return str(value)
+
+
+def fill_description(text: str, cfg, owner: str = "description") -> str:
+    """``text`` with each ``{section.key}`` placeholder replaced by the value ``cfg`` resolves for it
+    (floats in ``%g``, lists joined by commas, a mapping as its keys, an unset option as ``all``); a ConfigError names ``owner`` and an unknown key."""
+    def value(match: re.Match) -> str:
+        try:
+            return _quoted(config_value(cfg, match.group(1)))
+        except KeyError:
+            raise ConfigError(f"{owner}: placeholder {{{match.group(1)}}} names no config key") from None
+
+    return PLACEHOLDER.sub(value, text or "")
+
+
+def preset_description(name: str, recipe: str | None = None) -> str:
+    """Preset ``name``'s description filled from its configuration on ``recipe`` (default: the shapes world)."""
+    from .config import compose_config
+
+    cfg = compose_config(name, None, [], recipe).config
+    return fill_description(cfg.description, cfg, f"the description of preset {name}")
+
+
+def recipe_description(name: str) -> str:
+    """Recipe ``name``'s description filled from its configuration with its own method."""
+    from .config import compose_config
+    from .config_layers import RECIPE_METHOD
+    from .recipes import recipe_meta
+
+    cfg = compose_config(RECIPE_METHOD, None, [], name).config
+    return fill_description(recipe_meta(name, "description", ""), cfg, f"the description of recipe {name}")
 
 
 def render(composed) -> str:
@@ -57,8 +126,32 @@ def show_config(preset, recipe, config_file, overrides) -> int:
     from .config import compose_config, validate
 
     composed = compose_config(preset, config_file, overrides, recipe)
-    validate(composed.config)
-    print(f"# recipe {composed.recipe}, preset {composed.config.preset or '(none)'}; "
-          "each key's comment names the layer that set it")
+    missing = absent_model_folder(composed.config.model)
+    validate(composed.config, model_folder_may_be_absent=missing is not None)
+    cfg = composed.config
+    print(f"# recipe {composed.recipe}, preset {cfg.preset or '(none)'}; each key's comment names the layer that set it")
+    if cfg.description:  # the description's placeholders filled (the key below keeps them: the text is a config file)
+        print(f"# {fill_description(cfg.description, cfg, f'the description of preset {cfg.preset}')}")
+    if missing is not None:
+        print(f"# model.name {missing} does not exist yet: shown with the recipe's settings; `flowgrpo train` "
+              "needs a diffusers pipeline folder there")
     print(render(composed), end="")
     return 0
+
+
+def absent_model_folder(model_cfg) -> str | None:
+    """``model.name`` when it is neither an adapter name nor anything on disk (nor, for an ``owner/name``
+    id, in the local hub cache): a folder the user has yet to download to. None otherwise."""
+    from pathlib import Path
+
+    from .policies import POLICIES, resolve_adapter
+    from .errors import UserError
+
+    name = model_cfg.name
+    if name in POLICIES or Path(name).expanduser().exists():
+        return None
+    try:
+        resolve_adapter(model_cfg)
+    except UserError:
+        return name
+    return None
