@@ -76,7 +76,9 @@ class RemoteReward:
             if not token:
                 raise ConfigError(f"reward.options.remote.token_env: environment variable {token_env} is not set")
             headers["Authorization"] = f"Bearer {token}"
-        self._http = HTTPLoop("remote-reward", self.timeout, max_connections=self.concurrency, headers=headers)
+        # no cap on connections beyond httpx's: each call keeps to `concurrency`, and calls from several
+        # threads at once must not wait for a connection inside their deadline
+        self._http = HTTPLoop("remote-reward", self.timeout, headers=headers)
 
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None,
                  references: Tensor | None = None) -> RewardOutput:
