@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..model_size import check_model_folder
 from .cell_bias import install_cell_offset_bias
 from .scene_text import SceneTextEncoder, SceneTokenizer, VocabularyError, prompt_words  # noqa: F401 (VocabularyError: re-exported)
 from .world import VOCAB
@@ -241,7 +242,10 @@ class ShapesFlowModel(nn.Module):
         # weights written before the scene encoder existed carry no text_encoder key: they are "words";
         # scene weights written before group_relation existed were trained without it
         # and weights written before position_code existed have SD3's sincos table
-        model = cls(ShapesModelConfig(**{"text_encoder": "words", "group_relation": False, "position_code": "sincos",
-                                         **meta["config"]}))
+        cfg = ShapesModelConfig(**{"text_encoder": "words", "group_relation": False, "position_code": "sincos",
+                                   **meta["config"]})
+        # an absurd size in config.json (num_layers: 1000000) is refused before the model is built
+        check_model_folder(directory, directory / "config.json", meta["config"], lambda: cls(cfg))
+        model = cls(cfg)
         model.load_state_dict(load_file(str(weights)))
         return model
