@@ -39,6 +39,17 @@ from .errors import UserError
 from .commands.train import check_text_file, cmd_train
 
 
+def eval_overrides(overrides: list[str], evaluator: str | None) -> tuple[str, ...]:
+    """The config overrides of ``flowgrpo eval``: ``eval.*`` keys only (the run's model and sampler are its
+    own), plus ``--evaluator`` as ``eval.evaluator``; anything else is one UserError naming the key."""
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if not key.startswith("eval.") or "=" not in override:
+            raise UserError(f"flowgrpo eval takes eval.KEY=VALUE settings only, got {override!r} (the run's own "
+                            "model and sampler are evaluated; see `flowgrpo config explain eval`)")
+    return (*overrides, *([f"eval.evaluator={evaluator}"] if evaluator else []))
+
+
 def _cmd_eval(args) -> int:
     from .disk import check_output_file, write_text_atomically
     from .evaluation import build_evaluator
@@ -46,7 +57,8 @@ def _cmd_eval(args) -> int:
 
     # before the evaluation (minutes): a --json path that cannot be written would lose its result
     out = check_output_file(args.json, "--json") if args.json else None
-    run = load_trained_policy(Path(args.target))
+    overrides = eval_overrides(args.overrides, args.evaluator)
+    run = load_trained_policy(Path(args.target), overrides=overrides)
     cfg, policy, ckpt = run.cfg, run.policy, run.weights.path
     evaluator, note = build_evaluator(cfg.eval, policy, cfg.sampler.shift)
     if evaluator is None:
@@ -169,8 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out accuracy of a run or checkpoint (deterministic)")
     e.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
     e.add_argument("--json", default=None)
+    e.add_argument("--evaluator", default=None, metavar="NAME",
+                   help="the held-out evaluator (default: the run's eval.evaluator; auto: the model's own); "
+                        "a run trained with eval.evaluator=none is evaluated with it")
+    e.add_argument("overrides", nargs="*", metavar="eval.KEY=VALUE",
+                   help="eval.* settings for this evaluation (e.g. eval.num_prompts=64)")
     e.set_defaults(fn=_cmd_eval)
-    ex = sub.add_parser("export", help="write a LoRA run's adapter in diffusers' format (or the fused pipeline)")
+    ex = sub.add_parser("export", help="write a run's trained weights: a LoRA in diffusers' format (or the fused "
+                                       "pipeline); a full fine-tune as a pipeline folder (the shapes world: its "
+                                       "weights folder)")
     ex.add_argument("run_dir", metavar="RUN_DIR")
     ex.add_argument("--to", required=True, metavar="DIR", help="output folder")
     ex.add_argument("--fuse", action="store_true", help="write the base pipeline with the LoRA fused into it")

@@ -344,16 +344,20 @@ def _check_run_name(log: LogConfig) -> None:
                           f"log.out_dir ({log.out_dir})")
 
 
-def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False) -> None:
+def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_training: bool = True) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options.
     ``model_folder_may_be_absent``: a ``model.name`` that names nothing yet is let through (``config
-    show`` of a recipe for a folder about to be downloaded; ``train`` never sets it)."""
+    show`` of a recipe for a folder about to be downloaded; ``train`` never sets it).
+    ``for_training`` False: the checks of what only training builds are skipped (the rewards, the
+    objective, the strategy and the estimator, which may be plug-ins of the training session, such as a
+    function given to ``Trainer.from_config(cfg, rewards=...)``): evaluating, sampling or exporting a
+    finished run rebuilds its policy only."""
     check_choices(cfg)
     _check_trackers(cfg.log.trackers)
     _check_run_name(cfg.log)
     check_ranges(cfg)
     _check_adam_betas(cfg.train.adam_betas)
-    if not cfg.reward.weights:
+    if for_training and not cfg.reward.weights:
         raise ConfigError("config key 'reward.weights' needs at least one reward")
     for name, w in cfg.reward.weights.items():
         if isinstance(w, str) or as_number(w) is None or not math.isfinite(w):
@@ -380,7 +384,7 @@ def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False) -> Non
     for key, registry, names in (("sampler.strategy", STRATEGIES, [cfg.sampler.strategy]),
                                  ("loss.objective", OBJECTIVES, [cfg.loss.objective]),
                                  ("advantage.estimator", ESTIMATORS, [cfg.advantage.estimator]),
-                                 ("reward.weights", REWARDS, list(cfg.reward.weights))):
+                                 ("reward.weights", REWARDS, list(cfg.reward.weights))) if for_training else ():
         for name in names:  # a registered name, or an import path 'package.module:attr' fitting the contract
             try:
                 registry.check(name)
@@ -394,6 +398,8 @@ def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False) -> Non
                               f"auto, none, {', '.join(EVALUATORS.names())}")
     if cfg.sampler.cps_log_prob != "gaussian" and cfg.sampler.sde_kind != "cps":
         raise ConfigError("config key 'sampler.cps_log_prob' = mse needs sampler.sde_kind = cps")
+    if not for_training:
+        return
     _check_guard_log_prob(cfg)
     parse_options(options_class(cfg.sampler.strategy), cfg.strategy, cfg.sampler.num_steps)
     check_objective_options(cfg.loss)

@@ -100,7 +100,7 @@ def test_run_lora_reproduces_policy_images_and_export(run, tmp_path, capsys):
     nockpt.mkdir()
     shutil.copy(run_dir / "config.yaml", nockpt / "config.yaml")
     capsys.readouterr()
-    for argv, needle in [([str(tmp_path / "nowhere")], "not a run directory"), ([str(bad)], "not a LoRA run"),
+    for argv, needle in [([str(tmp_path / "nowhere")], "not a run directory"), ([str(bad)], "has no checkpoint yet"),  # a full run exports its weights
                          ([str(nockpt)], "no checkpoint"), ([str(run_dir), "--checkpoint", "7"], "available: 1, 2")]:
         assert main(["export", *argv, "--to", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip()

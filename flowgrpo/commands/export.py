@@ -13,6 +13,13 @@ default the latest; ``--raw`` for the raw instead of the EMA weights), or with `
 pipeline with the adapter fused into the transformer (``save_pretrained`` layout, loadable without
 peft). A model adapter takes part by implementing :meth:`flowgrpo.policies.Policy.save_lora`.
 
+A full fine-tune (``model.train_mode=full``) exports its trained weights instead: a diffusers model as
+the base pipeline folder with the trained transformer in place of the base one (``save_pretrained``
+layout: ``DiffusionPipeline.from_pretrained(DIR)`` loads it), the shapes world as a shapes weights
+folder (``model.safetensors`` + ``config.json``, the world's own format, not diffusers': its model is
+no diffusers class), which ``model.path=DIR`` takes as the base of a new run and ``flowgrpo shapes
+probe --weights DIR`` reads.
+
 ``--to`` must be new or an empty folder. The export is written into a temporary folder beside it
 and renamed at the end (:func:`flowgrpo.disk.new_folder`), after a check that its disk has room for
 the weights: a write that fails (a full disk) removes what it wrote and is one line.
@@ -37,11 +44,48 @@ def checkpoint_weights(run_dir: Path, checkpoint: int | None = None, raw: bool =
     from ..trainer.checkpoint import load_policy_weights, read_run_config
 
     run_dir = Path(run_dir)
-    cfg = read_run_config(run_dir)
+    cfg = read_run_config(run_dir, for_training=False)
     if cfg.model.train_mode != "lora":
         raise UserError(f"{run_dir} is not a LoRA run (model.train_mode={cfg.model.train_mode}); "
-                        "only LoRA adapters can be exported")
+                        "only LoRA adapters can be exported here")
     return cfg, load_policy_weights(run_dir, prefer_ema=not raw, checkpoint=checkpoint)
+
+
+def export_full(run_dir: Path, to: Path, checkpoint: int | None = None, raw: bool = False) -> Path:
+    """Export a full fine-tune (see the module docstring): the shapes world's weights folder, or the base
+    pipeline with the trained transformer. ``to`` was checked by the caller. Returns ``to``."""
+    import torch
+
+    from ..policies.diffusers.common import load_pipeline
+    from ..policies.diffusers.switches import torch_dtype
+    from ..trainer.checkpoint import load_trained_policy
+
+    run = load_trained_policy(run_dir, prefer_ema=not raw, iteration=checkpoint)
+    policy, which, ckpt = run.policy, run.weights.kind, run.weights.path
+    model = getattr(policy, "model", None)
+    if run.cfg.model.name == "shapes":
+        with new_folder(to, "shapes weights folder", tensor_bytes(model.state_dict().values()),
+                        tensor_write_errors()) as tmp:
+            model.save(tmp, {"exported_from": str(ckpt), "weights": which})
+        print(f"wrote {to} (the shapes model with the {which} weights of {ckpt}; train from it with "
+              f"model.path={to})")
+        return to
+    from ..policies import resolve_adapter
+
+    base = resolve_adapter(run.cfg.model)[1]
+    denoiser = getattr(policy, "denoiser_path", None)
+    if not base or denoiser is None:
+        raise UserError(f"{run_dir}: model {run.cfg.model.name!r} has no base pipeline folder to export into")
+    from diffusers import DiffusionPipeline
+
+    pipe = load_pipeline(DiffusionPipeline, base, torch_dtype(run.cfg.model.dtype))
+    setattr(pipe, denoiser, getattr(policy, denoiser))  # the trained module replaces the base one
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    need = tensor_bytes(t for m in modules for t in m.state_dict().values())
+    with new_folder(to, "pipeline folder", need, tensor_write_errors()) as tmp:
+        pipe.save_pretrained(tmp)
+    print(f"wrote {to} ({type(pipe).__name__} with the fully fine-tuned {denoiser} of {ckpt}, {which} weights)")
+    return to
 
 
 def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoint: int | None = None,
@@ -53,8 +97,14 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
     from ..policies import build_policy, resolve_adapter
     from ..policies.diffusers.common import load_pipeline
     from ..policies.diffusers.sd3 import torch_dtype
+    from ..trainer.checkpoint import read_run_config
 
     to = check_new_folder(to, "--to")  # before the weights are read and the pipeline loaded
+    if read_run_config(Path(run_dir), for_training=False).model.train_mode == "full":
+        if fuse:
+            raise UserError("--fuse fuses a LoRA into its base; a full fine-tune exports its trained weights "
+                            "without it")
+        return export_full(Path(run_dir), to, checkpoint, raw)
     cfg, trained = checkpoint_weights(Path(run_dir), checkpoint, raw)
     weights, which, ckpt = trained.weights, trained.kind, trained.path
     adapter, base = resolve_adapter(cfg.model)

@@ -269,10 +269,12 @@ def load_policy_weights(run_dir: Path, prefer_ema: bool = True, checkpoint: int 
     return policy_weights(ckpt, prefer_ema)
 
 
-def read_run_config(run_dir: Path) -> RunConfig:
+def read_run_config(run_dir: Path, *, for_training: bool = True) -> RunConfig:
     """The resolved config a run folder was trained with (``RUN_DIR/config.yaml``), validated.
 
-    A missing, unreadable, non-text, malformed or invalid file is one UserError naming it."""
+    ``for_training`` False: only what rebuilding the policy needs is checked (``config.validate``), so a
+    run trained with a function as its reward or a plug-in objective can still be evaluated, sampled
+    and exported. A missing, unreadable, non-text, malformed or invalid file is one UserError naming it."""
     from ..config import RunConfig, apply_dict, validate
 
     path = Path(run_dir) / CONFIG_FILE
@@ -287,7 +289,7 @@ def read_run_config(run_dir: Path) -> RunConfig:
     cfg = RunConfig()
     try:
         apply_dict(cfg, data)
-        validate(cfg)
+        validate(cfg, for_training=for_training)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return cfg
@@ -322,13 +324,13 @@ def load_trained_policy(target: Path, only_model: str | None = None, *, prefer_e
         run_dir, checkpoint = target, None
     else:
         raise UserError(f"{target} is neither a run directory nor a checkpoint folder")
-    cfg = read_run_config(run_dir)
+    cfg = read_run_config(run_dir, for_training=False)  # the rewards and the objective are not rebuilt
     if overrides:
         from ..config import apply_dict, parse_override, validate
 
         for override in overrides:
             apply_dict(cfg, parse_override(override))
-        validate(cfg)
+        validate(cfg, for_training=False)
     if only_model is not None and cfg.model.name != only_model:
         raise UserError(f"{run_dir} trained model {cfg.model.name!r}; only {only_model!r} runs are read here")
     check_base_weights(run_dir, cfg.model)

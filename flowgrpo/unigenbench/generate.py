@@ -85,10 +85,10 @@ def resolve_model(model: str, overrides: list[str]):
     else:
         from ..trainer.checkpoint import latest_checkpoint, read_run_config
 
-        cfg = read_run_config(path)
+        cfg = read_run_config(path, for_training=False)
         for ov in overrides:
             apply_dict(cfg, parse_override(ov))
-        validate(cfg)
+        validate(cfg, for_training=False)
         ckpt = latest_checkpoint(path)
         if ckpt is None:
             raise UserError(f"run directory {path} has no checkpoint yet")
