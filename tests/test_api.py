@@ -252,7 +252,10 @@ def test_train_with_a_reward_by_path_nan_scores_and_callbacks(shapes_model_dir, 
             events.append(("evaluation", stage, result.accuracy))
 
         def on_checkpoint(self, trainer, path, iteration):
-            events.append(("checkpoint", iteration, path.is_dir()))
+            events.append(("checkpoint", iteration, path.is_dir() and path.name == f"ckpt_{iteration + 1:06d}"))
+
+        def on_iteration_end(self, trainer, metrics):
+            events.append(("iteration", metrics["iteration"], True))
 
     metrics = []
     overrides = tiny_overrides(shapes_model_dir, **{
@@ -265,8 +268,9 @@ def test_train_with_a_reward_by_path_nan_scores_and_callbacks(shapes_model_dir, 
     assert all(math.isfinite(m[key]) and m[key] > 0 for m in logged)
     assert [m["nan_rewards_dropped"] for m in logged] == [4, 4]  # 8 samples per iteration, every second NaN
     assert summary["nan_rewards_dropped"] == 8
-    assert [e[:2] for e in events] == [("evaluation", "before"), ("checkpoint", 1), ("checkpoint", 2),
-                                       ("evaluation", "after")]
+    # one numbering: each checkpoint carries the iteration it follows, as the metrics do
+    assert [e[:2] for e in events] == [("evaluation", "before"), ("iteration", 0), ("checkpoint", 0), ("iteration", 1),
+                                       ("checkpoint", 1), ("evaluation", "after")]
     assert all(e[2] is True for e in events if e[0] == "checkpoint")
 
 

@@ -19,11 +19,16 @@ EvalStage = Literal["before", "during", "after"]
 class Callback:
     """The events of a run; every method is a no-op here.
 
+    One numbering: an event's ``iteration`` is the 0-based index of the iteration it follows, the
+    ``iteration`` of that iteration's ``metrics.jsonl`` line (the first iteration is 0). A checkpoint
+    folder is named by the number of iterations it holds: the checkpoint written after iteration ``i``
+    is ``ckpt_{i + 1:06d}``, and ``trainer.iteration`` (the next iteration to run) is ``i + 1`` by then.
+
     * :meth:`on_iteration_end` -- an iteration's metrics (the ``metrics.jsonl`` line: ``iteration``
       (0-based), ``reward.<name>`` (mean over scorable samples), ``reward_mean``,
       ``nan_rewards_dropped``, ``loss``, ``train_seconds``, ``eval_accuracy`` when an evaluation ran, ...);
     * :meth:`on_evaluation` -- a held-out evaluation's :class:`~flowgrpo.evaluation.EvalResult`;
-    * :meth:`on_checkpoint` -- a checkpoint written at ``path`` after ``iteration`` iterations.
+    * :meth:`on_checkpoint` -- a checkpoint written at ``path`` after iteration ``iteration``.
     """
 
     def on_iteration_end(self, trainer, metrics: dict) -> None:
@@ -33,7 +38,8 @@ class Callback:
         """After a held-out evaluation (``result``: :class:`~flowgrpo.evaluation.EvalResult`)."""
 
     def on_checkpoint(self, trainer, path: Path, iteration: int) -> None:
-        """After the checkpoint of ``iteration`` completed iterations was written at ``path``."""
+        """After the checkpoint holding iterations 0..``iteration`` was written at ``path`` (its
+        ``metrics.jsonl`` line, with the same ``iteration``, was logged just before)."""
 
 
 class _IterationFunction(Callback):

@@ -280,7 +280,7 @@ def _train(cfg: RunConfig, run_dir: Path | None, resume: bool, trainer: GRPOTrai
                 state = trainer.state_dict()  # with sharded weights a collective (whole tensors)
                 if main:
                     path = save_checkpoint(run_dir, done, {"trainer": state, "train_seconds": train_seconds})
-                    events.checkpoint(trainer, path, done)
+                    events.checkpoint(trainer, path, it)  # numbered as the iteration it follows (ckpt_N: N done)
                 train_seconds += clock() - t1
             recent.append(train_seconds - spent_before)
             bar.update(task, **bar_fields(objective, done, total, train_seconds, cfg.train.max_minutes, m, ref_kl))
@@ -294,7 +294,7 @@ def _train(cfg: RunConfig, run_dir: Path | None, resume: bool, trainer: GRPOTrai
         state = trainer.state_dict()
         if main:
             path = save_checkpoint(run_dir, trainer.iteration, {"trainer": state, "train_seconds": train_seconds})
-            events.checkpoint(trainer, path, trainer.iteration)
+            events.checkpoint(trainer, path, trainer.iteration - 1)
     if cfg.model.train_mode == "lora" and trainer.policy.exports_lora:  # diffusers' format, EMA weights (flowgrpo.commands.export)
         weights = trainer.engine.full(trainer.ema if trainer.ema is not None else trainer.policy.trainable_state_dict())
         if main:
