@@ -51,6 +51,17 @@ def checkpoint_weights(run_dir: Path, checkpoint: int | None = None, raw: bool =
     return cfg, load_policy_weights(run_dir, prefer_ema=not raw, checkpoint=checkpoint)
 
 
+def save_pipeline(pipe, to: Path, what: str) -> None:
+    """``pipe.save_pretrained`` into ``to`` through :func:`~flowgrpo.disk.new_folder` (room checked for its
+    modules' tensors first; a failed write leaves nothing)."""
+    import torch
+
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    need = tensor_bytes(t for m in modules for t in m.state_dict().values())
+    with new_folder(to, what, need, tensor_write_errors()) as tmp:
+        pipe.save_pretrained(tmp)
+
+
 def export_full(run_dir: Path, to: Path, checkpoint: int | None = None, raw: bool = False) -> Path:
     """Export a full fine-tune (see the module docstring): the shapes world's weights folder, or the base
     pipeline with the trained transformer. ``to`` was checked by the caller. Returns ``to``."""
@@ -80,10 +91,7 @@ def export_full(run_dir: Path, to: Path, checkpoint: int | None = None, raw: boo
 
     pipe = load_pipeline(DiffusionPipeline, base, torch_dtype(run.cfg.model.dtype))
     setattr(pipe, denoiser, getattr(policy, denoiser))  # the trained module replaces the base one
-    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
-    need = tensor_bytes(t for m in modules for t in m.state_dict().values())
-    with new_folder(to, "pipeline folder", need, tensor_write_errors()) as tmp:
-        pipe.save_pretrained(tmp)
+    save_pipeline(pipe, to, "pipeline folder")
     print(f"wrote {to} ({type(pipe).__name__} with the fully fine-tuned {denoiser} of {ckpt}, {which} weights)")
     return to
 
@@ -140,9 +148,6 @@ def export_run(run_dir: str | Path, to: str | Path, fuse: bool = False, checkpoi
             with torch.no_grad():
                 pipe.transformer.fuse_lora()
             pipe.transformer.unload_lora()
-    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
-    need = tensor_bytes(t for m in modules for t in m.state_dict().values())
-    with new_folder(to, "fused pipeline folder", need, tensor_write_errors()) as tmp:
-        pipe.save_pretrained(tmp)
+    save_pipeline(pipe, to, "fused pipeline folder")
     print(f"wrote {to} ({type(pipe).__name__} with the {which} LoRA of {ckpt} fused into its weights)")
     return to
