@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, BenchEntry] = {
     "plugin": BenchEntry("bench_plugin", "run_bench_plugin", out_keyword="out"),
     "scaling": BenchEntry("bench_scaling", "run_bench_scaling"),
     "overlap": BenchEntry("bench_overlap", "run_bench_overlap"),
+    "schedulers": BenchEntry("bench_schedulers", "run_bench_schedulers"),
     "reference": BenchEntry("bench_reference", "run_bench_reference", options=("repeats",)),
     "gpu": BenchEntry("bench_gpu", "run_bench_gpu", options=("repeats", "device", "tiny", "flow_grpo", "stages")),
     "memory": BenchEntry("bench_memory", "run_bench_memory", options=(
