@@ -8,6 +8,8 @@ that is the path every user of a real checkpoint takes. Per family and dtype:
 * (b) for the generic adapter, the velocity it replays equals the stock pipeline's (loaded by diffusers
   in the same dtype) at every step of a 3-step run within the dtype's rounding, amplified by the
   guidance combination (a CFG velocity ``u + g (c - u)`` carries ``1 + 2g`` times its parts' rounding).
+* (c) for the generic adapter, the exported LoRA loaded into the stock pipeline (in the run's dtype)
+  steps with the trained policy's velocity, within the same tolerance as (b);
 
 The generic adapter learns its maps from what the pipeline hands its transformer; in bf16 those
 tensors are rounded (Qwen-Image's timestep is ``t.to(bf16) / 1000``, Wan 2.2 combines its CFG in
@@ -32,7 +34,7 @@ from flowgrpo.policies.diffusers.generic.adapter import PipelinePolicy, is_flow_
 from flowgrpo.policies.diffusers.wan import wan_euler_scheduler
 from flowgrpo.policies.tiny.families import save_tiny_pipeline
 from flowgrpo.references import probe_references
-from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint, load_trained_policy
 
 PROMPTS = ["a photo of a cat", "a mountain lake at dawn"]
 
@@ -145,6 +147,16 @@ def test_a_default_recipe_trains_two_lora_iterations(name, dtype, folders, tmp_p
     assert rows[0]["onpolicy_ratio_maxdev"] < (1e-5 if dtype == "float32" else 1e-3)
     state = load_checkpoint(latest_checkpoint(run))["trainer"]["trainable"]
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in state.items())
+    if name not in GENERIC:
+        return
+    # (c) exported, the LoRA in the stock pipeline (in the run's dtype) steps as the trained policy does
+    assert main(["export", str(run), "--to", str(tmp_path / "lora")]) == 0
+    pipe = stock_pipeline(folder, getattr(torch, dtype))
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    if (tmp_path / "lora" / "transformer_2").is_dir():
+        pipe.load_lora_weights(str(tmp_path / "lora" / "transformer_2"), load_into_transformer_2=True)
+    trained = load_trained_policy(run).policy.eval()
+    assert_replay_is_the_pipelines(trained, pipe, name, options, dtype, "trained policy vs stock + exported LoRA")
 
 
 def stock_pipeline(folder, dtype: torch.dtype):
@@ -163,24 +175,18 @@ def stock_pipeline(folder, dtype: torch.dtype):
 GENERIC = [n for n in FAMILIES if n not in ("sd3", "sd35-large", "flux", "wan21", "hunyuan-video15")]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("name", cases(GENERIC))
-def test_b_replayed_velocity_is_the_stock_pipelines(name, dtype, folders):
+def assert_replay_is_the_pipelines(policy, pipe, name: str, options: dict, dtype: str, what: str) -> None:
+    """The velocity ``policy`` replays equals the one ``pipe`` (a stock pipeline in ``dtype``) steps with, at
+    every step of a 3-step run from the same noise, within the dtype's rounding amplified by guidance."""
     from flowgrpo.diffusers.replay.step_record import record_pipeline
 
-    options = FAMILIES[name]
     torch_dtype = getattr(torch, dtype)
-    policy = build_policy(ModelConfig(name=str(folders(name)), dtype=dtype, resolution=options["resolution"],
-                                      guidance_scale=options["guidance"], train_mode="frozen",
-                                      max_sequence_length=options.get("seq"), num_frames=options.get("frames")))
-    assert isinstance(policy, PipelinePolicy)
     refs = probe_references(len(PROMPTS), options["resolution"]) if policy.takes_references else None
     cond = policy.encode_prompts(PROMPTS, refs)
     x = torch.randn(len(PROMPTS), *policy.latent_shape, generator=torch.Generator().manual_seed(1))
     x = x.to(torch_dtype).float()  # representable in the pipeline's dtype
     kwargs = policy._call_kwargs(PROMPTS, 3, references=refs, latents=policy.pipeline_latents(x).to(torch_dtype))
-    rec = record_pipeline(stock_pipeline(folders(name), torch_dtype), kwargs, max_steps=3, run_transformer=True,
-                          experts=policy.switch.names)
+    rec = record_pipeline(pipe, kwargs, max_steps=3, run_transformer=True, experts=policy.switch.names)
     assert len(rec.steps) == 3
     eps = max(torch.finfo(torch_dtype).eps, 1e-6)
     g = options["guidance"] if policy.combine.kind != "single" else 0.0
@@ -189,5 +195,17 @@ def test_b_replayed_velocity_is_the_stock_pipelines(name, dtype, folders):
             ours = policy.velocity(step.sample.float(), torch.full((len(PROMPTS),), step.sigma), cond).float()
         theirs = step.velocity.float()
         rel = float((ours - theirs).abs().max() / theirs.abs().max())
-        print(f"\n[{name} {dtype}] sigma {step.sigma:.3f}: replayed vs stock velocity, max rel {rel:.3g}")
+        print(f"\n[{name} {dtype}] {what}, sigma {step.sigma:.3f}: max rel {rel:.3g}")
         assert rel <= 2 * eps * (1 + 2 * g), rel
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", cases(GENERIC))
+def test_b_replayed_velocity_is_the_stock_pipelines(name, dtype, folders):
+    options = FAMILIES[name]
+    policy = build_policy(ModelConfig(name=str(folders(name)), dtype=dtype, resolution=options["resolution"],
+                                      guidance_scale=options["guidance"], train_mode="frozen",
+                                      max_sequence_length=options.get("seq"), num_frames=options.get("frames")))
+    assert isinstance(policy, PipelinePolicy)
+    assert_replay_is_the_pipelines(policy, stock_pipeline(folders(name), getattr(torch, dtype)), name, options, dtype,
+                                   "replayed vs stock velocity")
