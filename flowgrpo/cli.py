@@ -39,50 +39,6 @@ from .errors import UserError
 from .commands.train import check_text_file, cmd_train
 
 
-def eval_overrides(overrides: list[str], evaluator: str | None) -> tuple[str, ...]:
-    """The config overrides of ``flowgrpo eval``: ``eval.*`` keys only (the run's model and sampler are its
-    own), plus ``--evaluator`` as ``eval.evaluator``; anything else is one UserError naming the key."""
-    for override in overrides:
-        key = override.split("=", 1)[0]
-        if not key.startswith("eval.") or "=" not in override:
-            raise UserError(f"flowgrpo eval takes eval.KEY=VALUE settings only, got {override!r} (the run's own "
-                            "model and sampler are evaluated; see `flowgrpo config explain eval`)")
-    return (*overrides, *([f"eval.evaluator={evaluator}"] if evaluator else []))
-
-
-def _cmd_eval(args) -> int:
-    from .disk import check_output_file, write_text_atomically
-    from .evaluation import build_evaluator
-    from .trainer.checkpoint import load_trained_policy
-
-    # before the evaluation (minutes): a --json path that cannot be written would lose its result
-    out = check_output_file(args.json, "--json") if args.json else None
-    overrides = eval_overrides(args.overrides, args.evaluator)
-    run = load_trained_policy(Path(args.target), overrides=overrides)
-    cfg, policy, ckpt = run.cfg, run.policy, run.weights.path
-    evaluator, note = build_evaluator(cfg.eval, policy, cfg.sampler.shift)
-    if evaluator is None:
-        raise UserError(note)
-    # the JSON keeps the per-sample verdicts ("correct"), so two evaluations can be compared sample by sample
-    res = evaluator.evaluate(policy).to_json(with_correct=True)
-    res["checkpoint"] = str(ckpt)
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"held-out evaluation of {ckpt}")
-    table.add_column("tag")
-    table.add_column("accuracy", justify="right")
-    for tag, acc in res["per_tag"].items():
-        table.add_row(tag, f"{acc:.3f}")
-    table.add_row("[bold]overall", f"[bold]{res['accuracy']:.3f}")
-    if res.get("num_unseen"):
-        table.add_row(f"never-trained prompts ({res['num_unseen']} samples)", f"{res['accuracy_unseen']:.3f}")
-    Console().print(table)
-    if out is not None:
-        write_text_atomically(out, json.dumps(res, indent=2))
-    return 0
-
-
 def _cmd_export(args) -> int:
     from .commands.export import export_run
 
@@ -178,15 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--accelerate-config", default=None, metavar="FILE",
                    help="accelerate config for --num-processes (e.g. configs/accelerate/fsdp.yaml)")
     t.set_defaults(fn=cmd_train)
-    e = sub.add_parser("eval", help="held-out accuracy of a run or checkpoint (deterministic)")
-    e.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
-    e.add_argument("--json", default=None)
-    e.add_argument("--evaluator", default=None, metavar="NAME",
-                   help="the held-out evaluator (default: the run's eval.evaluator; auto: the model's own); "
-                        "a run trained with eval.evaluator=none is evaluated with it")
-    e.add_argument("overrides", nargs="*", metavar="eval.KEY=VALUE",
-                   help="eval.* settings for this evaluation (e.g. eval.num_prompts=64)")
-    e.set_defaults(fn=_cmd_eval)
+    __import__("flowgrpo.commands.evaluate", fromlist=["register"]).register(sub)  # flowgrpo eval
     ex = sub.add_parser("export", help="write a run's trained weights: a LoRA in diffusers' format (or the fused "
                                        "pipeline); a full fine-tune as a pipeline folder (the shapes world: its "
                                        "weights folder)")

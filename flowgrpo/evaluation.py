@@ -9,7 +9,8 @@ Built in: ``shapes`` (verifier accuracy of the embedded shapes world, :mod:`flow
 and ``unigenbench`` (UniGenBench on a prompt subset, judged by a VLM over an OpenAI-compatible API;
 configured through ``eval.options``, :mod:`flowgrpo.unigenbench.evaluator`) and ``edit`` (image-editing
 runs: held-out edit prompts drawn with their reference images and scored by a reward that is given
-them, :mod:`flowgrpo.edit_evaluator`).
+them, :mod:`flowgrpo.edit_evaluator`) and ``bench`` (a benchmark of the field, GenEval, OCR, PickScore,
+..., on a held-out prompt file of any model: :mod:`flowgrpo.benches.evaluator`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ EVALUATORS: Registry = Registry("evaluator")
 EVALUATORS.register_lazy("shapes", "flowgrpo.shapes.evaluate:ShapesEvaluator")
 EVALUATORS.register_lazy("unigenbench", "flowgrpo.unigenbench.evaluator:UniGenBenchEvaluator")
 EVALUATORS.register_lazy("edit", "flowgrpo.edit_evaluator:EditEvaluator")
+EVALUATORS.register_lazy("bench", "flowgrpo.benches.evaluator:BenchEvaluator")
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""The ``bench`` held-out evaluator: a benchmark's numbers during training, on any model.
+
+``eval.evaluator=bench`` with ``eval.options.bench`` a benchmark (:mod:`flowgrpo.benches.suites`:
+``pickscore``, ``ocr``, ``geneval``, ...) and ``eval.options.prompts`` its held-out prompt file.
+Every evaluation (``eval.every`` iterations, ``eval.every_minutes``, before and after training) draws
+``eval.num_prompts`` prompts of the file (spread evenly over it) ``eval.seeds_per_prompt`` times with the
+ODE of ``eval.num_steps`` steps (Flow-GRPO evaluates its SD3.5 runs every 60 epochs at 40 steps), from
+the same noise seeds each time, and scores the images in memory with the benchmark's metric
+(``eval.options.metric_options``: its weight paths). The result's ``accuracy`` is the benchmark's
+headline (GenEval: the mean of its tag accuracies; a reward benchmark: the mean score), ``score`` the
+mean score, ``per_tag`` the per-tag numbers, so the run's curves and ``summary.json`` carry them beside
+the training reward. ``flowgrpo eval RUN --bench`` computes the same numbers after training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..evaluation import EvalResult
+from .scoring import build_scorer, summarise
+from .suites import get_bench
+
+#: eval.options of the bench evaluator and their defaults
+DEFAULTS = {"bench": None, "prompts": None, "metric_options": {}, "seed": 0, "batch_size": 4}
+
+
+class BenchEvaluator:
+    """A benchmark as the run's held-out evaluator (see the module docstring)."""
+
+    name = "bench"
+
+    def __init__(self, eval_cfg, shift: float = 1.0):
+        from ..shapes.prompts import load_prompt_file
+
+        opts = dict(eval_cfg.options or {})
+        unknown = sorted(set(opts) - set(DEFAULTS))
+        if unknown:
+            raise ConfigError(f"unknown eval.options {', '.join(unknown)} for the bench evaluator; "
+                              f"valid: {', '.join(DEFAULTS)}")
+        opts = {**DEFAULTS, **opts}
+        if not opts["bench"] or not opts["prompts"]:
+            raise ConfigError("eval.evaluator=bench needs eval.options.bench (a benchmark name) and "
+                              "eval.options.prompts (its held-out prompt file)")
+        if eval_cfg.seen:
+            raise ConfigError("eval.evaluator=bench evaluates its own prompt file only: set eval.seen=false")
+        if not isinstance(opts["metric_options"], dict):
+            raise ConfigError("eval.options.metric_options must be a mapping of option -> value")
+        self.bench = get_bench(str(opts["bench"]))
+        rows = load_prompt_file(str(opts["prompts"]))
+        n = min(int(eval_cfg.num_prompts), len(rows))
+        self.rows = [rows[(i * len(rows)) // n] for i in range(n)]
+        self.scorer = build_scorer(self.bench, opts["metric_options"])
+        self.seed, self.batch_size = int(opts["seed"]), int(opts["batch_size"])
+        self.per_prompt, self.steps, self.shift = int(eval_cfg.seeds_per_prompt), int(eval_cfg.num_steps), shift
+
+    def evaluate(self, policy, split: str = "heldout", keep_images: bool = False) -> EvalResult:
+        """Draw and score the held-out prompts (see the module docstring)."""
+        from ..output.drawing import draw, noise_seed
+
+        if split != "heldout":
+            raise ValueError(f"the bench evaluator has only the held-out split, not {split!r}")
+        items = [(i, j) for i in range(len(self.rows)) for j in range(self.per_prompt)]
+        was_training = policy.training
+        policy.eval()
+        images, scores = [], []
+        for start in range(0, len(items), self.batch_size):
+            batch = items[start:start + self.batch_size]
+            drawn = draw(policy, [self.rows[i]["prompt"] for i, _ in batch],
+                         [noise_seed(self.seed, i, j) for i, j in batch], self.steps, self.shift)
+            scores += self.scorer(drawn, [self.rows[i] for i, _ in batch])
+            if keep_images:
+                images.append(drawn)
+        policy.train(was_training)
+        rows = [self.rows[i] for i, _ in items]
+        summary = summarise(self.bench, scores, rows, [i for i, _ in items])
+        threshold = self.bench.threshold
+        correct = [float(s >= threshold) if threshold is not None else float(s) for s in scores]
+        res = EvalResult(accuracy=summary.headline, per_tag=summary.per_tag, num_samples=len(items),
+                         score=summary.mean_score, correct=correct)
+        if keep_images:
+            res.images, res.prompts = torch.cat(images), [r["prompt"] for r in rows]
+        return res

@@ -1,0 +1,83 @@
+"""The field's benchmarks as data: what each scores, over which prompts, and its headline number.
+
+A :class:`Bench` names the metric that scores one image (a reward of :data:`flowgrpo.rewards.REWARDS`, or
+``geneval``'s detector verdict), the protocol (images per prompt, steps where its reference fixes
+them) and how the headline is defined, as its paper defines it:
+
+* ``tag_mean_accuracy``: GenEval's overall score, the mean over its six tags of each tag's accuracy
+  (Ghosh et al. 2023, djghosh13/geneval ``evaluation/summary_scores.py``);
+* ``mean_score``: the mean per-image score (OCR accuracy, PickScore, HPS, ImageReward as Flow-GRPO
+  reports them on their test prompts).
+
+The prompt sets are the benchmarks' own and are not shipped (their licences and sizes are theirs):
+``--prompts`` takes the file, and :attr:`Bench.prompts` says which and where it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..registry import Registry
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark (see the module docstring)."""
+
+    name: str
+    #: what scores one image: a reward name, or ``geneval`` (the detector's strict verdict, 1 or 0)
+    metric: str
+    headline: Literal["tag_mean_accuracy", "mean_score"]
+    #: the prompt file it is defined on, and where a user gets it
+    prompts: str
+    #: where its numbers are defined
+    source: str
+    #: images per prompt in the benchmark's protocol
+    images_per_prompt: int = 1
+    #: a sample counts as correct when its score reaches this (None: the metric has no verdict)
+    threshold: float | None = None
+    #: options of the metric that the benchmark fixes (the user's ``--option`` add to them)
+    metric_options: dict = field(default_factory=dict)
+
+
+#: name -> :class:`Bench`
+BENCHES: Registry = Registry("benchmark")
+
+
+def register_bench(bench: Bench) -> Bench:
+    """Add ``bench`` to :data:`BENCHES` (a duplicate name is refused)."""
+    BENCHES.register(bench.name)(lambda: bench)
+    return bench
+
+
+register_bench(Bench(
+    "geneval", "geneval", "tag_mean_accuracy", threshold=1.0, images_per_prompt=4,
+    prompts="GenEval's prompts/evaluation_metadata.jsonl (553 prompts with their metadata; github.com/djghosh13/geneval)",
+    source="Ghosh et al. 2023, GenEval; overall = mean of the per-tag accuracies (evaluation/summary_scores.py)"))
+register_bench(Bench(
+    "ocr", "ocr", "mean_score",
+    prompts="Flow-GRPO's dataset/ocr/test.txt (prompts quoting the text to render; github.com/yifan123/flow_grpo)",
+    source="Flow-GRPO (Liu et al. 2025): OCR accuracy, 1 - edit distance / length of the quoted text"))
+register_bench(Bench(
+    "pickscore", "pickscore", "mean_score",
+    prompts="Flow-GRPO's dataset/pickscore/test.txt (Pick-a-Pic prompts; github.com/yifan123/flow_grpo)",
+    source="Kirstain et al. 2023, PickScore; as Flow-GRPO reports it on its PickScore test prompts"))
+register_bench(Bench(
+    "hps", "hpsv2", "mean_score",
+    prompts="a held-out prompt file (HPDv2's test prompts, or Flow-GRPO's dataset/pickscore/test.txt)",
+    source="Wu et al. 2023, HPSv2.1"))
+register_bench(Bench(
+    "imagereward", "imagereward", "mean_score",
+    prompts="a held-out prompt file (ImageReward's benchmark prompts, or Flow-GRPO's dataset/pickscore/test.txt)",
+    source="Xu et al. 2023, ImageReward"))
+
+
+def bench_names() -> list[str]:
+    """The registered benchmarks' names."""
+    return BENCHES.names()
+
+
+def get_bench(name: str) -> Bench:
+    """The :class:`Bench` called ``name``; a UserError lists the valid names."""
+    return BENCHES.build(name)
