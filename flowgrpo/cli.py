@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import sys
 import threading

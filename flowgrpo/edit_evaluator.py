@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, UserError
-from .evaluation import EvalResult
+from .evaluation import EvalResult, evaluator_options
 
 #: eval.options of the edit evaluator and their defaults
 DEFAULTS = {"prompts": None, "reward": "edit_consistency", "reward_options": {}, "threshold": 0.5, "seed": 0,
@@ -33,17 +33,10 @@ class EditEvaluator:
         from .rewards import build_reward
         from .shapes.prompts import load_prompt_file
 
-        opts = dict(eval_cfg.options or {})
-        unknown = sorted(set(opts) - set(DEFAULTS))
-        if unknown:
-            raise ConfigError(f"unknown eval.options {', '.join(unknown)} for the edit evaluator; "
-                              f"valid: {', '.join(DEFAULTS)}")
-        opts = {**DEFAULTS, **opts}
+        opts = evaluator_options(eval_cfg, DEFAULTS, "edit")
         if not opts["prompts"]:
             raise ConfigError("eval.evaluator=edit needs eval.options.prompts: a .jsonl file of held-out edit "
                               "prompts whose lines name their reference image (\"image\": path)")
-        if eval_cfg.seen:
-            raise ConfigError("eval.evaluator=edit has no training prompts to compare with: set eval.seen=false")
         rows = load_prompt_file(str(opts["prompts"]))
         if "image" not in rows[0]:
             raise ConfigError(f"eval.options.prompts={opts['prompts']!r} names no reference images: each line "

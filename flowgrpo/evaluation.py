@@ -81,6 +81,21 @@ class Evaluator(Protocol):
         ...
 
 
+def evaluator_options(eval_cfg, defaults: dict, evaluator: str) -> dict:
+    """``eval.options`` over an evaluator's ``defaults``; a ConfigError names unknown keys and the valid ones,
+    and refuses ``eval.seen`` (these evaluators have their own prompt files, no training prompts)."""
+    from .errors import ConfigError
+
+    opts = dict(eval_cfg.options or {})
+    unknown = sorted(set(opts) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown eval.options {', '.join(unknown)} for the {evaluator} evaluator; "
+                          f"valid: {', '.join(defaults)}")
+    if eval_cfg.seen:
+        raise ConfigError(f"eval.evaluator={evaluator} has no training prompts to compare with: set eval.seen=false")
+    return {**defaults, **opts}
+
+
 def build_evaluator(eval_cfg, policy, shift: float = 1.0) -> tuple[Evaluator | None, str]:
     """The evaluator ``eval_cfg.evaluator`` selects for ``policy``, and a note (why none, when None)."""
     name = eval_cfg.evaluator

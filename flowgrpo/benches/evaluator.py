@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from ..evaluation import EvalResult
+from ..evaluation import EvalResult, evaluator_options
 from .scoring import build_scorer, summarise
 from .suites import get_bench
 
@@ -33,17 +33,10 @@ class BenchEvaluator:
     def __init__(self, eval_cfg, shift: float = 1.0):
         from ..shapes.prompts import load_prompt_file
 
-        opts = dict(eval_cfg.options or {})
-        unknown = sorted(set(opts) - set(DEFAULTS))
-        if unknown:
-            raise ConfigError(f"unknown eval.options {', '.join(unknown)} for the bench evaluator; "
-                              f"valid: {', '.join(DEFAULTS)}")
-        opts = {**DEFAULTS, **opts}
+        opts = evaluator_options(eval_cfg, DEFAULTS, "bench")
         if not opts["bench"] or not opts["prompts"]:
             raise ConfigError("eval.evaluator=bench needs eval.options.bench (a benchmark name) and "
                               "eval.options.prompts (its held-out prompt file)")
-        if eval_cfg.seen:
-            raise ConfigError("eval.evaluator=bench evaluates its own prompt file only: set eval.seen=false")
         if not isinstance(opts["metric_options"], dict):
             raise ConfigError("eval.options.metric_options must be a mapping of option -> value")
         self.bench = get_bench(str(opts["bench"]))

@@ -65,8 +65,6 @@ def save_pipeline(pipe, to: Path, what: str) -> None:
 def export_full(run_dir: Path, to: Path, checkpoint: int | None = None, raw: bool = False) -> Path:
     """Export a full fine-tune (see the module docstring): the shapes world's weights folder, or the base
     pipeline with the trained transformer. ``to`` was checked by the caller. Returns ``to``."""
-    import torch
-
     from ..policies.diffusers.common import load_pipeline
     from ..policies.diffusers.switches import torch_dtype
     from ..trainer.checkpoint import load_trained_policy

@@ -36,19 +36,13 @@ class UniGenBenchEvaluator:
     name = "unigenbench"
 
     def __init__(self, eval_cfg, shift: float = 1.0):
+        from ..evaluation import evaluator_options
         from .score import JudgeOptions
 
-        opts = dict(eval_cfg.options or {})
-        unknown = sorted(set(opts) - set(DEFAULTS))
-        if unknown:
-            raise ConfigError(f"unknown eval.options {', '.join(unknown)} for the unigenbench evaluator; "
-                              f"valid: {', '.join(DEFAULTS)}")
-        opts = {**DEFAULTS, **opts}
+        opts = evaluator_options(eval_cfg, DEFAULTS, "unigenbench")
         if not opts["judge_url"]:
             raise ConfigError("eval.evaluator=unigenbench needs eval.options.judge_url (an OpenAI-compatible API root, "
                               "e.g. http://127.0.0.1:8080/v1 for vllm serve)")
-        if eval_cfg.seen:
-            raise ConfigError("eval.evaluator=unigenbench has no training prompts to compare with: set eval.seen=false")
         self.prompt_set = load_prompt_set(str(opts["set"]), opts["csv"])
         every = self.prompt_set.prompts
         n = min(int(eval_cfg.num_prompts), len(every))
