@@ -74,8 +74,11 @@ def group_hits(obj: ObjectSpec, dets: list[Detection]) -> list[Detection]:
 def score(spec: SceneSpec, dets: list[Detection], reversed_credit: float = 0.0) -> dict[str, float]:
     """Check detections against a spec.
 
-    Returns ``{"correct": 0/1, "score": partial credit in [0, 1]}``. ``correct`` is GenEval's
-    strict rule: every group has exactly its count, nothing extra, and the relation holds.
+    Returns ``{"correct": 0/1, "score": partial credit in [0, 1]}``. ``correct`` is the world's
+    strict rule: every group has exactly its count, nothing extra, and the relation holds on the grid.
+    It is stricter than GenEval's scorer, which asks at least each class's count and ignores other
+    classes (:mod:`flowgrpo.shapes.geneval` runs GenEval's rules on the same parse, and names where
+    the two differ).
     ``score`` averages the individual checks, giving the policy a denser signal. Its relation check
     is 1 when the relation holds, ``reversed_credit`` when A and B stand on different lines the wrong
     way round, and 0 when they share the relation's line (a tie) or are not one of each;
