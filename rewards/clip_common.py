@@ -92,10 +92,11 @@ def load_state_dict_file(path, what: str) -> dict[str, Tensor]:
     return sd
 
 
-def load_weights(module: torch.nn.Module, state_dict: dict[str, Tensor], path, what: str) -> None:
-    """Strictly load ``state_dict`` into ``module``; a mismatch -> one-line UserError naming ``path``."""
+def load_weights(module: torch.nn.Module, state_dict: dict[str, Tensor], path, what: str, assign: bool = False) -> None:
+    """Strictly load ``state_dict`` into ``module``; a mismatch -> one-line UserError naming ``path``.
+    ``assign``: take the tensors themselves (for a module built on the meta device, :func:`empty_model`)."""
     try:
-        module.load_state_dict(state_dict, strict=True)
+        module.load_state_dict(state_dict, strict=True, assign=assign)
     except RuntimeError as exc:
         want, have = set(module.state_dict()), set(state_dict)
         missing, unexpected = sorted(want - have), sorted(have - want)
@@ -104,6 +105,16 @@ def load_weights(module: torch.nn.Module, state_dict: dict[str, Tensor], path, w
             detail = (f"missing {len(missing)} key(s) e.g. {missing[:2]}, "
                       f"unexpected {len(unexpected)} e.g. {unexpected[:2]}")
         raise UserError(f"{what}: {str(path)!r} does not fit the model ({detail})") from None
+
+
+def empty_model(factory):
+    """``factory()`` with its parameters on the meta device (no memory, no random init; buffers stay
+    real), for a large model whose every parameter a state dict then supplies (``load_weights(...,
+    assign=True)``)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return factory()
 
 
 @contextlib.contextmanager
@@ -238,6 +249,14 @@ def to_pil(images: Tensor) -> list:
     return [Image.fromarray(a, mode="RGB") for a in to_uint8(images)]
 
 
+def check_images(name: str, images: Tensor, prompts: list[str]) -> None:
+    """Refuse anything but images [B, 3, H, W] with one prompt each (a ValueError naming the reward)."""
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"{name}: expected images [B, 3, H, W], got {tuple(images.shape)}")
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"{name}: {images.shape[0]} images but {len(prompts)} prompts")
+
+
 def check_choice(what: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ConfigError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
@@ -277,10 +296,7 @@ class ClipReward(ABC):
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: list[str], groups: Tensor | None = None) -> RewardOutput:
-        if images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"{self.name}: expected images [B, 3, H, W], got {tuple(images.shape)}")
-        if len(prompts) != images.shape[0]:
-            raise ValueError(f"{self.name}: {images.shape[0]} images but {len(prompts)} prompts")
+        check_images(self.name, images, prompts)
         parts: list[dict[str, Tensor]] = []
         for i in range(0, images.shape[0], self.batch_size):
             chunk = images[i:i + self.batch_size]
