@@ -29,6 +29,10 @@ _BUILT_IN = {
     "clipscore": "clipscore:CLIPScoreReward",
     "aesthetic": "aesthetic:AestheticReward",
     "ocr": "ocr:OCRReward",
+    "imagereward": "imagereward:ImageRewardReward",
+    "hpsv3": "hpsv3:HPSv3Reward",
+    # video reward models: called once with the list of B videos [F, 3, H, W] (takes_videos)
+    "videoalign": "videoalign:VideoAlignReward",
     # over HTTP: a flowgrpo reward server, and VLM judges at an OpenAI-compatible endpoint
     "remote": "remote:RemoteReward",
     "judge": "judge:PointwiseJudgeReward",
