@@ -29,6 +29,7 @@ _BUILT_IN = {
     "clipscore": "clipscore:CLIPScoreReward",
     "aesthetic": "aesthetic:AestheticReward",
     "ocr": "ocr:OCRReward",
+    "geneval": "geneval.reward:GenEvalReward",  # GenEval (detector + CLIP colours), Flow-GRPO's reward-server score
     "imagereward": "imagereward:ImageRewardReward",
     "hpsv3": "hpsv3:HPSv3Reward",
     # video reward models: called once with the list of B videos [F, 3, H, W] (takes_videos)
@@ -37,6 +38,7 @@ _BUILT_IN = {
     "remote": "remote:RemoteReward",
     "judge": "judge:PointwiseJudgeReward",
     "judge_pairwise": "judge:PairwiseJudgeReward",
+    "unifiedreward": "judge:UnifiedRewardJudge",
 }
 for _name, _target in _BUILT_IN.items():
     REWARDS.register_lazy(_name, f"flowgrpo.rewards.{_target}")

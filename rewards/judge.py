@@ -2,7 +2,8 @@
 
 ``judge`` (:class:`PointwiseJudgeReward`) asks the model to rate each image against its prompt and
 parses the answer (``parser="score_0_10"``: "Score: N" scaled to [0, 1], on the scale the answer
-states if it states one, "4/5"; ``"yes_no"``: 1 / 0).
+states if it states one, "4/5"; ``"yes_no"``: 1 / 0; ``"unifiedreward"``: UnifiedReward's question
+and "Final Score: N" / 5, also registered as the reward ``unifiedreward``, :class:`UnifiedRewardJudge`).
 ``judge_pairwise`` (:class:`PairwiseJudgeReward`) asks which of two images of one group follows
 the prompt better (UnifiedReward-Think style: "Image 1 is better") and feeds
 :func:`~flowgrpo.rewards.pairwise.win_rates`.
@@ -17,6 +18,7 @@ unparseable answer) drops its sample: the score is NaN (the trainer drops and co
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import logging
 import re
@@ -55,6 +57,25 @@ PAIRWISE_TEMPLATE = (
     "the prompt (objects, counts, colors, attributes, spatial layout, text), then visual quality and "
     "plausibility. Reason step by step inside <think></think>, then give the verdict inside "
     '<answer></answer> as exactly "Image 1 is better" or "Image 2 is better".'
+)
+
+
+#: UnifiedReward's pointwise question for a generated image (CodeGoat24/UnifiedReward,
+#: ``inference_qwen/image_generation/qwen_point_score_image_generation.py``), character for character;
+#: the image is sent before it, as there
+UNIFIEDREWARD_TEMPLATE = (
+    'You are given a text caption and a generated image based on that caption. Your task is to '
+    'evaluate this image based on two key criteria:\n'
+    '1. Alignment with the Caption: Assess how well this image aligns with the provided caption. '
+    'Consider the accuracy of depicted objects, their relationships, and attributes as described in '
+    'the caption.\n'
+    '2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail '
+    'preservation, color accuracy, and overall aesthetic appeal.\n'
+    'Extract key elements from the provided text caption, evaluate their presence in the generated '
+    "image using the format: 'element (type): value' (where value=0 means not generated, and value=1 "
+    "means generated), and assign a score from 1 to 5 after 'Final Score:'.\n"
+    'Your task is provided as follows:\n'
+    'Text Caption: [{prompt}]'
 )
 
 
@@ -126,8 +147,21 @@ def parse_pairwise(text: str) -> str | None:
     return verdict
 
 
-PARSERS: dict[str, Callable[[str], Any]] = {"score_0_10": parse_score_0_10, "yes_no": parse_yes_no}
-DEFAULT_TEMPLATES = {"score_0_10": SCORE_TEMPLATE, "yes_no": YES_NO_TEMPLATE}
+def parse_final_score(text: str) -> float | None:
+    """UnifiedReward's reading of its answer (``DiffusionDPO/sift_dpo_data.py``: the text after the last
+    "Final Score:", its first run of digits) on the 1 to 5 scale, divided by 5 as Flow-GRPO does -> 0.2 .. 1.0.
+    None (unparseable) when "Final Score:" is absent or the number is outside 1..5, where the repository reads 0."""
+    part = answer_part(text)
+    if not part or "Final Score:" not in part:
+        return None
+    digits = re.findall(r"\d+", part.split("Final Score:")[-1])
+    value = int(digits[0]) if digits else 0
+    return value / 5.0 if 1 <= value <= 5 else None
+
+
+PARSERS: dict[str, Callable[[str], Any]] = {"score_0_10": parse_score_0_10, "yes_no": parse_yes_no,
+                                            "unifiedreward": parse_final_score}
+DEFAULT_TEMPLATES = {"score_0_10": SCORE_TEMPLATE, "yes_no": YES_NO_TEMPLATE, "unifiedreward": UNIFIEDREWARD_TEMPLATE}
 
 
 # --------------------------------------------------------------------------- images and the cache
@@ -260,6 +294,16 @@ class PointwiseJudgeReward:
     def close(self) -> None:
         """Release the HTTP client."""
         self.core.close()
+
+
+class UnifiedRewardJudge(PointwiseJudgeReward):
+    """UnifiedReward's pointwise score of each image (Wang et al. 2025): :class:`PointwiseJudgeReward` with
+    UnifiedReward's question and its "Final Score:" reading (``parser="unifiedreward"``), N / 5 in
+    [0.2, 1] (NaN: dropped). ``model``: the name the server gives the UnifiedReward checkpoint
+    (the repository's vLLM script serves it as "UnifiedReward")."""
+
+    name = "unifiedreward"
+    __init__ = functools.partialmethod(PointwiseJudgeReward.__init__, parser="unifiedreward")
 
 
 class HTTPPairwiseJudge(PairwiseJudgeBase):

@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import logging
@@ -105,19 +106,28 @@ def server():
             return fastapi.responses.JSONResponse({"error": "busy"}, status_code=out)
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": out}}]}
 
+    with on_loopback(app, grace=SLOW + 2) as base_url:
+        state.base_url = base_url
+        yield state
+
+
+@contextlib.contextmanager
+def on_loopback(app, grace: float = 2.0):
+    """Serve the ASGI ``app`` with uvicorn on a free loopback port in a thread; yields its ``/v1`` API root."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=SLOW + 2))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 20
     while not srv.started and time.time() < deadline:
         time.sleep(0.02)
     assert srv.started
-    state.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    yield state
-    srv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
 
 
 def flat(levels):
