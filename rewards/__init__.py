@@ -34,6 +34,7 @@ _BUILT_IN = {
     "hpsv3": "hpsv3:HPSv3Reward",
     # video reward models: called once with the list of B videos [F, 3, H, W] (takes_videos)
     "videoalign": "videoalign:VideoAlignReward",
+    "temporal_consistency": "temporal:TemporalConsistencyReward",
     # over HTTP: a flowgrpo reward server, and VLM judges at an OpenAI-compatible endpoint
     "remote": "remote:RemoteReward",
     "judge": "judge:PointwiseJudgeReward",
