@@ -30,6 +30,8 @@ class PromptBatch:
     prompts: list[str]
     keys: list[str]
     references: list[Tensor] | None = None
+    #: a .jsonl file's line of each prompt (every field), for rewards with ``wants_metadata``; else None
+    metadata: list[dict] | None = None
 
 
 class PromptSource:
@@ -79,7 +81,13 @@ class PromptSource:
         p = None if cur is None else cur.weights(keys)
         idx = rng.choice(len(self.rows), size=n, replace=len(self.rows) < n, p=p)
         refs = [self._reference(int(i)) for i in idx] if self.has_references else None
-        return PromptBatch([self.rows[i]["prompt"] for i in idx], [keys[i] for i in idx], refs)
+        meta = [self.rows[i]["metadata"] for i in idx] if self.has_metadata else None
+        return PromptBatch([self.rows[i]["prompt"] for i in idx], [keys[i] for i in idx], refs, meta)
+
+    @property
+    def has_metadata(self) -> bool:
+        """Whether each prompt comes with its .jsonl line (a .jsonl prompt file)."""
+        return self.rows is not None and "metadata" in self.rows[0]
 
     @property
     def has_references(self) -> bool:

@@ -32,6 +32,11 @@ class Reward(Protocol):
     ``references=`` [B, 3, H, W] in [0, 1], the reference image of each image's prompt at the images'
     size (None when the prompts have none); other rewards never see the keyword
     (:func:`wants_references`).
+
+    Prompt metadata: a reward whose class sets ``wants_metadata = True`` is also called with
+    ``metadata=``, a list of B dicts: each image's prompt line of a .jsonl prompt file, every field
+    (e.g. GenEval's ``tag`` / ``include`` / ``exclude``); None for prompts without (a .txt file, the
+    shapes world). Other rewards never see the keyword (:func:`wants_metadata`).
     """
 
     name: str
@@ -83,3 +88,19 @@ def check_option_values(name: str, factory, options: dict) -> None:
 def wants_references(reward) -> bool:
     """Whether ``reward`` asks for the prompts' reference images (its ``wants_references`` attribute)."""
     return bool(getattr(reward, "wants_references", False))
+
+
+def wants_metadata(reward) -> bool:
+    """Whether ``reward`` asks for each prompt's .jsonl line (its ``wants_metadata`` attribute)."""
+    return bool(getattr(reward, "wants_metadata", False))
+
+
+def check_metadata(rewards: dict, spec: str, has_metadata: bool) -> None:
+    """Refuse, in one line before the first rollout, a reward that reads prompt metadata when the
+    prompt source ``spec`` (``data.prompts``) has none."""
+    wanting = [name for name, fn in rewards.items() if wants_metadata(fn)]
+    if wanting and not has_metadata:
+        from flowgrpo.errors import UserError
+
+        raise UserError(f"reward {wanting[0]!r} reads each prompt's metadata, and data.prompts={spec!r} gives none: "
+                        "use a .jsonl prompt file whose lines carry it (for geneval: GenEval's evaluation_metadata.jsonl)")

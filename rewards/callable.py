@@ -11,7 +11,8 @@ The callable contract (docs/api.md):
 * ``prompts``: list of B strings.
 * ``**metadata``: ``groups`` (long [B], each image's GRPO group: pairwise rewards compare within
   one) for a callable that names it or takes ``**kwargs``; ``references`` ([B, 3, H, W] in [0, 1],
-  image editing: each prompt's reference image) only for a callable that names it.
+  image editing: each prompt's reference image) and ``metadata`` (B dicts, each image's prompt line
+  of a .jsonl prompt file; None without one) only for a callable that names them.
 * returns scores [B] as a tensor, numpy array or list (higher is better), or a
   :class:`~flowgrpo.rewards.base.RewardOutput` (scores plus named components that are logged).
   NaN (or None in a list) marks an image the reward could not score: that sample is dropped from
@@ -37,7 +38,7 @@ from flowgrpo.registry import PluginError, describe, signature_problem
 from .base import Reward, RewardOutput
 
 #: the metadata keywords a callable reward may declare
-METADATA = ("groups", "references")
+METADATA = ("groups", "references", "metadata")
 CONTRACT = "a reward is called as (images, prompts, **metadata) -> scores [B]"
 
 
@@ -87,8 +88,9 @@ def as_scores(out: Any, n: int, name: str) -> RewardOutput:
 class CallableReward:
     """A callable ``fn(images, prompts, **metadata) -> scores`` as a :class:`Reward` (module docstring).
 
-    It passes ``groups=`` and ``references=`` only where ``fn`` takes them, declares
-    ``wants_references`` when ``fn`` names ``references`` (or sets the attribute), forwards
+    It passes ``groups=``, ``references=`` and ``metadata=`` only where ``fn`` takes them, declares
+    ``wants_references`` / ``wants_metadata`` when ``fn`` names ``references`` / ``metadata`` (or sets
+    the attribute), forwards
     ``takes_videos`` and ``images_of`` from ``fn``, and turns the return value into a
     :class:`RewardOutput` (:func:`as_scores`). It is thread-safe as far as ``fn`` is (``reward.waves``
     scores on a worker thread), and the reward server (``flowgrpo serve-reward``) serves it as any reward.
@@ -102,16 +104,19 @@ class CallableReward:
         named, self._var_kw = _parameters(fn)
         self._named = named
         self.wants_references = bool(getattr(fn, "wants_references", False)) or "references" in named
+        self.wants_metadata = bool(getattr(fn, "wants_metadata", False)) or "metadata" in named
         self.takes_videos = bool(getattr(fn, "takes_videos", False))
         self.images_of = getattr(fn, "images_of", None)
 
     def __call__(self, images, prompts: list[str], groups: Tensor | None = None,
-                 references: Tensor | None = None) -> RewardOutput:
+                 references: Tensor | None = None, metadata: list | None = None) -> RewardOutput:
         meta = {}
         if "groups" in self._named or self._var_kw:
             meta["groups"] = groups
         if self.wants_references and ("references" in self._named or self._var_kw):
             meta["references"] = references
+        if self.wants_metadata and ("metadata" in self._named or self._var_kw):
+            meta["metadata"] = metadata
         return as_scores(self.fn(images, prompts, **meta), len(prompts), self.name)
 
     def __repr__(self) -> str:

@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import Tensor
 
-from .base import Reward, RewardOutput, wants_references
+from .base import Reward, RewardOutput, wants_metadata, wants_references
 
 
 def frame_indices(num_frames: int, stride: int) -> list[int]:
@@ -16,7 +16,7 @@ def frame_indices(num_frames: int, stride: int) -> list[int]:
 
 
 def score_frames(reward: Reward, images: Tensor, prompts: list[str], groups: Tensor | None = None,
-                 stride: int = 1, references: Tensor | None = None) -> RewardOutput:
+                 stride: int = 1, references: Tensor | None = None, metadata: list | None = None) -> RewardOutput:
     """Score images [B, 3, H, W] with ``reward``, or videos [B, F, 3, H, W] frame by frame.
 
     A video is scored on frames 0, stride, 2 * stride, ... (one call of the image reward per frame
@@ -29,11 +29,15 @@ def score_frames(reward: Reward, images: Tensor, prompts: list[str], groups: Ten
     same frames 0, stride, 2 * stride, ...
 
     A reward with ``wants_references`` also gets ``references=`` (images [B, 3, H, W] in [0, 1], or
-    None); any other reward is called without the keyword.
+    None), one with ``wants_metadata`` ``metadata=`` (B dicts, or None); any other reward is called
+    without those keywords.
     """
     if int(stride) != stride or stride < 1:
         raise ValueError(f"frame stride must be an integer >= 1, got {stride!r}")
-    call = functools.partial(reward, references=references) if wants_references(reward) else reward
+    extra = {"references": references} if wants_references(reward) else {}
+    if wants_metadata(reward):
+        extra["metadata"] = metadata
+    call = functools.partial(reward, **extra) if extra else reward
     if images.ndim == 4:
         return call(images, prompts, groups=groups)
     if images.ndim != 5:

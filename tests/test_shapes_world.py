@@ -235,7 +235,9 @@ def test_prompt_files(tmp_path):
     assert [r["prompt"] for r in load_prompt_file(txt)] == ["a red circle", "two blue squares"]
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "a red circle", "tag": "colors"}\n{"prompt": "a square"}\n')
-    assert load_prompt_file(jl) == [{"prompt": "a red circle", "tag": "colors"}, {"prompt": "a square", "tag": "default"}]
+    assert load_prompt_file(jl) == [
+        {"prompt": "a red circle", "tag": "colors", "metadata": {"prompt": "a red circle", "tag": "colors"}},
+        {"prompt": "a square", "tag": "default", "metadata": {"prompt": "a square"}}]  # the line, for wants_metadata
 
 
 @pytest.mark.parametrize("sigma", [0.5, "0-dim", "[B]"])

@@ -174,7 +174,8 @@ def seen_specs(num_prompts: int = 64) -> list[SceneSpec]:
 def load_prompt_file(path: str | Path) -> list[dict]:
     """Read prompts from ``.txt`` (one per line) or ``.jsonl`` (``{"prompt": ..., "tag": ..., "image": ...}``).
 
-    Returns a list of ``{"prompt": str, "tag": str}``, plus ``"image"`` (a :class:`Path`) on every row
+    Returns a list of ``{"prompt": str, "tag": str}``, on .jsonl rows ``"metadata"`` (the line's whole
+    object, for rewards that read prompt metadata), plus ``"image"`` (a :class:`Path`) on every row
     of a .jsonl file with an ``image`` column: the reference image of an image-editing prompt, a path
     relative to the prompt file's folder (or absolute). Either every line names an image or none does.
     Raises :class:`UserError` naming the file (and line) for what :func:`check_prompt_file` refuses
@@ -204,7 +205,7 @@ def load_prompt_file(path: str | Path) -> list[dict]:
                 raise UserError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
                 raise UserError(f"{path}:{lineno}: each JSONL line needs a non-empty string field 'prompt'")
-            row = {"prompt": obj["prompt"].strip(), "tag": str(obj.get("tag", "default"))}
+            row = {"prompt": obj["prompt"].strip(), "tag": str(obj.get("tag", "default")), "metadata": obj}
             image = obj.get("image")
         else:
             row, image = {"prompt": line.strip(), "tag": "default"}, None

@@ -38,6 +38,7 @@ from ..policies import build_policy
 from ..references import resize_references
 from ..errors import ConfigError, UserError
 from ..rewards import REWARDS, check_rewards_fit_model
+from ..rewards.base import check_metadata
 from ..rewards.video import score_frames
 from ..samplers.forest import Rollout
 from ..samplers.forest_sampler import ForestSampler
@@ -132,6 +133,7 @@ class Trainer:
         self.prompts = prompts if prompts is not None else build_prompts(cfg)
         self.curriculum = getattr(self.prompts, "curriculum", None)
         check_references(cfg, self.prompts, self.policy, self.rewards)
+        check_metadata(self.rewards, cfg.data.prompts, self.prompts.has_metadata)
         self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
         self.objective.setup(self.policy)
         self.callbacks = CallbackList(callbacks)
@@ -197,17 +199,19 @@ class Trainer:
         return torch.cat([self.policy.decode(x[i:i + chunk]).float().cpu() for i in range(0, x.shape[0], chunk)])
 
     def score(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor | None = None,
-              references: list[torch.Tensor] | torch.Tensor | None = None) -> tuple[dict, dict]:
+              references: list[torch.Tensor] | torch.Tensor | None = None,
+              metadata: list[dict] | None = None) -> tuple[dict, dict]:
         """Rewards [L] per name, plus named components for logging. Every reward also receives the
         leaves' group ids [L] (pairwise rewards compare within a group); videos are scored every
         ``reward.frame_stride``-th frame and averaged. ``references`` (image editing: each leaf's
         reference image, [3, h, w] in [0, 1]) reach the rewards that declare ``wants_references``,
-        resized to the images' size ([L, 3, H, W])."""
+        resized to the images' size ([L, 3, H, W]); ``metadata`` (each leaf's prompt line of a .jsonl
+        prompt file) reach the rewards that declare ``wants_metadata``."""
         scores, comps = {}, {}
         if references is not None:
             references = resize_references(references, images.shape[-2], images.shape[-1])
         for name, fn in self.rewards.items():
-            out = score_frames(fn, images, prompts, groups, self.cfg.reward.frame_stride, references)
+            out = score_frames(fn, images, prompts, groups, self.cfg.reward.frame_stride, references, metadata)
             scores[name] = out.scores.float().cpu()
             for k, v in out.components.items():
                 comps[f"{name}.{k}"] = v.float().cpu()
@@ -249,8 +253,10 @@ class Trainer:
 
         def score(ro: Rollout):
             images = self.decode_leaves(ro)
-            leaf_refs = None if refs is None else [refs[i] for i in ro.tree_prompt[ro.leaf_tree].tolist()]
-            return (images, *self.score(images, ro.leaf_prompts, ro.leaf_groups, leaf_refs))
+            leaf_prompt = ro.tree_prompt[ro.leaf_tree].tolist()
+            leaf_refs = None if refs is None else [refs[i] for i in leaf_prompt]
+            leaf_meta = None if drawn.metadata is None else [drawn.metadata[i] for i in leaf_prompt]
+            return (images, *self.score(images, ro.leaf_prompts, ro.leaf_groups, leaf_refs, leaf_meta))
 
         waves = wave_ranges(shard, per_prompt, cfg.reward.waves)
         with self.objective.rollout_weights(self.policy):  # e.g. DiffusionNFT samples with its old policy
