@@ -357,7 +357,8 @@ def test_frame_wise_scores_the_mean_of_every_stride_th_frame(tiny_clip):
 
 def test_reward_modules_import_without_heavy_libraries():
     code = ("import sys, flowgrpo.rewards.hps, flowgrpo.rewards.pickscore, flowgrpo.rewards.clipscore, "
-            "flowgrpo.rewards.aesthetic, flowgrpo.rewards.video; "
+            "flowgrpo.rewards.aesthetic, flowgrpo.rewards.video, flowgrpo.rewards.imagereward, "
+            "flowgrpo.rewards.hpsv3, flowgrpo.rewards.videoalign, flowgrpo.rewards.temporal; "
             "print(sorted(m for m in ('open_clip', 'transformers') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

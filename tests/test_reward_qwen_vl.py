@@ -245,3 +245,18 @@ def test_videoalign_weights_errors(videoalign, tmp_path):
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="dimension must be one of"):
         build_reward("videoalign", checkpoint=str(ckpt), dimension="XQ")
+
+
+def test_bfloat16_path(base, hps_checkpoint, videoalign):
+    """dtype=bfloat16 (what "auto" picks on CUDA) runs end to end and stays near the float32 scores."""
+    hps = {d: build_reward("hpsv3", checkpoint=str(hps_checkpoint[0]), base_model=str(base[0]), device="cpu", dtype=d)
+           for d in ("bfloat16", "float32")}
+    x = images(2)
+    low, full = (hps[d](x, PROMPTS) for d in ("bfloat16", "float32"))
+    assert low.scores.dtype == torch.float32 and hps["bfloat16"].model.rm_head[0].weight.dtype == torch.float32
+    assert torch.allclose(low.scores, full.scores, atol=0.05) and torch.isfinite(low.components["sigma"]).all()
+    va = {d: build_reward("videoalign", checkpoint=str(videoalign[0]), device="cpu", dtype=d) for d in ("bfloat16", "float32")}
+    v = videos(3, n=2)
+    low, full = (va[d](v, PROMPTS[:2]) for d in ("bfloat16", "float32"))
+    assert va["bfloat16"].model.rm_head.weight.dtype == torch.bfloat16  # the authors' head runs in the model dtype
+    assert torch.allclose(low.scores, full.scores, atol=0.1)
