@@ -197,3 +197,27 @@ def test_metadata_reaches_the_rewards_that_read_it(tmp_path, tiny_detector, tiny
                           device="cpu", **SCALE)
     with pytest.raises(UserError, match="needs each prompt's GenEval metadata"):
         reward(images, ["p"] * 3)
+
+
+def test_the_trainer_hands_each_leaf_its_prompts_line(tiny_config, tmp_path):
+    """A reward that reads metadata gets, for every leaf, the .jsonl line of that leaf's prompt; the shapes
+    world's GenEval metadata makes it a GenEval reward on shapes images."""
+    from flowgrpo.shapes.geneval import geneval_verdict, spec_metadata
+    from flowgrpo.shapes.prompts import parse_prompt
+    from flowgrpo.trainer.trainer import Trainer
+    from flowgrpo.images import to_uint8
+
+    path = tmp_path / "shapes_geneval.jsonl"
+    prompts = ["a red circle", "two blue squares", "a green triangle left of a red square"]
+    path.write_text("".join(json.dumps(spec_metadata(parse_prompt(p))) + "\n" for p in prompts))
+    seen = []
+
+    def geneval_on_shapes(images, prompts, metadata):
+        seen.append((list(prompts), [m["prompt"] for m in metadata]))
+        return [float(geneval_verdict(parse_prompt(m["prompt"]), img)[0]) for m, img in zip(metadata, to_uint8(images))]
+
+    trainer = Trainer.from_config(tiny_config(**{"data.prompts": str(path)}), rewards={"g": geneval_on_shapes})
+    col = trainer.collect(0)
+    assert seen and all(p == m for p, m in seen) and len(seen[0][0]) == col.rewards["g"].numel()
+    with pytest.raises(UserError, match="reward 'g' reads each prompt's metadata, and data.prompts='shapes' gives none"):
+        Trainer.from_config(tiny_config(), rewards={"g": geneval_on_shapes})
