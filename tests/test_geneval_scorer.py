@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from flowgrpo.rewards.geneval import COLOURS, evaluate_detections, reward_server_scores
-from flowgrpo.rewards.geneval.order import descending_order, numpy123_argsort
+from flowgrpo.rewards.geneval.order import _heapsort, descending_order, numpy123_argsort
 
 CLASSES = ("cat", "dog", "tv remote", "cup")
 SEEDS = (0, 1, 2, 3)
@@ -292,12 +292,21 @@ def tie_arrays():
 
 
 def test_tie_order_is_numpy_1_23s_argsort():
-    # the digest of np.argsort(a) for a in tie_arrays(), computed under numpy 1.23.5 (GenEval pins 1.23.1;
+    # the digests of np.argsort(a) for a in tie_arrays() (and of kind="heapsort" below), computed under numpy 1.23.5 (GenEval pins 1.23.1;
     # the sort code is the same) on an x86-64 CPU with AVX2 and no AVX-512
     h = hashlib.sha256()
     for a in tie_arrays():
         h.update(numpy123_argsort(a).astype(np.int64).tobytes() + b"|")
     assert h.hexdigest() == "a29fd161f1b8fb69d6eb8680bd286accb117a5c19403516a5aa25f905513a2c4"
+    # the introsort's fallback past its depth limit, numpy 1.23.5's argsort(kind="heapsort"), on a sub-range as
+    # the introsort calls it (a 3-value prefix before the range)
+    h = hashlib.sha256()
+    for a in tie_arrays():
+        v, idx = [9.0, 9.0, 9.0] + [float(x) for x in a], list(range(len(a) + 3))
+        if len(a) > 1:
+            _heapsort(v, idx, 3, len(a))
+        h.update((np.asarray(idx[3:], dtype=np.int64) - 3).tobytes() + b"|")
+    assert h.hexdigest() == "d5f15c4e40710e80ec03c07deba199538840a434cbb18fb6c2d0f3811705e212"
     for a in tie_arrays()[:300]:  # up to 16 values it is the stable order, reversed for most-confident-first
         if len(a) <= 16:
             assert descending_order(a).tolist() == np.argsort(a, kind="stable")[::-1].tolist()
