@@ -157,6 +157,8 @@ def test_reward_end_to_end(tiny_detector, tiny_clip, images):
         assert float(judge(meta, objects, colour_of)[0]) == float(out.components["geneval"][i])
     nan = reward(images[:1], ["p"], metadata=[{"no": "tag"}])
     assert torch.isnan(nan.scores).all()
+    jpeg = build_reward("geneval", jpeg_quality=75, **opts)(images, ["p"] * 3, metadata=METADATA)
+    assert jpeg.scores.shape == (3,) and torch.isfinite(jpeg.scores).all()
 
 
 def test_missing_weights_and_metadata_are_one_line_errors(tiny_detector, tmp_path):

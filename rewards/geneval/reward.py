@@ -34,6 +34,17 @@ from .scorer import judge, judge_reward_server, select_objects
 SCORES = ("partial", "strict", "geneval")
 
 
+def jpeg_round_trip(pixels: np.ndarray, quality: int) -> np.ndarray:
+    """uint8 [H, W, 3] after PIL's JPEG encoding at ``quality`` and decoding (Flow-GRPO's client)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=quality)
+    return np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+
+
 def colour_requests(metadata: dict, objects: dict[str, np.ndarray]) -> list[tuple[str, int]]:
     """(class, row) of every kept object the colour rules can read: the first ``count`` of a class
     whose include clause names a colour, when at least ``count`` were kept (the official rule reads
@@ -55,19 +66,23 @@ class GenEvalReward:
     ``device``, ``batch_size`` (images per detector pass, crops per CLIP pass), ``max_size`` /
     ``min_size`` (the detector's input scale, mmdet's 1333 / 800), ``detector_bgr`` (false; true gives
     the detector the channels reversed, as Flow-GRPO's reward server does by handing mmdet RGB arrays
-    that it reads as BGR). Components [B]: ``partial``, ``strict``, ``geneval`` (official correct).
+    that it reads as BGR), ``jpeg_quality`` (None; 75 scores each image after a JPEG round trip at PIL's
+    default quality, as Flow-GRPO's client sends them, rewards.py lines 191-195). Components [B]:
+    ``partial``, ``strict``, ``geneval`` (official correct).
     """
 
     name = "geneval"
     wants_metadata = True
-    option_ranges = {"batch_size": {"ge": 1}, "max_size": {"ge": 32}, "min_size": {"ge": 32}}
+    option_ranges = {"batch_size": {"ge": 1}, "max_size": {"ge": 32}, "min_size": {"ge": 32},
+                     "jpeg_quality": {"ge": 1, "le": 95}}
 
     def __init__(self, detector: str, clip_model: str = "ViT-L-14", clip_pretrained: str = "openai",
                  score: str = "partial", device: str | None = None, batch_size: int = 16, max_size: int = 1333,
-                 min_size: int = 800, detector_bgr: bool = False):
+                 min_size: int = 800, detector_bgr: bool = False, jpeg_quality: int | None = None):
         if score not in SCORES:
             raise ConfigError(f"reward.options.geneval.score must be one of {', '.join(SCORES)}; got {score!r}")
         self.score, self.detector_bgr = score, bool(detector_bgr)
+        self.jpeg_quality = None if jpeg_quality is None else int(jpeg_quality)
         self.device = resolve_device(device)
         self.batch_size = positive_int("reward.options.geneval.batch_size", batch_size)
         model = load_mask2former(detector, "reward.options.geneval.detector")
@@ -88,8 +103,11 @@ class GenEvalReward:
                             "whose lines carry 'tag' and 'include' (e.g. GenEval's evaluation_metadata.jsonl)")
         if images.ndim != 4 or len(metadata) != images.shape[0]:
             raise ValueError(f"geneval: {len(metadata)} metadata for images {tuple(images.shape)}")
-        found = self.detect(images)
         pixels = to_uint8(images)
+        if self.jpeg_quality is not None:
+            pixels = np.stack([jpeg_round_trip(p, self.jpeg_quality) for p in pixels])
+            images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255
+        found = self.detect(images)
         kept, crops, keys = [], [], []
         for i, (det, meta) in enumerate(zip(found, metadata)):
             if not isinstance(meta, dict) or "tag" not in meta:
