@@ -246,7 +246,7 @@ def test_renamed_keys_still_work_with_a_warning():
     ("advantage.std_estimator=sample", "not one of: population, unbiased"),
     ("strategy.mode=sideways", "'strategy.mode' = 'sideways' is not one of: progressive, random, frozen"),
     ("sampler.cps_log_prob=mse", "needs sampler.sde_kind = cps"),
-    ("eval.evaluator=geneval", "unknown evaluator 'geneval'; valid choices: auto, none, edit, shapes"),
+    ("eval.evaluator=geneval", "unknown evaluator 'geneval'; valid choices: auto, none, bench, edit, shapes"),
 ])
 def test_choices_are_checked_in_one_place(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -29,7 +29,7 @@ def test_the_evaluator_follows_eval_evaluator_and_the_policy():
     assert ev is None and "eval.evaluator=none" in note
     ev, _ = build_evaluator(EvalConfig(evaluator="shapes"), _NoEvaluatorPolicy())  # an explicit choice wins
     assert ev.name == "shapes"
-    with pytest.raises(UserError, match="unknown evaluator 'nope'; valid choices: edit, shapes, unigenbench"):
+    with pytest.raises(UserError, match="unknown evaluator 'nope'; valid choices: bench, edit, shapes, unigenbench"):
         build_evaluator(EvalConfig(evaluator="nope"), _ShapesLike())
     assert EVALUATORS.names() == ["edit", "shapes", "unigenbench"]
 
