@@ -31,7 +31,7 @@ def test_the_evaluator_follows_eval_evaluator_and_the_policy():
     assert ev.name == "shapes"
     with pytest.raises(UserError, match="unknown evaluator 'nope'; valid choices: bench, edit, shapes, unigenbench"):
         build_evaluator(EvalConfig(evaluator="nope"), _ShapesLike())
-    assert EVALUATORS.names() == ["edit", "shapes", "unigenbench"]
+    assert EVALUATORS.names() == ["bench", "edit", "shapes", "unigenbench"]
 
 
 def test_eval_result_json_and_paired_gain():
