@@ -14,6 +14,7 @@ import torch
 from flowgrpo.benches.scoring import summarise
 from flowgrpo.benches.suites import Bench
 from flowgrpo.cli import main
+from test_geneval_models import TINY, tiny_clip, tiny_detector  # noqa: F401 (fixtures)
 
 PROMPTS = ["a red apple on a table", "a blue car in the rain", "a lighthouse at dusk"]
 
@@ -133,3 +134,36 @@ def test_the_bench_evaluator_logs_the_benchmark_during_training(lora_run, tiny_p
                  "--out", str(out), *tiny_pickscore]) == 0
     trained = json.loads((out / "bench.json").read_text())["models"]["trained (ema)"]
     assert trained["headline"] == pytest.approx(summary["eval_after"]["score"], abs=2e-3)
+
+
+
+def test_geneval_bench_end_to_end_on_a_tiny_pipeline_detector_and_clip(lora_run, tiny_clip, tiny_detector, tmp_path):
+    """flowgrpo eval --bench geneval on the tiny SD3 folder, scored by a tiny random Mask2Former (biased to
+    read every query as "cat") and a tiny random CLIP: the headline is the mean of the per-tag accuracies,
+    each image's score the official verdict of its drawn file."""
+    from flowgrpo.rewards import build_reward
+
+    meta = [{"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a photo of a cat"},
+            {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
+             "prompt": "a photo of two cats"},
+            {"tag": "colors", "include": [{"class": "cat", "count": 1, "color": "red"}], "prompt": "a photo of a red cat"}]
+    prompts = tmp_path / "evaluation_metadata.jsonl"
+    prompts.write_text("".join(json.dumps(m) + "\n" for m in meta))
+    options = {"detector": str(tiny_detector), "clip_model": TINY, "clip_pretrained": str(tiny_clip), "device": "cpu",
+               "max_size": 96, "min_size": 64}
+    out = tmp_path / "out"
+    assert main(["eval", str(lora_run / "base"), "--bench", "geneval", "--prompts", str(prompts), "--out", str(out),
+                 "--images-per-prompt", "2", "--steps", "3", "model.dtype=float32", "model.resolution=64",
+                 "model.max_sequence_length=16", *(a for k, v in options.items() for a in ("--option", f"{k}={v}"))]) == 0
+    model = json.loads((out / "bench.json").read_text())["models"]["model"]
+    assert set(model["per_tag"]) == {"single_object", "counting", "colors"} and model["num_images"] == 6
+    assert model["headline"] == pytest.approx(sum(model["per_tag"].values()) / 3)
+    # each score is the official verdict of the PNG file it was drawn to
+    from flowgrpo.benches.runner import _read_png
+
+    reward = build_reward("geneval", score="geneval", **options)
+    files = sorted((out / "model0").glob("*.png"))
+    verdicts = reward(torch.stack([_read_png(f) for f in files]), [m["prompt"] for m in meta for _ in range(2)],
+                      metadata=[m for m in meta for _ in range(2)]).scores.tolist()
+    logged = {(r["i"], r["j"]): r["score"] for r in map(json.loads, (out / "model0" / "scores.jsonl").read_text().splitlines())}
+    assert [logged[(i, j)] for i in range(3) for j in range(2)] == verdicts

@@ -24,23 +24,27 @@ Scorer = Callable[[Tensor, list[dict]], list[float]]
 
 
 def build_scorer(bench: Bench, options: dict | None = None) -> Scorer:
-    """The scorer of ``bench``: its metric with ``bench.metric_options`` and the user's ``options`` (a
-    model weight path, ...). GenEval's is its detector verdict (:mod:`flowgrpo.rewards.geneval`); any
-    other metric is the reward of that name, called on the images and their prompts."""
-    opts = {**bench.metric_options, **(options or {})}
-    if bench.metric == "geneval":
-        from ..rewards.geneval import bench_scorer  # the detector and colour models, loaded once here
-
-        return bench_scorer(**opts)
+    """The scorer of ``bench``: the reward named by its metric with ``bench.metric_options`` and the user's
+    ``options`` (model weight paths, ...), called on the images and their prompts, and on each prompt's
+    .jsonl line where the reward reads prompt metadata (GenEval's ``geneval``, whose official verdict
+    the ``geneval`` benchmark asks for with ``score: geneval``)."""
     from ..rewards import build_reward
+    from ..rewards.base import wants_metadata
 
-    reward = build_reward(bench.metric, **opts)
+    reward = build_reward(bench.metric, **{**bench.metric_options, **(options or {})})
+    needs_metadata = wants_metadata(reward)
 
     def score(images: Tensor, rows: list[dict]) -> list[float]:
         import torch
 
+        extra = {}
+        if needs_metadata:
+            if any("metadata" not in r for r in rows):
+                raise ConfigError(f"the {bench.name} benchmark reads each prompt's metadata: give its .jsonl "
+                                  f"prompt file ({bench.prompts})")
+            extra["metadata"] = [r["metadata"] for r in rows]
         groups = torch.arange(len(rows))  # every image its own group: no pairwise comparison here
-        out = reward(images, [r["prompt"] for r in rows], groups)
+        out = reward(images, [r["prompt"] for r in rows], groups, **extra)
         return [float(s) for s in out.scores.detach().float().cpu()]
 
     return score

@@ -1,7 +1,7 @@
 """The field's benchmarks as data: what each scores, over which prompts, and its headline number.
 
-A :class:`Bench` names the metric that scores one image (a reward of :data:`flowgrpo.rewards.REWARDS`, or
-``geneval``'s detector verdict), the protocol (images per prompt, steps where its reference fixes
+A :class:`Bench` names the metric that scores one image (a reward of :data:`flowgrpo.rewards.REWARDS`;
+GenEval's is the ``geneval`` reward's official verdict), the protocol (images per prompt, steps where its reference fixes
 them) and how the headline is defined, as its paper defines it:
 
 * ``tag_mean_accuracy``: GenEval's overall score, the mean over its six tags of each tag's accuracy
@@ -26,7 +26,7 @@ class Bench:
     """One benchmark (see the module docstring)."""
 
     name: str
-    #: what scores one image: a reward name, or ``geneval`` (the detector's strict verdict, 1 or 0)
+    #: the reward that scores one image (``geneval``: with ``score: geneval``, the official verdict, 1 or 0)
     metric: str
     headline: Literal["tag_mean_accuracy", "mean_score"]
     #: the prompt file it is defined on, and where a user gets it
@@ -52,7 +52,7 @@ def register_bench(bench: Bench) -> Bench:
 
 
 register_bench(Bench(
-    "geneval", "geneval", "tag_mean_accuracy", threshold=1.0, images_per_prompt=4,
+    "geneval", "geneval", "tag_mean_accuracy", threshold=1.0, images_per_prompt=4, metric_options={"score": "geneval"},
     prompts="GenEval's prompts/evaluation_metadata.jsonl (553 prompts with their metadata; github.com/djghosh13/geneval)",
     source="Ghosh et al. 2023, GenEval; overall = mean of the per-tag accuracies (evaluation/summary_scores.py)"))
 register_bench(Bench(
