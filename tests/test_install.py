@@ -50,8 +50,8 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def _expected_files() -> set[str]:
-    """Every module of every package folder, the presets, csrc sources and shipped weights, by the
-    path they must have in the wheel."""
+    """Every module of every package folder, the presets, csrc sources, shipped weights and benchmark prompt
+    sets, by the path they must have in the wheel."""
     want = set()
     for folder, package in SOURCE_PACKAGES.items():
         base = ROOT / folder
@@ -64,6 +64,7 @@ def _expected_files() -> set[str]:
     want |= {f"flowgrpo/presets/{p.name}" for p in (ROOT / "flowgrpo/presets").glob("*.yaml")}
     want |= {f"flowgrpo/csrc/{p.name}" for p in (ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".cu", ".h", ".cuh")}
     want |= {f"flowgrpo/shapes/weights/{p.name}" for p in (ROOT / "flowgrpo/shapes/weights").iterdir()}
+    want |= {f"flowgrpo/benches/data/{p.name}" for p in (ROOT / "flowgrpo/benches/data").iterdir()}
     return want
 
 

@@ -1,4 +1,7 @@
-"""``flowgrpo eval TARGET --bench NAME --prompts FILE --out DIR``: a benchmark of any run, pipeline or LoRA.
+"""``flowgrpo eval TARGET --bench NAME [--prompts FILE] --out DIR``: a benchmark of any run, pipeline or LoRA.
+
+The prompts are ``--prompts FILE``, or where it is not given the benchmark's shipped set
+(:attr:`~.suites.Bench.shipped`: GenEval, OCR, PickScore; :func:`~.suites.bench_prompts`).
 
 TARGET is one of
 
@@ -30,7 +33,7 @@ import torch
 from ..disk import write_text_atomically
 from ..errors import UserError
 from .scoring import build_scorer, summarise
-from .suites import get_bench
+from .suites import bench_prompts, get_bench
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 SETTINGS_FILE = "bench_settings.json"
@@ -43,7 +46,8 @@ class BenchOptions:
     """What ``flowgrpo eval --bench`` runs (None: the benchmark's or the model's own value)."""
 
     bench: str
-    prompts: str
+    #: the prompt file (None: the benchmark's shipped one, :func:`~.suites.bench_prompts`)
+    prompts: str | None
     out: str
     base: str | None = None
     seed: int = 0
@@ -124,9 +128,9 @@ def model_variants(target: str, base: str | None = None, overrides: tuple[str, .
     return [Variant("model", build_policy(frozen(cfg.model)), shift=cfg.sampler.shift, steps=cfg.eval.num_steps)]
 
 
-def _settings(opts: BenchOptions, target: str, rows: list[dict], steps: int, per_prompt: int) -> dict:
+def _settings(opts: BenchOptions, target: str, rows: list[dict], steps: int, per_prompt: int, prompts: str) -> dict:
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {"bench": opts.bench, "target": str(Path(target).resolve()), "base": opts.base, "prompts": opts.prompts,
+    return {"bench": opts.bench, "target": str(Path(target).resolve()), "base": opts.base, "prompts": prompts,
             "prompts_sha256": digest, "num_prompts": len(rows), "images_per_prompt": per_prompt, "seed": opts.seed,
             "steps": steps, "options": opts.options, "model_overrides": list(opts.model_overrides)}
 
@@ -202,14 +206,15 @@ def run_bench(target: str, opts: BenchOptions) -> dict:
     from ..shapes.prompts import load_prompt_file
 
     bench = get_bench(opts.bench)
-    rows = load_prompt_file(opts.prompts)
+    prompts = bench_prompts(bench, opts.prompts)  # --prompts, else the shipped set; before any model loads
+    rows = load_prompt_file(prompts)
     if opts.max_prompts:
         rows = rows[:opts.max_prompts]
     variants = model_variants(target, opts.base, opts.model_overrides)
     steps = opts.steps or variants[0].steps
     per_prompt = opts.images_per_prompt or bench.images_per_prompt
     out = Path(opts.out)
-    _check_resume(out, _settings(opts, target, rows, steps, per_prompt))
+    _check_resume(out, _settings(opts, target, rows, steps, per_prompt, prompts))
     items = [(i, j) for i in range(len(rows)) for j in range(per_prompt)]
     scorer = build_scorer(bench, opts.options)
     result = {"settings": json.loads((out / SETTINGS_FILE).read_text()), "models": {}}

@@ -9,16 +9,25 @@ them) and how the headline is defined, as its paper defines it:
 * ``mean_score``: the mean per-image score (OCR accuracy, PickScore, HPS, ImageReward as Flow-GRPO
   reports them on their test prompts).
 
-The prompt sets are the benchmarks' own and are not shipped (their licences and sizes are theirs):
-``--prompts`` takes the file, and :attr:`Bench.prompts` says which and where it comes from.
+The prompt sets are the benchmarks' own. Those of GenEval, OCR and PickScore are shipped, byte for byte,
+in ``flowgrpo/benches/data/`` (their sources, commits and MIT licences: ``data/LICENSES.md`` there):
+:attr:`Bench.shipped` names the file that ``--prompts`` defaults to (:meth:`Bench.shipped_prompts`,
+:func:`bench_prompts`). HPS and ImageReward ship none: ``--prompts`` takes the file.
+:attr:`Bench.prompts` says which set each is defined on and where it comes from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
 from typing import Literal
 
+from ..errors import UserError
 from ..registry import Registry
+
+#: the folder of this package that holds the shipped prompt files and their licences
+DATA_FOLDER = "data"
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,15 @@ class Bench:
     threshold: float | None = None
     #: options of the metric that the benchmark fixes (the user's ``--option`` add to them)
     metric_options: dict = field(default_factory=dict)
+    #: the prompt file shipped with flowgrpo that ``--prompts`` defaults to, a file name in
+    #: ``flowgrpo/benches/data/`` (None: none is shipped, ``--prompts`` is required)
+    shipped: str | None = None
+
+    def shipped_prompts(self) -> Path | None:
+        """The path of the shipped prompt file (:attr:`shipped`), or None where none is shipped."""
+        if self.shipped is None:
+            return None
+        return Path(str(resources.files(__package__).joinpath(DATA_FOLDER, self.shipped)))
 
 
 #: name -> :class:`Bench`
@@ -53,23 +71,31 @@ def register_bench(bench: Bench) -> Bench:
 
 register_bench(Bench(
     "geneval", "geneval", "tag_mean_accuracy", threshold=1.0, images_per_prompt=4, metric_options={"score": "geneval"},
-    prompts="GenEval's prompts/evaluation_metadata.jsonl (553 prompts with their metadata; github.com/djghosh13/geneval)",
+    prompts="GenEval's prompts/evaluation_metadata.jsonl (553 prompts with their metadata; "
+            "github.com/djghosh13/geneval), shipped as flowgrpo/benches/data/geneval_evaluation_metadata.jsonl",
+    shipped="geneval_evaluation_metadata.jsonl",
     source="Ghosh et al. 2023, GenEval; overall = mean of the per-tag accuracies (evaluation/summary_scores.py)"))
 register_bench(Bench(
     "ocr", "ocr", "mean_score",
-    prompts="Flow-GRPO's dataset/ocr/test.txt (prompts quoting the text to render; github.com/yifan123/flow_grpo)",
+    prompts="Flow-GRPO's dataset/ocr/test.txt (1,018 prompts quoting the text to render; "
+            "github.com/yifan123/flow_grpo), shipped as flowgrpo/benches/data/flowgrpo_ocr_test.txt",
+    shipped="flowgrpo_ocr_test.txt",
     source="Flow-GRPO (Liu et al. 2025): OCR accuracy, 1 - edit distance / length of the quoted text"))
 register_bench(Bench(
     "pickscore", "pickscore", "mean_score",
-    prompts="Flow-GRPO's dataset/pickscore/test.txt (Pick-a-Pic prompts; github.com/yifan123/flow_grpo)",
+    prompts="Flow-GRPO's dataset/pickscore/test.txt (2,048 Pick-a-Pic prompts; github.com/yifan123/flow_grpo), "
+            "shipped as flowgrpo/benches/data/flowgrpo_pickscore_test.txt",
+    shipped="flowgrpo_pickscore_test.txt",
     source="Kirstain et al. 2023, PickScore; as Flow-GRPO reports it on its PickScore test prompts"))
 register_bench(Bench(
     "hps", "hpsv2", "mean_score",
-    prompts="a held-out prompt file (HPDv2's test prompts, or Flow-GRPO's dataset/pickscore/test.txt)",
+    prompts="a held-out prompt file, given with --prompts (HPDv2's test prompts, or Flow-GRPO's "
+            "dataset/pickscore/test.txt, shipped as flowgrpo/benches/data/flowgrpo_pickscore_test.txt)",
     source="Wu et al. 2023, HPSv2.1"))
 register_bench(Bench(
     "imagereward", "imagereward", "mean_score",
-    prompts="a held-out prompt file (ImageReward's benchmark prompts, or Flow-GRPO's dataset/pickscore/test.txt)",
+    prompts="a held-out prompt file, given with --prompts (ImageReward's benchmark prompts, or Flow-GRPO's "
+            "dataset/pickscore/test.txt, shipped as flowgrpo/benches/data/flowgrpo_pickscore_test.txt)",
     source="Xu et al. 2023, ImageReward"))
 
 
@@ -81,3 +107,15 @@ def bench_names() -> list[str]:
 def get_bench(name: str) -> Bench:
     """The :class:`Bench` called ``name``; a UserError lists the valid names."""
     return BENCHES.build(name)
+
+
+def bench_prompts(bench: Bench, given: str | None) -> str:
+    """The prompt file of a benchmark run: ``given`` (``--prompts``) where given, else the shipped one
+    (:meth:`Bench.shipped_prompts`); a one-line UserError where neither exists."""
+    if given:
+        return str(given)
+    shipped = bench.shipped_prompts()
+    if shipped is None:
+        raise UserError(f"--bench {bench.name} needs --prompts FILE (the benchmark's prompt set; none is shipped "
+                        "for it)")
+    return str(shipped)

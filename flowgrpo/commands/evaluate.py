@@ -3,9 +3,10 @@
 * ``flowgrpo eval RUN [--evaluator NAME] [eval.KEY=VALUE ...] [--json PATH]``: the run's held-out evaluator
   (or the one named: a run trained with ``eval.evaluator=none`` is evaluated afterwards) on its trained
   weights; its rewards and objective are not rebuilt;
-* ``flowgrpo eval TARGET --bench NAME --prompts FILE --out DIR``: a benchmark of the field (GenEval, OCR,
+* ``flowgrpo eval TARGET --bench NAME [--prompts FILE] --out DIR``: a benchmark of the field (GenEval, OCR,
   PickScore, HPS, ImageReward; :mod:`flowgrpo.benches`) on a run (trained and base side by side), a
-  pipeline folder or an exported LoRA (``--base``), resumable.
+  pipeline folder or an exported LoRA (``--base``), resumable; ``--prompts`` defaults to the benchmark's
+  shipped prompt set (GenEval, OCR, PickScore) and is required for the others.
 """
 
 from __future__ import annotations
@@ -80,14 +81,16 @@ def _print_accuracy_table(res: dict, ckpt) -> None:
 
 def _cmd_bench(args) -> int:
     from ..benches.runner import BenchOptions, run_bench
-    from ..benches.suites import get_bench
+    from ..benches.suites import bench_prompts, get_bench
     from ..serve.server import parse_options
 
-    get_bench(args.bench)  # an unknown name lists the valid ones before anything loads
+    bench = get_bench(args.bench)  # an unknown name lists the valid ones before anything loads
     if args.evaluator or args.json:
         raise UserError("--evaluator and --json belong to the held-out evaluation; a benchmark writes into --out")
-    if not args.prompts or not args.out:
-        raise UserError(f"--bench {args.bench} needs --prompts FILE (the benchmark's prompt set) and --out DIR")
+    if not args.out:
+        raise UserError(f"--bench {args.bench} needs --out DIR")
+    # --prompts, else the benchmark's shipped set; a benchmark that ships none needs --prompts (one line)
+    bench_prompts(bench, args.prompts)
     opts = BenchOptions(bench=args.bench, prompts=args.prompts, out=args.out, base=args.base, seed=args.seed,
                         steps=args.steps, images_per_prompt=args.images_per_prompt, max_prompts=args.max_prompts,
                         batch_size=args.batch_size, options=parse_options(args.option),
@@ -98,7 +101,7 @@ def _cmd_bench(args) -> int:
 
 def register(subparsers) -> None:
     """Add ``eval`` to the ``flowgrpo`` parser's ``subparsers``."""
-    from ..benches.suites import bench_names
+    from ..benches.suites import bench_names, get_bench
 
     e = subparsers.add_parser("eval", help="held-out evaluation of a run, or a benchmark (--bench) of any run, "
                                            "pipeline folder or exported LoRA")
@@ -113,7 +116,9 @@ def register(subparsers) -> None:
                         "settings of a pipeline or LoRA target (model.resolution=512)")
     b = e.add_argument_group("benchmark (--bench)")
     b.add_argument("--bench", default=None, metavar="NAME", help=f"a benchmark: {', '.join(bench_names())}")
-    b.add_argument("--prompts", default=None, metavar="FILE", help="the benchmark's prompt file (.txt or .jsonl)")
+    b.add_argument("--prompts", default=None, metavar="FILE",
+                   help="the benchmark's prompt file (.txt or .jsonl); default: the benchmark's shipped set ("
+                        f"{', '.join(n for n in bench_names() if get_bench(n).shipped)}), required for the others")
     b.add_argument("--out", default=None, metavar="DIR", help="output folder (a rerun into it resumes)")
     b.add_argument("--base", default=None, metavar="DIR", help="the pipeline folder an exported LoRA was trained on")
     b.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
