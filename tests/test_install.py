@@ -29,7 +29,7 @@ def _build_wheel(dest: Path) -> Path:
     src = dest / "src"
     src.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(ROOT / name, src / name)
     for folder in (*SOURCE_PACKAGES, "csrc"):
         shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
@@ -71,8 +71,8 @@ def _expected_files() -> set[str]:
 def test_wheel_holds_packages_benchmarks_and_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = sorted(_expected_files() - names)
-    assert not missing, (f"missing from the wheel (a new subpackage must be listed in pyproject.toml "
-                         f"[tool.setuptools] packages): {missing}")
+    assert not missing, (f"missing from the wheel (every folder with an __init__.py below a package-dir root is a "
+                         f"package (setup.py)): {missing}")
     for b in BENCHES:
         assert f"flowgrpo/benchmarks/{b}" in names
     assert {"flowgrpo/csrc/grpo_loss.cpp", "flowgrpo/presets/shapes.yaml",
