@@ -49,7 +49,10 @@ def _parameters(fn: Callable) -> tuple[set[str], bool]:
     except (TypeError, ValueError):
         return set(), True
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return {k for k in METADATA if k in params}, var_kw
+    # a ``**metadata`` catch-all is not a named keyword: it takes what is passed, it asks for nothing
+    named = {k for k, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                         inspect.Parameter.KEYWORD_ONLY)}
+    return {k for k in METADATA if k in named}, var_kw
 
 
 def _metadata(fn: Callable) -> dict:

@@ -3,6 +3,7 @@ summary is recomputed from the per-sample verdicts; `config explain`; where `ben
 
 from __future__ import annotations
 
+import re
 import csv
 import dataclasses
 import importlib
@@ -95,8 +96,12 @@ def test_presets_lists_every_preset_with_its_description():
     assert proc.returncode == 0, proc.stderr
     listed = [ln.split(None, 1) for ln in proc.stdout.splitlines() if ln.strip()]
     assert [x[0] for x in listed] == preset_names() and "shapes" in preset_names()
+    from flowgrpo.config_show import preset_description
+
     for name, desc in listed:
-        assert desc.strip() == read_preset(name)["description"].strip(), name
+        # the listing fills each {section.key} placeholder with the preset's resolved value
+        assert desc.strip() == preset_description(name).strip(), name
+        assert not re.search(r"{[a-z_]+\.[a-z_.]+}", desc) and read_preset(name)["description"].split()[0] == desc.split()[0], name
 
 
 def _per_tag(correct: list, num_prompts: int) -> dict[str, float]:

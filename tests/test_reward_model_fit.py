@@ -52,8 +52,8 @@ def test_a_reward_nan_on_some_images_only_drops_them(tiny_config):
     trainer = Trainer(cfg)
     score = trainer.score
 
-    def half_nan(images, prompts, groups, references=None):
-        scores, comps = score(images, prompts, groups, references)
+    def half_nan(images, prompts, groups, *rest):
+        scores, comps = score(images, prompts, groups, *rest)
         scores["shapes"][::2] = float("nan")
         return scores, comps
 
