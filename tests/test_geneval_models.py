@@ -204,7 +204,7 @@ def test_metadata_reaches_the_rewards_that_read_it(tmp_path, tiny_detector, tiny
 def test_the_trainer_hands_each_leaf_its_prompts_line(tiny_config, tmp_path):
     """A reward that reads metadata gets, for every leaf, the .jsonl line of that leaf's prompt; the shapes
     world's GenEval metadata makes it a GenEval reward on shapes images."""
-    from flowgrpo.shapes.geneval import geneval_verdict, spec_metadata
+    from flowgrpo.rewards.geneval.shapes_world import geneval_verdict, spec_metadata
     from flowgrpo.shapes.prompts import parse_prompt
     from flowgrpo.trainer.trainer import Trainer
     from flowgrpo.images import to_uint8

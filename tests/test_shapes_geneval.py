@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowgrpo.shapes.geneval import (DISAGREEMENTS, explain_disagreement, geneval_verdict, parse_detections,
+from flowgrpo.rewards.geneval.shapes_world import (DISAGREEMENTS, explain_disagreement, geneval_verdict, parse_detections,
                                      spec_metadata)
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.verify import Detection, detect, verify

@@ -77,7 +77,7 @@ def score(spec: SceneSpec, dets: list[Detection], reversed_credit: float = 0.0) 
     Returns ``{"correct": 0/1, "score": partial credit in [0, 1]}``. ``correct`` is the world's
     strict rule: every group has exactly its count, nothing extra, and the relation holds on the grid.
     It is stricter than GenEval's scorer, which asks at least each class's count and ignores other
-    classes (:mod:`flowgrpo.shapes.geneval` runs GenEval's rules on the same parse, and names where
+    classes (:mod:`flowgrpo.rewards.geneval.shapes_world` runs GenEval's rules on the same parse, and names where
     the two differ).
     ``score`` averages the individual checks, giving the policy a denser signal. Its relation check
     is 1 when the relation holds, ``reversed_credit`` when A and B stand on different lines the wrong

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .verify import Detection, detect
-from .world import CELL, GLYPHS, SceneSpec
+from flowgrpo.shapes.verify import Detection, detect
+from flowgrpo.shapes.world import CELL, GLYPHS, SceneSpec
 
 
 def _glyph_box(shape: str) -> tuple[int, int, int, int]:
@@ -75,7 +75,7 @@ def parse_detections(dets: list[Detection]) -> tuple[dict[str, np.ndarray], call
 
 def geneval_verdict(spec: SceneSpec, img: np.ndarray) -> tuple[bool, str]:
     """GenEval's ``(correct, reason)`` for one uint8 image [32, 32, 3] of the shapes world."""
-    from flowgrpo.rewards.geneval import evaluate_detections
+    from .scorer import evaluate_detections
 
     detections, colour_of = parse_detections(detect(img))
     return evaluate_detections(spec_metadata(spec), detections, colour_of)
