@@ -6,6 +6,7 @@ writes OUT_DIR/rank{r}.pt with the whole iteration's advantages, its trainable w
 each iteration, the metrics and the plan steps of its own training rows.
 """
 
+import faulthandler
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import conftest  # noqa: E402,F401  (registers the test rewards)
 import torch  # noqa: E402
 
 from flowgrpo.config import load_config  # noqa: E402
+from flowgrpo.trainer.launch import close_process_group  # noqa: E402
 from flowgrpo.trainer.trainer import GRPOTrainer  # noqa: E402
 
 
@@ -53,7 +55,9 @@ def main() -> None:
     record["row_steps"] = row_steps
     out.mkdir(parents=True, exist_ok=True)
     torch.save(record, out / f"rank{trainer.dp.rank}.pt")
+    close_process_group()  # as `flowgrpo train` does: no rank leaves with gloo's threads still running
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash prints every thread's Python stack in the test's output
     main()

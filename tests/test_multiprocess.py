@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from conftest import cli_env, flowgrpo_command, needs_deepspeed, tiny_overrides
+from flowgrpo.serve import free_port
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 SMOOTH_ADAM = {"train.adam_eps": "1e-2", "train.lr": "1e-2"}
@@ -45,7 +46,8 @@ def _launch(n: int, args: list[str], timeout: float = 240, config: Path | None =
     """``accelerate launch`` of the test worker on n CPU processes (with an accelerate ``config`` file)."""
     how = ["--config_file", str(config)] if config else ["--multi_gpu", "--num_machines", "1", "--mixed_precision",
                                                           "no", "--dynamo_backend", "no"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(n), str(WORKER), *args]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--main_process_port", str(free_port()),
+           "--num_processes", str(n), str(WORKER), *args]
     return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -139,7 +139,7 @@ def _drop_option(argv: list[str], *names: str) -> list[str]:
 def _train_in_launched_process(args) -> int:
     """One rank of a multi-process run: a failed collective ends this rank with one line and
     :data:`~flowgrpo.trainer.launch.PEER_LOST_EXIT` (the launcher names the rank that caused it)."""
-    from ..trainer.launch import PEER_LOST_EXIT, follow_launcher, is_collective_failure
+    from ..trainer.launch import PEER_LOST_EXIT, close_process_group, follow_launcher, is_collective_failure
 
     follow_launcher()  # before torch's import: seconds in which a killed launcher would leave this rank behind
     import torch.distributed as dist
@@ -147,7 +147,9 @@ def _train_in_launched_process(args) -> int:
     rank = os.environ.get("RANK", "?")
     args_single = argparse.Namespace(**{**vars(args), "num_processes": 1})
     try:
-        return _run_train(args_single)
+        code = _run_train(args_single)
+        close_process_group()  # every rank, before the interpreter's exit (close_process_group says why)
+        return code
     except Exception as exc:  # noqa: BLE001 - anything a collective raises ends this rank the same way
         if not is_collective_failure(exc):
             raise

@@ -36,8 +36,28 @@ def launch_args(num_processes: int, train_argv: list[str], accelerate_config: st
         args += ["--config_file", accelerate_config]
     else:  # a plain multi-process launch: one machine, no mixed precision or dynamo from accelerate
         args += ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if _single_machine_without_port(accelerate_config):
+        # accelerate's default rendezvous port is 29500 for every run: a second run on the same machine
+        # would fail to bind it. A free port, when the run is on this machine alone and names none
+        from ..serve.server import free_port
+
+        args += ["--main_process_port", str(free_port())]
     args += ["--num_processes", str(num_processes), "-m", "flowgrpo", "train", *train_argv]
     return args
+
+
+def _single_machine_without_port(accelerate_config: str | None) -> bool:
+    """Whether the launch is on one machine and its accelerate config file (if any) sets no
+    ``main_process_port`` (several machines must agree on one: theirs is kept)."""
+    if not accelerate_config:
+        return True
+    import yaml
+
+    try:
+        data = yaml.safe_load(open(accelerate_config)) or {}
+    except (OSError, yaml.YAMLError):
+        return False  # accelerate reports an unreadable file itself
+    return isinstance(data, dict) and str(data.get("num_machines") or 1) == "1" and not data.get("main_process_port")
 
 
 #: exit code of a process that stopped because another one stopped answering (not the cause); a rank
@@ -76,6 +96,26 @@ def follow_launcher() -> None:
     if os.getppid() != launcher:  # it died before the request above: nothing will signal this rank
         os._exit(PEER_LOST_EXIT)
     threading.Thread(target=_watch_launcher, args=(launcher,), name="flowgrpo-launcher-watch", daemon=True).start()
+
+
+def close_process_group() -> None:
+    """End this rank's part in the run's process group: wait for every rank (a barrier), then destroy
+    the group. A no-op when no group is open.
+
+    Why: a rank that leaves the interpreter with the group still open tears down gloo's worker
+    threads while they may still hold work whose tensors point into Python objects that interpreter
+    finalisation frees, which can crash that rank with SIGSEGV (the other rank then reads "Connection
+    reset by peer"). torch does not destroy the group at exit (an
+    atexit hook for it was proposed and withdrawn: pytorch/pytorch#179291), so every entry point that
+    opens one closes it. The barrier keeps a fast rank from destroying the group while a slower one
+    still has a collective in flight.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _parent_death_signal(sig: signal.Signals) -> bool:
