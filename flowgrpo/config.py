@@ -17,6 +17,7 @@ from typing import Any, Literal
 from .config_layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override  # noqa: F401 (re-exported)
 from .errors import ConfigError, UserError
 from .fields import as_number, check_choices, check_ranges, field_ranges, help_field as _f, merge_into
+from .monitors.config import MonitorConfig, check_monitor
 from .objectives import check_objective_keys, objective_help, with_objective_options
 from .objectives.options import check_objective_options
 from .objectives.terms.anchor import AnchorOptions
@@ -25,6 +26,7 @@ from .objectives.terms.clip_schedule import ClipOptions
 from .objectives.terms.sft import SFTOptions
 from .objectives.terms.step_weights import StepWeightOptions
 from .policies.base import TrainMode
+from .policies.base.lora import DEFAULT_LORA_INIT, DEFAULT_TARGETS, check_lora_settings
 from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_dir, preset_names, read_preset  # noqa: F401 (re-exported)
 from .recipes import recipe_names, read_recipe  # noqa: F401 (re-exported)
 from .samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
@@ -37,6 +39,16 @@ class ModelConfig:
     train_mode: TrainMode = _f("lora", "lora (peft adapter) | full (all transformer weights)")
     lora_rank: int = _f(32, "LoRA rank r")
     lora_alpha: float = _f(64.0, "LoRA alpha (scale = alpha / r)")
+    lora_targets: str | list[str] = _f(DEFAULT_TARGETS, "layers the LoRA wraps: default (the adapter's own list: "
+                                       "attention and feed-forward projections) | attention_qkvo (to_q, to_k, to_v, "
+                                       "to_out.0 of every attention: DanceGRPO) | attention (those and the text "
+                                       "stream's add_q/k/v_proj, to_add_out) | all_linear (every linear layer inside "
+                                       "a numbered block) | a list of module names in peft's rule, each matching a "
+                                       "name or its dotted suffix (Flow-GRPO: [attn.to_q, attn.to_k, ...] leaves "
+                                       "SD3.5's attn2 out); a list entry or set that matches no layer is refused")
+    lora_init: bool | str = _f(DEFAULT_LORA_INIT, "peft's init_lora_weights: gaussian (A ~ N(0, 1/r): Flow-GRPO, "
+                               "DiffusionNFT) | true (A kaiming-uniform, peft's default: DanceGRPO); B starts at 0 "
+                               "either way, so the policy starts as the base model")
     guidance_scale: float = _f(1.0, "classifier-free guidance scale during rollouts and eval (1 = off)", ge=0.0)
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "model dtype (step math is always float32; LoRA weights stay float32, and modules the library keeps in float32, e.g. Wan norms or T5 wo under fp16, stay so)")
     resolution: int | None = _f(None, "image (or video frame) side in pixels for latent models (sd3, flux, wan); null: the adapter's own default (its class's `resolution` argument)", ge=1)
@@ -57,7 +69,8 @@ class SamplerConfig:
     noise_level: float = _f(DEFAULT_NOISE_LEVEL, "SDE noise level a (flow_grpo, cps) or eta (dance)", ge=0.0)
     sde_kind: SDEKindName = _f("flow_grpo", "SDE discretisation (flowgrpo.samplers.sde)")
     cps_log_prob: LogProbConvention = _f("gaussian", "log-prob of CPS steps: gaussian (the transition's Gaussian density, as every other kind) | mse (Flow-GRPO-Fast's -mean((x' - mu)^2), a Gaussian with std 1/sqrt(2) up to a constant)")
-    shift: float = _f(1.0, "timestep shift s of the sigma grid (models whose pipeline owns its grid, e.g. sd3, ignore it)", gt=0.0)
+    shift: float = _f(1.0, "timestep shift s of the sigma grid (with sampler.grid=model, models whose pipeline owns its grid, e.g. sd3, ignore it)", gt=0.0)
+    grid: Literal["model", "shift"] = _f("model", "sigma grid of the training rollouts: model (the policy's own: a diffusers pipeline's scheduler, e.g. FLUX.1's dynamic shift; the shapes world's uniform grid shifted by sampler.shift) | shift (uniform in sigma, then shifted by sampler.shift, whatever the pipeline's scheduler: DanceGRPO's and MixGRPO's sd3_time_shift grid); evaluation and sample grids keep the model's")
     shared_group_noise: bool = _f(False, "all members of a group start from the same initial noise (DanceGRPO)")
     max_micro_batch: int = _f(256, "largest model batch during rollouts (nodes of one depth are chunked by it)", ge=1)
 
@@ -175,6 +188,7 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     log: LogConfig = field(default_factory=LogConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     strategy: dict = _f({}, "options of sampler.strategy (window, splits, ...; `flowgrpo config explain strategy` lists them per strategy); a preset, config file or set of overrides that selects another sampler.strategy starts from that strategy's defaults")
@@ -396,6 +410,8 @@ def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_tr
         if cfg.eval.evaluator not in EVALUATORS:
             raise ConfigError(f"config key 'eval.evaluator': unknown evaluator {cfg.eval.evaluator!r}; valid choices: "
                               f"auto, none, {', '.join(EVALUATORS.names())}")
+    check_lora_settings(cfg.model.lora_targets, cfg.model.lora_init)
+    check_monitor(cfg.monitor)
     if cfg.sampler.cps_log_prob != "gaussian" and cfg.sampler.sde_kind != "cps":
         raise ConfigError("config key 'sampler.cps_log_prob' = mse needs sampler.sde_kind = cps")
     if not for_training:

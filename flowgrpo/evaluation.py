@@ -48,6 +48,8 @@ class EvalResult:
         correct: [num_samples] per-sample verdicts (1.0 / 0.0), in (prompt, seed) order; two
             evaluations of the same split pair up sample by sample (:func:`paired_gain`).
         prompts, images: the evaluated prompts and images [N, 3, H, W] in [0, 1], when kept.
+        monitors: the reward-hacking monitors measured on the held-out samples (name -> value, e.g.
+            ``dark_share``, ``reward.pickscore``, ``velocity_norm``; :mod:`flowgrpo.monitors`), or empty.
     """
 
     accuracy: float
@@ -60,15 +62,22 @@ class EvalResult:
     prompts: list[str] | None = None
     images: Tensor | None = None
     fidelity: float | None = None  # last, so that positional construction keeps its meaning
+    monitors: dict[str, float] = field(default_factory=dict)
 
     def to_json(self, with_correct: bool = False) -> dict:
         """The JSON record of ``summary.json`` / ``eval_*.json`` (no images, no prompts)."""
         out = {"accuracy": self.accuracy, "accuracy_unseen": self.accuracy_unseen, "num_unseen": self.num_unseen,
                "score": self.score, "fidelity": self.fidelity, "per_tag": dict(self.per_tag),
-               "num_samples": self.num_samples}
+               "num_samples": self.num_samples, "monitors": dict(self.monitors)}
         if with_correct:
             out["correct"] = list(self.correct)
         return out
+
+    def metrics(self) -> dict:
+        """The entries of an evaluation during training in its ``metrics.jsonl`` line: ``eval_accuracy``,
+        ``eval_accuracy_unseen``, ``eval_fidelity`` and each monitor as ``monitor.<name>``."""
+        return {"eval_accuracy": self.accuracy, "eval_accuracy_unseen": self.accuracy_unseen,
+                "eval_fidelity": self.fidelity, **{f"monitor.{k}": v for k, v in self.monitors.items()}}
 
 
 class Evaluator(Protocol):

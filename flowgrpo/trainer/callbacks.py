@@ -5,6 +5,10 @@ Subclass :class:`Callback` and override the events you need, or pass a plain fun
 process only, in the order given, after the run loop has finished the event (metrics logged, the
 evaluation recorded, the checkpoint written). :meth:`Trainer.iteration_step
 <flowgrpo.trainer.trainer.Trainer.iteration_step>` alone fires none: the run loop does.
+
+A callback ends a run early with ``trainer.callbacks.request_stop(reason)``: the run loop finishes the
+iteration it is in, then stops as at the end of its time budget (a checkpoint, the evaluation after
+training, the summary). The reward-hacking monitors' ``stop`` rules use it (:mod:`.monitor`).
 """
 
 from __future__ import annotations
@@ -24,12 +28,17 @@ class Callback:
     folder is named by the number of iterations it holds: the checkpoint written after iteration ``i``
     is ``ckpt_{i + 1:06d}``, and ``trainer.iteration`` (the next iteration to run) is ``i + 1`` by then.
 
+    * :meth:`on_run_start` -- the run directory, once the run (or its resumption) is ready to train;
     * :meth:`on_iteration_end` -- an iteration's metrics (the ``metrics.jsonl`` line: ``iteration``
       (0-based), ``reward.<name>`` (mean over scorable samples), ``reward_mean``,
       ``nan_rewards_dropped``, ``loss``, ``train_seconds``, ``eval_accuracy`` when an evaluation ran, ...);
     * :meth:`on_evaluation` -- a held-out evaluation's :class:`~flowgrpo.evaluation.EvalResult`;
     * :meth:`on_checkpoint` -- a checkpoint written at ``path`` after iteration ``iteration``.
     """
+
+    def on_run_start(self, trainer, run_dir: Path, resumed: bool) -> None:
+        """Before the evaluation before training (a resumed run: before its next iteration, with
+        ``trainer.iteration`` the checkpoint's), with the run's folder ``run_dir``."""
 
     def on_iteration_end(self, trainer, metrics: dict) -> None:
         """After iteration ``metrics["iteration"]`` was logged."""
@@ -57,6 +66,8 @@ class CallbackList:
 
     def __init__(self, callbacks: Iterable[Callback | Callable] = ()):
         self.items: list[Callback] = []
+        #: why a callback asked the run to stop (:meth:`request_stop`), None while none has
+        self.stop_reason: str | None = None
         self.extend(callbacks)
 
     def extend(self, callbacks: Iterable[Callback | Callable]) -> None:
@@ -68,6 +79,15 @@ class CallbackList:
             else:
                 raise TypeError(f"a callback is a flowgrpo.Callback or a function (trainer, metrics), got "
                                 f"{type(cb).__name__}")
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the run loop to stop after the current iteration (the first reason is kept)."""
+        self.stop_reason = self.stop_reason or reason
+
+    def run_start(self, trainer, run_dir: Path, resumed: bool) -> None:
+        self.stop_reason = None  # a trainer run again (resumed) starts without an earlier run's request
+        for cb in self.items:
+            cb.on_run_start(trainer, run_dir, resumed)
 
     def iteration_end(self, trainer, metrics: dict) -> None:
         for cb in self.items:

@@ -11,6 +11,7 @@ RUN_DIR/
                        when train.ema is on) for the stock pipeline's load_lora_weights (flowgrpo.commands.export)
   grids/               rollout sample grids during training
   eval_before.json     held-out evaluation of the base model
+  monitors.jsonl/.png  reward-hacking monitors at each evaluation, their alarms (flowgrpo.trainer.monitor)
   before_after.png     held-out samples before (top) and after (bottom) training
   reward_curve.png     reward against iteration with held-out accuracy points
   accuracy_curve.png   held-out accuracy (+-1 s.e. band) and image fidelity against training minutes
@@ -43,7 +44,7 @@ import yaml
 from ..config import RunConfig, to_dict
 from ..disk import write_problem, write_text_atomically
 from ..errors import UserError
-from ..evaluation import EvalResult, build_evaluator, paired_gain
+from ..evaluation import EvalResult, paired_gain
 from ..output.plots import save_accuracy_curve, save_labeled_grid, save_reward_curve, save_sample_grid
 from ..safe_load import load_tensors
 from ..sharded_tensors import is_sharded
@@ -51,6 +52,7 @@ from .accelerator import start_trackers
 from .base_weights import check_base_weights, record_base_weights
 from .checkpoint import CONFIG_FILE, latest_checkpoint, load_latest_intact, save_checkpoint
 from .metrics import MetricsLogger, json_safe, read_metrics
+from .monitor import monitored_evaluator
 from .progress import bar_fields, progress_bar
 from .run_lock import LOCK_FILE, RunLock, lock_run_dir
 from .trainer import GRPOTrainer
@@ -60,9 +62,7 @@ _GRID_PROMPTS = 16
 
 def _write_json(path: Path, data: dict) -> None:
     """Write ``data`` as strict JSON (NaN and inf as null), atomically."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False))
-    tmp.replace(path)
+    write_text_atomically(path, json.dumps(json_safe(data), indent=2, allow_nan=False))
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -170,7 +170,7 @@ def _train(cfg: RunConfig, run_dir: Path | None, resume: bool, trainer: GRPOTrai
     lockstep = trainer.engine.lockstep  # every rank takes part in evaluations (sharded weights)
     gathers = trainer.engine.collective_state  # every rank takes part in checkpoints and the LoRA export
     say = print if main else (lambda *a, **k: None)
-    evaluator, eval_note = build_evaluator(cfg.eval, trainer.policy, cfg.sampler.shift)
+    evaluator, eval_note = monitored_evaluator(cfg, trainer)  # eval.evaluator, measuring the monitors
     run_dir = _prepare_run_dir(cfg, run_dir, resume, dp, locks)
     train_seconds = 0.0
     start_iter = 0
@@ -187,6 +187,7 @@ def _train(cfg: RunConfig, run_dir: Path | None, resume: bool, trainer: GRPOTrai
     if main:
         start_trackers(trainer.accelerator, cfg, run_dir, start_iter - 1 if resume else None)
         logger = MetricsLogger(run_dir, trainer.accelerator, resume_iteration=start_iter - 1 if resume else None)
+        events.run_start(trainer, run_dir, resume)
 
     eval_before, before_images = None, None
     before_path = run_dir / "eval_before.json"
@@ -232,7 +233,7 @@ def _train(cfg: RunConfig, run_dir: Path | None, resume: bool, trainer: GRPOTrai
     with progress_bar(cfg.log.progress and main) as bar:
         task = bar.add_task(**bar_fields(objective, start_iter, total, train_seconds, cfg.train.max_minutes))
         recent: list[float] = []  # seconds of the latest iterations, checkpoint writes included
-        while trainer.iteration < total:
+        while trainer.iteration < total and not dp.broadcast(events.stop_reason is not None):  # a callback's stop
             # stop before an iteration that would likely end past the budget, so that train_seconds
             # stays within it (the longest of the last 5 iterations, with a 25 % margin)
             if dp.broadcast(bool(cfg.train.max_minutes) and _next_end(train_seconds, recent) > cfg.train.max_minutes * 60):
@@ -259,8 +260,7 @@ def _train(cfg: RunConfig, run_dir: Path | None, resume: bool, trainer: GRPOTrai
                 due = dp.broadcast(due)
             if due and it + 1 < total and budget_left:  # the clock is paused: evaluation is not training
                 res = _eval(trainer, evaluator, use_ema=cfg.train.ema)
-                m["eval_accuracy"], m["eval_accuracy_unseen"] = res.accuracy, res.accuracy_unseen
-                m["eval_fidelity"] = res.fidelity
+                m.update(res.metrics())  # eval_accuracy, eval_accuracy_unseen, eval_fidelity, monitor.*
                 curve.append({"iteration": it + 1, "train_seconds": train_seconds, "accuracy": res.accuracy,
                               "accuracy_unseen": res.accuracy_unseen, "fidelity": res.fidelity})
                 while train_seconds >= next_eval_s:
