@@ -149,3 +149,20 @@ def test_eval_help_says_where_prompts_default(capsys):
         main(["eval", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "shipped set (geneval, ocr, pickscore)" in help_text
+
+
+def test_a_recipe_names_a_shipped_prompt_file_by_its_name():
+    """sd35-geneval and sd35-ocr evaluate on Flow-GRPO's test files by name: the name resolves to the
+    shipped file wherever flowgrpo is installed, the whole file is evaluated once per prompt, and a
+    path that exists wins over a shipped name."""
+    from flowgrpo.benches.suites import bench_prompts, get_bench, shipped_file
+    from flowgrpo.config import compose_config
+    from flowgrpo.shapes.prompts import load_prompt_file
+
+    for recipe, bench in (("sd35-geneval", "geneval"), ("sd35-ocr", "ocr")):
+        ev = compose_config("flow-grpo", recipe=recipe).config.eval
+        assert ev.evaluator == "bench" and ev.options["bench"] == bench and ev.seeds_per_prompt == 1
+        path = bench_prompts(get_bench(bench), ev.options.get("prompts"))
+        assert len(load_prompt_file(path)) == ev.num_prompts
+    assert shipped_file("../pyproject.toml") is None and shipped_file("no_such.txt") is None
+    assert bench_prompts(get_bench("ocr"), __file__) == __file__

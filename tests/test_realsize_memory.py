@@ -44,21 +44,24 @@ def test_meta_counts_equal_a_real_model(recipe, config):
     assert peft_model.get_nb_trainable_parameters()[0] == trainable
 
 
-def test_lora_targets_are_the_adapters_own():
+def test_lora_targets_are_the_recipes_or_the_adapters_own():
+    from flowgrpo.policies.base.lora import ATTENTION_QKVO
     from flowgrpo.policies.diffusers.sd3 import SD3_LORA_TARGETS
     from flowgrpo.policies.diffusers.wan import WAN_LORA_TARGETS
     from flowgrpo.policies.diffusers.generic.families import family_of
 
-    assert transformer_config("sd35-medium").lora_targets == SD3_LORA_TARGETS
-    assert transformer_config("wan21-t2v-1.3b").lora_targets == WAN_LORA_TARGETS
+    assert transformer_config("sd35-medium").adapter_lora_targets == SD3_LORA_TARGETS
+    assert transformer_config("sd35-medium").lora_targets[0] == "attn.to_q"  # Flow-GRPO's list (model.lora_targets)
+    assert transformer_config("flux1-dev").lora_targets == list(ATTENTION_QKVO)  # DanceGRPO's, the named set's list
+    assert transformer_config("wan21-t2v-1.3b").lora_targets == WAN_LORA_TARGETS  # model.lora_targets=default
     assert transformer_config("qwen-image").lora_targets == list(family_of("QwenImagePipeline").lora_targets)
 
 
 def test_sd35_medium_wrapped_layers_per_block():
     state = training_state("sd35-medium", rank=32)
-    # 24 MMDiT blocks x (8 attention + 4 feed-forward projections) + 13 dual-attention blocks x 4,
-    # minus the last block's context-side output projection and feed-forward (context_pre_only)
-    assert state.wrapped_layers == 24 * 12 + 13 * 4 - 3 == state.wrapped_by_block["transformer_blocks"]
+    # Flow-GRPO's targets: 24 MMDiT blocks x the 8 projections of their first attention, minus the last
+    # block's context-side output projection (context_pre_only); attn2 and the feed-forward left out
+    assert state.wrapped_layers == 24 * 8 - 1 == state.wrapped_by_block["transformer_blocks"]
     assert state.transformer_params == 2_243_171_520
     assert set(state.per_gpu) == {"1 GPU", "8 GPUs", "8 GPUs FSDP"}
     one, fsdp = state.per_gpu["1 GPU"], state.per_gpu["8 GPUs FSDP"]

@@ -102,18 +102,26 @@ def test_every_method_on_every_recipe(recipe):
         assert cfg.eval.evaluator not in ("auto", "shapes"), f"{where}: evaluator {cfg.eval.evaluator}"
         assert cfg.data.prompts != "shapes" and cfg.model.name != "shapes", where
         memory = (cfg.model.train_mode, cfg.model.dtype, cfg.model.gradient_checkpointing)
-        assert memory == ("lora", "bfloat16", True), f"{where}: {memory}"
-        shift = composed.source("sampler.shift")
-        assert shift == "default", f"{where}: sampler.shift set by {shift} (the pipeline's scheduler owns the grid)"
+        full = composed.source("model.train_mode").startswith("recipe-method:")  # a reference's full fine-tune
+        assert memory == (("full", "float32", True) if full else ("lora", "bfloat16", True)), f"{where}: {memory}"
+        if cfg.sampler.grid == "model":  # the pipeline's scheduler owns the grid: a shift would be ignored
+            assert cfg.sampler.shift == 1.0, f"{where}: sampler.shift {cfg.sampler.shift} with sampler.grid=model"
 
 
 @pytest.mark.parametrize("recipe", REAL)
-def test_real_recipes_leave_the_sigma_grid_to_the_pipeline(recipe):
-    """No real recipe, base or per-method setting writes sampler.shift: the pipeline's scheduler owns the grid."""
+def test_a_real_recipe_sets_a_shift_only_with_its_references_shift_grid(recipe):
+    """A real recipe writes sampler.shift only with sampler.grid=shift (the pipeline's scheduler owns the grid
+    otherwise), and only where a reference's table row says so (DanceGRPO's and MixGRPO's sd3_time_shift)."""
+    from flowgrpo.commands.recipe_references import rows
+
+    referenced = {r.recipe for r in rows() if r.key == "sampler.grid" and r.value == "shift"}
     for name, data in recipe_chain(recipe):
-        sections = [data, *(data.get("methods") or {}).values()]
-        assert not any("shift" in (s.get("sampler") or {}) for s in sections), f"{name} sets sampler.shift"
         assert data.get("description") and data.get("source"), f"{name} needs a description and its sources"
+    cfg = load_config(recipe=recipe)
+    if cfg.sampler.grid == "shift":
+        assert recipe in referenced or any(base in referenced for base, _ in recipe_chain(recipe)), recipe
+    else:
+        assert cfg.sampler.shift == 1.0, f"{recipe}: sampler.shift {cfg.sampler.shift} is ignored by the model's grid"
 
 
 def test_a_method_without_a_recipe_on_another_model_gets_a_real_models_settings(tmp_path):
@@ -139,9 +147,12 @@ def test_layer_order(tmp_path):
     assert cfg.sampler.num_steps == 25 and composed.source("sampler.num_steps") == "recipe-method:flux1-dev/mix-grpo"
     assert cfg.strategy["shift_every"] == 25 and cfg.strategy["window"] == 4  # recipe-method over preset, merged
     assert composed.source("strategy.window") == "preset:mix-grpo"
-    assert composed.source("model.resolution") == "recipe:flux1-dev" and composed.source("model.dtype") == "recipe:diffusers"
+    assert composed.source("model.resolution") == "recipe:flux1-dev"
+    assert composed.source("model.gradient_checkpointing") == "recipe:diffusers"
+    assert composed.source("model.dtype") == "recipe-method:flux1-dev/mix-grpo"  # MixGRPO's float32 full fine-tune
     assert composed.source("loss.clip_range") == "default"
-    assert load_config("dance-grpo", recipe="flux1-dev").sampler.num_steps == 16  # the recipe's own steps
+    assert load_config("flow-grpo", recipe="flux1-dev").sampler.num_steps == 16  # the recipe's own steps
+    assert load_config("dance-grpo", recipe="flux1-dev").sampler.num_steps == 12  # DanceGRPO's LoRA script
     file = tmp_path / "run.yaml"
     file.write_text("sampler: {num_steps: 30}\ntrain: {lr: 1.0e-5}\n")
     composed = compose_config("mix-grpo", str(file), ["train.lr=2e-5"], recipe="flux1-dev")
@@ -190,14 +201,15 @@ def test_config_show_and_recipes_end_to_end(tmp_path):
     assert any(ln.strip().startswith("num_steps: 25") and ln.endswith("# recipe-method:flux1-dev/mix-grpo")
                for ln in lines)
     assert any(ln.strip().startswith("lr: 2.0e-05") and ln.endswith("# override") for ln in lines)
-    assert any(ln.strip().startswith("dtype: bfloat16") and ln.endswith("# recipe:diffusers") for ln in lines)
+    assert any(ln.strip().startswith("gradient_checkpointing: true") and ln.endswith("# recipe:diffusers") for ln in lines)
+    assert any(ln.strip().startswith("rollback: true") and ln.endswith("# recipe-method:flux1-dev/mix-grpo") for ln in lines)
     shown = tmp_path / "shown.yaml"  # the listing is a config file that gives the same configuration back
     shown.write_text(proc.stdout)
     again, want = load_config(None, str(shown)), load_config("mix-grpo", None, ["train.lr=2e-5"], recipe="flux1-dev")
     assert resolved_strategy_options(again) == resolved_strategy_options(want)
     again.strategy = want.strategy = {}  # the listing spells out the options the run left at their defaults
     assert to_dict(again) == to_dict(want)
-    assert yaml.safe_load(proc.stdout)["strategy"]["rollback"] is False  # unset options shown with defaults
+    assert yaml.safe_load(proc.stdout)["strategy"]["start"] == 0  # unset options shown with defaults
 
     proc = run_cli(["recipes"])
     assert proc.returncode == 0, proc.stderr

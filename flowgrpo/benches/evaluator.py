@@ -1,7 +1,8 @@
 """The ``bench`` held-out evaluator: a benchmark's numbers during training, on any model.
 
 ``eval.evaluator=bench`` with ``eval.options.bench`` a benchmark (:mod:`flowgrpo.benches.suites`:
-``pickscore``, ``ocr``, ``geneval``, ...) and ``eval.options.prompts`` its held-out prompt file.
+``pickscore``, ``ocr``, ``geneval``, ...) and ``eval.options.prompts`` its held-out prompt file (a path,
+or the name of a file shipped in ``flowgrpo/benches/data/``; by default the benchmark's shipped set).
 Every evaluation (``eval.every`` iterations, ``eval.every_minutes``, before and after training) draws
 ``eval.num_prompts`` prompts of the file (spread evenly over it) ``eval.seeds_per_prompt`` times with the
 ODE of ``eval.num_steps`` steps (Flow-GRPO evaluates its SD3.5 runs every 60 epochs at 40 steps), from
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..evaluation import EvalResult, evaluator_options
 from .scoring import build_scorer, summarise
-from .suites import get_bench
+from .suites import bench_prompts, get_bench
 
 #: eval.options of the bench evaluator and their defaults
 DEFAULTS = {"bench": None, "prompts": None, "metric_options": {}, "seed": 0, "batch_size": 4}
@@ -34,13 +35,17 @@ class BenchEvaluator:
         from ..shapes.prompts import load_prompt_file
 
         opts = evaluator_options(eval_cfg, DEFAULTS, "bench")
-        if not opts["bench"] or not opts["prompts"]:
-            raise ConfigError("eval.evaluator=bench needs eval.options.bench (a benchmark name) and "
-                              "eval.options.prompts (its held-out prompt file)")
+        if not opts["bench"]:
+            raise ConfigError("eval.evaluator=bench needs eval.options.bench (a benchmark name) and, where the "
+                              "benchmark ships none, eval.options.prompts (its held-out prompt file)")
         if not isinstance(opts["metric_options"], dict):
             raise ConfigError("eval.options.metric_options must be a mapping of option -> value")
         self.bench = get_bench(str(opts["bench"]))
-        rows = load_prompt_file(str(opts["prompts"]))
+        try:
+            prompts = bench_prompts(self.bench, opts["prompts"])
+        except UserError as exc:
+            raise ConfigError(f"eval.options.prompts: {exc}") from None
+        rows = load_prompt_file(prompts)
         n = min(int(eval_cfg.num_prompts), len(rows))
         self.rows = [rows[(i * len(rows)) // n] for i in range(n)]
         self.scorer = build_scorer(self.bench, opts["metric_options"])

@@ -109,11 +109,22 @@ def get_bench(name: str) -> Bench:
     return BENCHES.build(name)
 
 
+def shipped_file(name: str) -> Path | None:
+    """The path of ``name`` when it is the name of a file shipped in ``flowgrpo/benches/data/`` (e.g.
+    ``flowgrpo_geneval_test_metadata.jsonl``), else None."""
+    if not name or "/" in name or "\\" in name:
+        return None
+    path = Path(str(resources.files(__package__).joinpath(DATA_FOLDER, name)))
+    return path if path.is_file() else None
+
+
 def bench_prompts(bench: Bench, given: str | None) -> str:
-    """The prompt file of a benchmark run: ``given`` (``--prompts``) where given, else the shipped one
-    (:meth:`Bench.shipped_prompts`); a one-line UserError where neither exists."""
+    """The prompt file of a benchmark run: ``given`` (``--prompts``) where given (a path, or the name of
+    a shipped file: :func:`shipped_file`, which a recipe can name wherever flowgrpo is installed), else
+    the shipped one (:meth:`Bench.shipped_prompts`); a one-line UserError where neither exists."""
     if given:
-        return str(given)
+        shipped = None if Path(str(given)).exists() else shipped_file(str(given))
+        return str(shipped or given)
     shipped = bench.shipped_prompts()
     if shipped is None:
         raise UserError(f"--bench {bench.name} needs --prompts FILE (the benchmark's prompt set; none is shipped "

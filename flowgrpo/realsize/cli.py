@@ -1,7 +1,7 @@
 """``flowgrpo realsize write-pipeline | lora-layers`` (registered by :func:`register`).
 
     flowgrpo realsize write-pipeline --recipe sd35-medium --out DIR [--seed N]
-    flowgrpo realsize lora-layers --recipe sd35-medium [--json PATH]
+    flowgrpo realsize lora-layers --recipe sd35-medium [--preset flow-grpo] [--json PATH]
 
 The memory table itself is ``flowgrpo bench memory --recipe NAME --gpus N`` (``flowgrpo bench``).
 """
@@ -30,7 +30,7 @@ def _cmd_write_pipeline(args) -> int:
 def _cmd_lora_layers(args) -> int:
     from .memory import lora_layer_counts
 
-    counts = lora_layer_counts(args.recipe, rank=args.rank)
+    counts = lora_layer_counts(args.recipe, rank=args.rank, preset=args.preset)
     for block, n in counts["wrapped_by_block"].items():
         print(f"{block:40s} {n:6d}")
         for layer, m in counts["wrapped_by_layer"].items():
@@ -61,5 +61,6 @@ def register(subparsers) -> None:
     ll = rsub.add_parser("lora-layers", help="the linear layers the recipe's LoRA wraps, per block type (meta device)")
     ll.add_argument("--recipe", required=True, choices=recipe_names())
     ll.add_argument("--rank", type=int, default=0, help="LoRA rank (0: the recipe's)")
+    ll.add_argument("--preset", default=None, help="the method whose LoRA settings count (default: the recipe's own)")
     ll.add_argument("--json", default=None, metavar="PATH")
     ll.set_defaults(fn=_cmd_lora_layers)

@@ -13,10 +13,11 @@ out the architecture numbers anyway so that a reader sees the model's size at a 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
+
+from ..policies.base.lora import DEFAULT_TARGETS, LORA_TARGET_SETS, target_matches  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------- configurations
 _SD35_MEDIUM = {
@@ -108,14 +109,30 @@ class RealTransformer:
         return "pipeline" if self.generic_layout else PIPELINE_ADAPTERS.get(self.pipeline, "pipeline")
 
     @property
-    def lora_targets(self):
-        """The peft ``target_modules`` training wraps: the adapter's own default list (or regex), as
-        ``make_trainable`` receives it when ``model.*`` names no other targets."""
+    def adapter_lora_targets(self):
+        """The adapter's own peft ``target_modules`` (a list, or FLUX's regex): what ``model.lora_targets=default``
+        wraps."""
         return lora_targets_of(self.pipeline, self.adapter)
 
-    def lora_rank(self) -> int:
-        """The recipe's ``model.lora_rank``."""
-        return int(recipe_config(self.recipe).model.lora_rank)
+    @property
+    def lora_targets(self):
+        """What the recipe's own method wraps: its ``model.lora_targets`` (a list, or a named set's list), or
+        the adapter's own list where it leaves the default (:meth:`lora`)."""
+        return self.lora()[0]
+
+    def lora(self, preset: str | None = None) -> tuple:
+        """``(targets, init)`` of ``preset`` (None: the recipe's own method) on this recipe, as
+        ``make_trainable`` receives them: ``model.lora_targets`` (``default``: the adapter's list) and
+        ``model.lora_init``."""
+        model = recipe_config(self.recipe, preset).model
+        targets = self.adapter_lora_targets if model.lora_targets == DEFAULT_TARGETS else model.lora_targets
+        if isinstance(targets, str) and LORA_TARGET_SETS.get(targets):  # a named set's own list (all_linear: on the model)
+            targets = list(LORA_TARGET_SETS[targets])
+        return targets, model.lora_init
+
+    def lora_rank(self, preset: str | None = None) -> int:
+        """The recipe's ``model.lora_rank`` (with ``preset``'s settings where it names one)."""
+        return int(recipe_config(self.recipe, preset).model.lora_rank)
 
     def build(self, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16):
         """:func:`build_transformer` of this entry."""
@@ -217,20 +234,11 @@ def lora_targets_of(pipeline: str, adapter: str):
     return list(family_of(pipeline).lora_targets)
 
 
-def target_matches(name: str, targets) -> bool:
-    """Whether peft wraps the module called ``name`` (a dotted path) for ``targets``: a regex string
-    must match the whole name; a list matches a name equal to an entry or ending in ``.entry``
-    (peft's ``check_target_module_exists`` rule)."""
-    if isinstance(targets, str):
-        return re.fullmatch(targets, name) is not None
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
 # ---------------------------------------------------------------------------- recipe YAMLs
-def recipe_config(recipe: str):
-    """The resolved :class:`~flowgrpo.config.RunConfig` of ``flowgrpo/recipes/<recipe>.yaml`` with the
-    recipe's own method (every entry of :data:`REAL_TRANSFORMERS` has a recipe; a ConfigError names a
-    missing one)."""
-    from ..config import load_config
+def recipe_config(recipe: str, preset: str | None = None):
+    """The resolved :class:`~flowgrpo.config.RunConfig` of ``flowgrpo/recipes/<recipe>.yaml`` with
+    ``preset`` (None: the recipe's own method); every entry of :data:`REAL_TRANSFORMERS` has a recipe,
+    a ConfigError names a missing one."""
+    from ..config import RECIPE_METHOD, load_config
 
-    return load_config(recipe=recipe)
+    return load_config(preset or RECIPE_METHOD, recipe=recipe)

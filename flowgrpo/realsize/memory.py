@@ -60,26 +60,35 @@ def largest_block_bytes(model: torch.nn.Module) -> int:
     return max(sizes, default=parameter_bytes(model))
 
 
-def wrap_lora(model: torch.nn.Module, entry: RealTransformer, rank: int, alpha: float | None = None) -> None:
+def wrap_lora(model: torch.nn.Module, entry: RealTransformer, rank: int, alpha: float | None = None,
+              preset: str | None = None) -> None:
     """Attach the recipe's LoRA to ``model`` (a meta model stays on meta) with the project's own
-    :func:`flowgrpo.policies.base.lora.add_lora` and the targets its adapter uses."""
+    :func:`flowgrpo.policies.base.lora.add_lora`, on the targets and with the init that ``preset`` (None:
+    the recipe's own method) trains (:meth:`~flowgrpo.realsize.configs.RealTransformer.lora`)."""
     from ..policies.base.lora import add_lora
 
+    targets, init = entry.lora(preset)
     with torch.device(next(model.parameters()).device):
-        add_lora(model, rank, float(alpha if alpha is not None else 2 * rank), entry.lora_targets)
+        add_lora(model, rank, float(alpha if alpha is not None else 2 * rank), targets, init=init)
 
 
-def lora_layer_counts(recipe: str, rank: int = 0) -> dict:
-    """The layers the recipe's LoRA wraps on the real transformer (meta device), per block type.
+def lora_layer_counts(recipe: str, rank: int = 0, preset: str | None = None) -> dict:
+    """The layers the LoRA of ``preset`` (None: the recipe's own method) on ``recipe`` wraps on the real
+    transformer (meta device), per block type, at ``rank`` (0: that configuration's ``model.lora_rank``).
 
     Returns ``{"recipe", "rank", "wrapped", "wrapped_by_block": {block: n}, "wrapped_by_layer":
     {"transformer_blocks.*.attn.to_q": n, ...}, "lora_params"}`` for one expert."""
     from peft.tuners.lora import LoraLayer
 
+    from ..errors import UserError
+
     entry = transformer_config(recipe)
-    rank = rank or entry.lora_rank()
+    mode = recipe_config(recipe, preset).model.train_mode
+    if mode != "lora":
+        raise UserError(f"{preset or 'the recipe method'} on {recipe} trains with model.train_mode={mode}: no LoRA layers")
+    rank = rank or entry.lora_rank(preset)
     model = build_transformer(entry)
-    wrap_lora(model, entry, rank)
+    wrap_lora(model, entry, rank, preset=preset)
     wrapped = [n for n, m in model.named_modules() if isinstance(m, LoraLayer)]
     return {"recipe": recipe, "rank": rank, "wrapped": len(wrapped),
             "wrapped_by_block": dict(Counter(block_of(n) for n in wrapped)),

@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..errors import UserError
-from ..policies.diffusers.common import make_trainable
+from ..policies.base.lora import DEFAULT_LORA_INIT
+from ..policies.diffusers.common import lora_options, make_trainable
 from ..policies.base.trained import TrainedPolicy
 from .model import ShapesFlowModel
 
@@ -22,7 +23,8 @@ class ShapesPolicy(TrainedPolicy):
         guidance_scale: classifier-free guidance scale (1 = off, one forward per step).
         train_mode: "lora" (peft adapter on the transformer), "full" (every transformer weight) or
             "frozen" (nothing trainable; evaluation only).
-        lora_rank, lora_alpha: adapter size and scale.
+        lora_rank, lora_alpha, lora_targets, lora_init: adapter size, scale, target modules (default
+            :data:`SD3_LORA_TARGETS`) and peft's ``init_lora_weights`` (``model.*``).
     """
 
     latent_shape = (3, 32, 32)
@@ -30,7 +32,8 @@ class ShapesPolicy(TrainedPolicy):
     denoiser_path = "model.transformer"
 
     def __init__(self, model: ShapesFlowModel | None = None, guidance_scale: float = 1.0, train_mode: str = "lora",
-                 lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None):
+                 lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | str | None = None,
+                 lora_init: bool | str = DEFAULT_LORA_INIT):
         super().__init__(guidance_scale)
         self.set_train_mode(train_mode)
         self.model = model if model is not None else ShapesFlowModel.load()
@@ -38,7 +41,7 @@ class ShapesPolicy(TrainedPolicy):
         size = self.model.cfg.image_size
         self.latent_shape = (3, size, size)
         make_trainable(self.model.transformer, train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                       lora_targets=lora_targets or SD3_LORA_TARGETS)
+                       lora_targets=lora_targets or SD3_LORA_TARGETS, lora_init=lora_init)
 
     def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
         hidden, pooled = self.model.encode(prompts)
@@ -62,5 +65,4 @@ def build_shapes_policy(cfg) -> ShapesPolicy:
         model = ShapesFlowModel.load(cfg.path)
     except FileNotFoundError as exc:
         raise UserError(str(exc)) from None
-    return ShapesPolicy(model, guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
-                        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
+    return ShapesPolicy(model, guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode, **lora_options(cfg))

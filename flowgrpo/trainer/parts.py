@@ -52,7 +52,10 @@ def reward_parts(rewards: Mapping[str, Any], cfg: RunConfig) -> tuple[dict[str, 
 
 
 def model_grid(policy, sampler_cfg):
-    """The policy's sigma grid as a function of T, or None where it is the sampler's default one."""
+    """The policy's sigma grid as a function of T, or None where it is the sampler's default one
+    (``sampler.grid=shift``: always, the shifted uniform grid whatever the policy's own)."""
+    if sampler_cfg.grid == "shift":
+        return None
     own = policy.sigma_grid(sampler_cfg.num_steps, sampler_cfg.shift)
     if torch.equal(own.cpu().float(), sigma_grid(sampler_cfg.num_steps, sampler_cfg.shift)):
         return None

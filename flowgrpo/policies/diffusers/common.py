@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ...errors import UserError
 from ...model_size import check_pipeline_folder
 from ..base import TRAIN_MODES, check_train_mode  # noqa: F401  (the adapters import them from here)
-from ..base.lora import add_lora
+from ..base.lora import DEFAULT_LORA_INIT, DEFAULT_TARGETS, add_lora
 from .dtype_bridge import bridge_dtype
 
 
@@ -86,14 +86,15 @@ def load_frozen(policy: nn.Module, dtype: torch.dtype, **modules: nn.Module | No
 
 
 def make_trainable(transformer: nn.Module, train_mode: str, *, lora_rank: int, lora_alpha: float, lora_targets,
-                   adapter_name: str = "default") -> None:
+                   lora_init: bool | str = DEFAULT_LORA_INIT, adapter_name: str = "default") -> None:
     """Set up ``transformer`` (already frozen) for ``train_mode``.
 
-    lora: a peft adapter ``adapter_name`` on ``lora_targets`` (module names or a regex), its weights
-    in float32 even when the base runs in bf16; full: every transformer weight; frozen: nothing.
+    lora: a peft adapter ``adapter_name`` on ``lora_targets`` (module names, a named set or a regex:
+    :func:`~flowgrpo.policies.base.lora.resolve_targets`) started with peft's ``init_lora_weights=lora_init``,
+    its weights in float32 even when the base runs in bf16; full: every transformer weight; frozen: nothing.
     """
     if check_train_mode(train_mode) == "lora":
-        add_lora(transformer, lora_rank, lora_alpha, lora_targets, name=adapter_name)
+        add_lora(transformer, lora_rank, lora_alpha, lora_targets, name=adapter_name, init=lora_init)
         for p in transformer.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -178,10 +179,18 @@ def load_pipeline(pipeline_cls, path, dtype: torch.dtype):
         return pipeline_cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
 
 
+def lora_options(cfg) -> dict:
+    """The LoRA keyword arguments every adapter takes, from a ``ModelConfig``: rank, alpha, init and
+    targets (None for ``model.lora_targets=default``, so the adapter's own list applies)."""
+    targets = cfg.lora_targets
+    return {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_init": cfg.lora_init,
+            "lora_targets": None if targets == DEFAULT_TARGETS else targets}
+
+
 def load_policy(policy_cls, pipeline_cls, path, cfg, dtype: torch.dtype, what: str, **options):
     """``policy_cls.from_components`` over ``pipeline_cls.from_pretrained(path)`` (local files only) with
-    the ``ModelConfig`` fields every adapter takes (``resolution`` and ``max_sequence_length`` only
-    where set: :func:`set_model_options`), plus ``options``; load and argument errors become one-line
+    the ``ModelConfig`` fields every adapter takes (the LoRA's: :func:`lora_options`; ``resolution`` and
+    ``max_sequence_length`` only where set: :func:`set_model_options`), plus ``options``; load and argument errors become one-line
     UserErrors (``what``: "an SD3", "a FLUX", ...)."""
     try:
         pipe = load_pipeline(pipeline_cls, path, dtype)
@@ -189,8 +198,8 @@ def load_policy(policy_cls, pipeline_cls, path, cfg, dtype: torch.dtype, what: s
         raise UserError(f"cannot load {what} pipeline from {str(path)!r}: {exc}") from None
     try:
         return policy_cls.from_components(
-            pipe.components, guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
-            lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, dtype=dtype, **set_model_options(cfg), **options,
+            pipe.components, guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode, **lora_options(cfg),
+            dtype=dtype, **set_model_options(cfg), **options,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ...errors import UserError
+from ..base.lora import DEFAULT_LORA_INIT
 from .common import load_policy, scheduler_grid
 from .policy import DiffusersPolicy
 from .switches import runtime_options, torch_dtype
@@ -80,8 +81,8 @@ class FluxPolicy(DiffusersPolicy):
         guidance_scale: the distilled guidance value fed to a transformer with guidance embeds
             (FLUX.1-dev); ignored by one without (schnell). Never classifier-free guidance.
         train_mode: "lora", "full" or "frozen" (as :class:`SD3Policy`).
-        lora_rank, lora_alpha, lora_targets: adapter size, scale, target modules (peft names or a
-            regex; default :data:`FLUX_LORA_TARGETS`).
+        lora_rank, lora_alpha, lora_targets, lora_init: adapter size, scale, target modules (peft names, a
+            named set or a regex; default :data:`FLUX_LORA_TARGETS`) and peft's ``init_lora_weights``.
         max_sequence_length: T5 tokens (FLUX.1-dev: 512, schnell: 256).
         dtype: dtype of the transformer and text encoders (VAE in float32, LoRA weights in float32).
         decode_batch: largest VAE decode batch.
@@ -93,7 +94,8 @@ class FluxPolicy(DiffusersPolicy):
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, scheduler=None, *,
                  resolution: int = 512, guidance_scale: float = 3.5, train_mode: str = "lora", lora_rank: int = 32,
-                 lora_alpha: float = 64.0, lora_targets=None, max_sequence_length: int = 512,
+                 lora_alpha: float = 64.0, lora_targets=None, lora_init: bool | str = DEFAULT_LORA_INIT,
+                 max_sequence_length: int = 512,
                  dtype: torch.dtype | str = torch.float32, decode_batch: int = 8, **switches):
         super().__init__(1.0)  # guidance is an input of the distilled transformer, not CFG
         self.set_train_mode(train_mode)
@@ -125,7 +127,8 @@ class FluxPolicy(DiffusersPolicy):
         self.latent_shape = (channels, side, side)
 
         self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha,
-                            lora_targets=FLUX_LORA_TARGETS if lora_targets is None else lora_targets)
+                            lora_targets=FLUX_LORA_TARGETS if lora_targets is None else lora_targets,
+                            lora_init=lora_init)
         self.apply_switches(**switches)
 
     @classmethod

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..base.lora import DEFAULT_LORA_INIT
 from .common import load_frozen, make_trainable
 from .switches import SwitchedPolicy, torch_dtype
 
@@ -47,10 +48,11 @@ class DiffusersPolicy(SwitchedPolicy):
         self.dtype = torch_dtype(dtype)
         load_frozen(self, self.dtype, **modules)
 
-    def make_trainable(self, *, lora_rank: int, lora_alpha: float, lora_targets) -> None:
+    def make_trainable(self, *, lora_rank: int, lora_alpha: float, lora_targets,
+                       lora_init: bool | str = DEFAULT_LORA_INIT) -> None:
         """The trainable part of the transformer for ``self.train_mode`` (``common.make_trainable``)."""
         make_trainable(self.denoiser, self.train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                       lora_targets=lora_targets, adapter_name=self.adapter_name)
+                       lora_targets=lora_targets, lora_init=lora_init, adapter_name=self.adapter_name)
 
     def train(self, mode: bool = True):
         """Only the transformer follows ``mode``: every other submodule (VAE, text encoders) stays in eval."""

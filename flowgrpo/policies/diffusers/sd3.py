@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import UserError
+from ..base.lora import DEFAULT_LORA_INIT
 from .common import load_policy, scheduler_grid
 from .policy import DiffusersPolicy
 from .switches import runtime_options, torch_dtype
@@ -55,7 +56,9 @@ class SD3Policy(DiffusersPolicy):
         guidance_scale: classifier-free guidance scale (1 = off, one forward per step).
         train_mode: "lora" (peft adapter on the transformer), "full" (every transformer weight) or
             "frozen" (nothing trainable; evaluation only).
-        lora_rank, lora_alpha, lora_targets: adapter size, scale and target module names.
+        lora_rank, lora_alpha, lora_targets, lora_init: adapter size, scale, target modules (module names or
+            a named set, :mod:`flowgrpo.policies.base.lora`; default :data:`SD3_LORA_TARGETS`) and peft's
+            ``init_lora_weights``.
         max_sequence_length: T5 tokens.
         dtype: dtype of the transformer and text encoders (the VAE runs in float32; LoRA weights
             are kept in float32). Velocities are returned in this dtype; callers cast.
@@ -71,7 +74,8 @@ class SD3Policy(DiffusersPolicy):
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3=None,
                  tokenizer_3=None, *, resolution: int = 512, guidance_scale: float = 1.0, train_mode: str = "lora",
-                 lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | None = None,
+                 lora_rank: int = 32, lora_alpha: float = 64.0, lora_targets: list[str] | str | None = None,
+                 lora_init: bool | str = DEFAULT_LORA_INIT,
                  max_sequence_length: int = 256, dtype: torch.dtype | str = torch.float32, decode_batch: int = 8,
                  scheduler=None, **switches):
         super().__init__(guidance_scale)
@@ -99,7 +103,8 @@ class SD3Policy(DiffusersPolicy):
         self.resolution = int(resolution)
         self.latent_shape = (self.vae.config.latent_channels, side, side)
 
-        self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets or SD3_LORA_TARGETS)
+        self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets or SD3_LORA_TARGETS,
+                            lora_init=lora_init)
         self.apply_switches(**switches)
 
     @classmethod

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ...errors import UserError
+from ..base.lora import DEFAULT_LORA_INIT
 from .common import load_policy, scheduler_grid, set_model_options
 from .policy import DiffusersPolicy
 from .switches import runtime_options, torch_dtype
@@ -55,7 +56,7 @@ class WanPolicy(DiffusersPolicy):
         transformer, vae, text_encoder, tokenizer, scheduler: the pipeline's components (the
             scheduler only sets the sigma grid's shift; it is never stepped).
         resolution: frame side in pixels (square frames); num_frames: frames per video (4k + 1).
-        guidance_scale, train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch: as
+        guidance_scale, train_mode, lora_rank, lora_alpha, lora_targets, lora_init, dtype, decode_batch: as
             :class:`~flowgrpo.policies.diffusers.sd3.SD3Policy`.
         max_sequence_length: UMT5 tokens (the stock pipeline uses 512).
         switches: the model switches, as :meth:`~flowgrpo.policies.diffusers.switches.SwitchedPolicy.apply_switches`
@@ -67,7 +68,8 @@ class WanPolicy(DiffusersPolicy):
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler=None, *, resolution: int = 480,
                  num_frames: int = 81, guidance_scale: float = 5.0, train_mode: str = "lora", lora_rank: int = 32,
-                 lora_alpha: float = 64.0, lora_targets: list[str] | None = None, max_sequence_length: int = 512,
+                 lora_alpha: float = 64.0, lora_targets: list[str] | str | None = None,
+                 lora_init: bool | str = DEFAULT_LORA_INIT, max_sequence_length: int = 512,
                  dtype: torch.dtype | str = torch.float32, decode_batch: int = 1, **switches):
         super().__init__(guidance_scale)
         from diffusers import WanPipeline
@@ -95,7 +97,8 @@ class WanPolicy(DiffusersPolicy):
         side = resolution // spatial
         self.latent_shape = (self.vae.config.z_dim, (num_frames - 1) // temporal + 1, side, side)
 
-        self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets or WAN_LORA_TARGETS)
+        self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets or WAN_LORA_TARGETS,
+                            lora_init=lora_init)
         self.apply_switches(**switches)
 
     @classmethod

@@ -156,13 +156,13 @@ def build_tiny_sd3_policy(cfg):
     """Factory for ``model.name=sd3-tiny``: an :class:`~flowgrpo.policies.diffusers.sd3.SD3Policy` over random tiny
     weights. Unset ``model.resolution`` / ``model.max_sequence_length`` are this model's own
     :data:`TINY_RESOLUTION` / :data:`TINY_MAX_SEQUENCE_LENGTH` (SD3's 512 px would only slow it down)."""
-    from ..diffusers.common import set_model_options
+    from ..diffusers.common import lora_options, set_model_options
     from ..diffusers.sd3 import SD3Policy
     from ..diffusers.switches import runtime_options, torch_dtype
 
     sizes = {"resolution": TINY_RESOLUTION, "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH, **set_model_options(cfg)}
     return SD3Policy.from_components(
         tiny_sd3_components(seed=0), guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
-        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, dtype=torch_dtype(cfg.dtype), **sizes,
+        **lora_options(cfg), dtype=torch_dtype(cfg.dtype), **sizes,
         **runtime_options(cfg),
     )

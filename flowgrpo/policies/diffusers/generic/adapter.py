@@ -43,8 +43,8 @@ from flowgrpo.errors import UserError
 from flowgrpo.references import probe_references, quantize, resize_references, to_pil
 
 from ...base import Conditioning
-from ...base.lora import lora_disabled
-from ..common import load_pipeline, make_trainable
+from ...base.lora import DEFAULT_LORA_INIT, lora_disabled
+from ..common import load_pipeline, lora_options, make_trainable
 from ..policy import DiffusersPolicy
 from ..switches import COMPILE_BACKEND_ENV, runtime_options, torch_dtype
 from ..wan import wan_euler_scheduler
@@ -63,7 +63,7 @@ class PipelinePolicy(DiffusersPolicy):
         pipeline: the stock pipeline (its modules become the policy's; it is kept, never trained).
         family: its :class:`~flowgrpo.policies.diffusers.generic.families.PipelineFamily` entry.
         resolution: image side in pixels; guidance_scale: the value of ``family.guidance_kwarg``.
-        train_mode, lora_rank, lora_alpha, lora_targets, dtype, decode_batch, switches: as
+        train_mode, lora_rank, lora_alpha, lora_targets, lora_init, dtype, decode_batch, switches: as
             :class:`~flowgrpo.policies.diffusers.sd3.SD3Policy` (``lora_targets`` default: the family's; a LoRA
             goes on every expert, and ``full`` needs a single one).
         max_sequence_length, num_frames: text tokens and video frames, passed to the pipeline when its
@@ -78,7 +78,8 @@ class PipelinePolicy(DiffusersPolicy):
 
     def __init__(self, pipeline, family: PipelineFamily, *, resolution: int | None = None,
                  guidance_scale: float = 1.0, train_mode: str = "lora", lora_rank: int = 32, lora_alpha: float = 64.0,
-                 lora_targets=None, max_sequence_length: int | None = None, num_frames: int | None = None,
+                 lora_targets=None, lora_init: bool | str = DEFAULT_LORA_INIT, max_sequence_length: int | None = None,
+                 num_frames: int | None = None,
                  dtype: torch.dtype | str = torch.float32, decode_batch: int | None = None, **switches):
         super().__init__(1.0)  # guidance lives in the recorded step, not in Policy.velocity's CFG
         self.model_name = type(pipeline).__name__
@@ -98,7 +99,7 @@ class PipelinePolicy(DiffusersPolicy):
         self._grids: dict[int, Tensor] = {}
         self._learn()
         self.make_trainable(lora_rank=lora_rank, lora_alpha=lora_alpha,
-                            lora_targets=list(lora_targets or family.lora_targets))
+                            lora_targets=lora_targets or list(family.lora_targets), lora_init=lora_init)
         self.apply_switches(**switches)
 
     # ------------------------------------------------------------------ recording
@@ -203,14 +204,15 @@ class PipelinePolicy(DiffusersPolicy):
     def _experts(self) -> list[nn.Module]:
         return [getattr(self, name) for name in self.switch.names]
 
-    def make_trainable(self, *, lora_rank: int, lora_alpha: float, lora_targets) -> None:
+    def make_trainable(self, *, lora_rank: int, lora_alpha: float, lora_targets,
+                       lora_init: bool | str = DEFAULT_LORA_INIT) -> None:
         """The trainable part of every expert for ``train_mode`` (``full``: one expert only)."""
         if self.train_mode == "full" and len(self.switch.names) > 1:
             raise ValueError(f"full fine-tuning of its {len(self.switch.names)} experts is not supported; "
                              "use model.train_mode=lora (a LoRA on each expert)")
         for module in self._experts():
             make_trainable(module, self.train_mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                           lora_targets=lora_targets, adapter_name=self.adapter_name)
+                           lora_targets=lora_targets, lora_init=lora_init, adapter_name=self.adapter_name)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Every expert's parameters that require grad (its LoRA, or the single transformer's weights)."""
@@ -396,7 +398,7 @@ def build_pipeline_policy(cfg) -> PipelinePolicy:
     try:
         check_trainable(pipe)
         return PipelinePolicy(pipe, family_of(name), resolution=cfg.resolution, guidance_scale=cfg.guidance_scale,
-                              train_mode=cfg.train_mode, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                              train_mode=cfg.train_mode, **lora_options(cfg),
                               max_sequence_length=cfg.max_sequence_length, num_frames=cfg.num_frames, dtype=dtype,
                               **runtime_options(cfg))
     except ValueError as exc:
