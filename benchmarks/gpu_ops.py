@@ -73,9 +73,10 @@ def run_op_tests(test_file: Path, select: str | None, timeout: float, junit: Pat
     with this process's environment (the same extension cache: the library built above is reused),
     run in ``junit``'s folder: ``python -m`` puts its working directory first on sys.path, and a
     repository root there would shadow the installed flowgrpo (whose subpackages map other folders)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), f"--junitxml={junit}",
-           "-rs"] + (["-k", select] if select else [])
-    # third-party pytest plugins of the machine are not loaded: the op's tests need none
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(test_file),
+           f"--junitxml={junit}", "-rs"] + (["-k", select] if select else [])
+    # third-party pytest plugins of the machine are not loaded (the op's tests need none), and the
+    # repository's addopts (xdist workers, the slow filter) are not applied: one process, every op test
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     t0 = time.perf_counter()
     try:

@@ -216,7 +216,10 @@ def test_config_rows_of_a_hand_built_config():
 
 
 def _explain(capsys, argv) -> tuple[int, str]:
-    rc = main(argv)
+    # wide enough that no help text wraps, whatever terminal (or test worker) the suite runs in
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLUMNS", "250")
+        rc = main(argv)
     return rc, capsys.readouterr().out
 
 

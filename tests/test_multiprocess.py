@@ -39,6 +39,8 @@ SMOOTH_ADAM = {"train.adam_eps": "1e-2", "train.lr": "1e-2"}
 ONE_NODE_PER_CALL = {"sampler.max_micro_batch": 1}
 
 
+#: the tests kept out of the default run for CI time; `pytest -m slow` runs them
+SLOW = pytest.mark.slow
 FSDP_CONFIG = Path(__file__).parent.parent / "configs" / "accelerate" / "fsdp.yaml"
 
 
@@ -149,11 +151,13 @@ OBJECTIVES = {"nft": {"loss.objective": "nft", "loss.nft.timesteps": 2},
               "diffusion_dpo": {"loss.objective": "diffusion_dpo", "loss.diffusion_dpo.timesteps": 2}}
 
 
-# DGPO under FSDP (about a minute on 2 cores) runs with `pytest -m slow` (CI budget): DGPO's gathered
-# margins are checked under DDP and FSDP's lock-step no-grad passes with DiffusionNFT in the default run
-@pytest.mark.parametrize("objective,engine", [("nft", "ddp"), ("awm", "ddp"), ("dgpo", "ddp"), ("nft", "fsdp"),
-                                              pytest.param("dgpo", "fsdp", marks=pytest.mark.slow),
-                                              ("flow_dppo", "ddp"), ("diffusion_dpo", "ddp")])
+# The default run keeps NFT on DDP and FSDP and DGPO on DDP (its margins gathered over ranks); the others
+# (about 45 s each on 2 cores; DGPO under FSDP about a minute) run with `pytest -m slow` (CI budget)
+@pytest.mark.parametrize("objective,engine", [("nft", "ddp"), ("dgpo", "ddp"), ("nft", "fsdp"),
+                                              pytest.param("awm", "ddp", marks=SLOW),
+                                              pytest.param("dgpo", "fsdp", marks=SLOW),
+                                              pytest.param("flow_dppo", "ddp", marks=SLOW),
+                                              pytest.param("diffusion_dpo", "ddp", marks=SLOW)])
 def test_forward_objectives_on_two_processes_make_the_one_process_update(shapes_model_dir, tmp_path, objective, engine):
     """Rows are seeded per leaf and DGPO's group margins are gathered over ranks: 2 processes (a group
     spans both) make the 1-process update; under FSDP the extra no-grad passes stay in lock-step."""
@@ -346,7 +350,7 @@ def _signal_the_launcher(shapes_model_dir, tmp_path: Path, sig: signal.Signals) 
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=SLOW)])
 def test_a_stopped_launcher_stops_its_ranks_with_one_line(shapes_model_dir, tmp_path, sig):
     """SIGTERM or SIGINT (Ctrl-C) to ``flowgrpo train --num-processes 2``: the ranks stop, the launcher
     says so in one line without a traceback and exits 128 + signal, and the last checkpoint resumes
@@ -418,7 +422,8 @@ ACCELERATE_CONFIGS = {"fsdp": FSDP_CONFIG, "deepspeed": FSDP_CONFIG.parent / "ze
 ENGINES = ["fsdp", pytest.param("deepspeed", marks=[needs_deepspeed, pytest.mark.slow])]
 # the resume round trip under DeepSpeed takes about 2 minutes on 2 cores: kept out of the default run
 # (CI budget) and run by `pytest -m slow`; the FSDP round trip and DeepSpeed's layout stay in it
-RESUME_ENGINES = ["fsdp", pytest.param("deepspeed", marks=[needs_deepspeed, pytest.mark.slow])]
+# resume after a kill is checked on DDP in the default run (test_a_killed_rank_...); sharded resume is slow
+RESUME_ENGINES = [pytest.param("fsdp", marks=SLOW), pytest.param("deepspeed", marks=[needs_deepspeed, SLOW])]
 
 
 @pytest.fixture(scope="module")
@@ -525,6 +530,7 @@ def test_diffusion_nft_resumes_under_fsdp_to_the_uninterrupted_fsdp_run(shapes_m
         _assert_close(ref[key], got[key])
 
 
+@pytest.mark.slow  # about 40 s on 2 cores; `pytest -m slow` runs it
 def test_fsdp_lora_export_equals_the_1_process_one(tmp_path):
     from safetensors.torch import load_file
 

@@ -217,5 +217,7 @@ def test_built_from_the_registry_with_options():
 
 def test_sd35_ocr_recipe_loads_without_weights():
     cfg = load_config(recipe="sd35-ocr")  # validated: the adapter name stands in for the folder the run passes
-    assert cfg.model.name == "sd3" and cfg.reward.weights == {"ocr": 1.0} and cfg.eval.evaluator == "none"
+    assert cfg.model.name == "sd3" and cfg.reward.weights == {"ocr": 1.0}
+    # Flow-GRPO's evaluation on its OCR test file (shipped), every 60 iterations at 40 steps
+    assert cfg.eval.evaluator == "bench" and cfg.eval.options["bench"] == "ocr" and cfg.eval.every == 60
     assert cfg.model.path is None and cfg.preset == "flow-grpo"

@@ -21,6 +21,7 @@ def _skip_reason() -> str | None:
     return None
 
 
+@pytest.mark.slow  # about 70 s of nvcc/ninja on 2 cores; `pytest -m slow` runs it (the CPU op is tested by default)
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 def test_cuda_source_compiles(tmp_path):
     obj = build.cuda_compile_check(tmp_path)
