@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path, PurePath
 from typing import Any, Literal
 
 from .config_layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override  # noqa: F401 (re-exported)
+from .config_renames import RENAMED_KEYS, ConfigKeyRenamedWarning, move_renamed  # noqa: F401 (re-exported)
+from .disk import check_inside
 from .errors import ConfigError, UserError
 from .fields import as_number, check_choices, check_ranges, field_ranges, help_field as _f, merge_into
 from .monitors.config import MonitorConfig, check_monitor
@@ -200,45 +200,6 @@ class RunConfig:
 # --------------------------------------------------------------------------- merging and validation
 
 
-#: Keys that moved: old key -> new key. The old key still works and warns once per load.
-RENAMED_KEYS = {
-    "data.group_size": "data.trees_per_prompt",
-    "strategy.fusion_beta": "advantage.fusion_beta",
-    "strategy.clip_adapt": "loss.clip_adapt",
-    "strategy.sft_weight": "loss.sft_weight",
-    "loss.beta": "loss.kl_beta",  # one name for the KL weight across objectives
-}
-
-
-class ConfigKeyRenamedWarning(UserWarning):
-    """A configuration used a key that has moved (see :data:`RENAMED_KEYS`)."""
-
-
-def _move_renamed(data: dict) -> dict:
-    """A copy of ``data`` with every old key moved to its new place (a warning per key)."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    log = out.get("log")
-    if isinstance(log, dict) and "tensorboard" in log:  # a switch that became a list entry
-        on = log.pop("tensorboard")
-        warnings.warn("config key 'log.tensorboard' is now the list 'log.trackers' (log.tensorboard=false is "
-                      "log.trackers=[]); please rename it", ConfigKeyRenamedWarning, stacklevel=4)
-        if not isinstance(on, bool):
-            on = str(on).strip().lower() in ("1", "true", "yes", "on")
-        if "trackers" not in log:
-            log["trackers"] = ["tensorboard"] if on else []
-    for old, new in RENAMED_KEYS.items():
-        osec, okey = old.split(".")
-        nsec, nkey = new.split(".")
-        if isinstance(out.get(osec), dict) and okey in out[osec]:
-            value = out[osec].pop(okey)
-            warnings.warn(f"config key '{old}' is now '{new}'; please rename it", ConfigKeyRenamedWarning, stacklevel=4)
-            section = out.setdefault(nsec, {})
-            if not isinstance(section, dict):
-                raise ConfigError(f"config section '{nsec}' must be a mapping, got {type(section).__name__}")
-            section.setdefault(nkey, value)
-    return out
-
-
 def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
     """Merge a nested dict into ``cfg`` in place, refusing unknown keys and wrong types.
 
@@ -247,7 +208,7 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
     from that strategy's defaults.
     """
     if isinstance(cfg, RunConfig) and isinstance(data, dict):
-        data = _move_renamed(data)
+        data = move_renamed(data)
         sampler = data.get("sampler")
         new_strategy = sampler.get("strategy") if isinstance(sampler, dict) else None
         if new_strategy is not None and new_strategy != cfg.sampler.strategy:
@@ -332,32 +293,6 @@ def _check_guard_log_prob(cfg: RunConfig) -> None:
                           "use sampler.cps_log_prob=gaussian (under Guard the mse ratio would equal it)")
 
 
-def _check_run_name(log: LogConfig) -> None:
-    """Refuse a ``log.run_name`` whose run directory ``out_dir/run_name`` is not a folder inside
-    ``log.out_dir``: an absolute path (``Path(out_dir) / "/abs"`` is ``/abs``), a ``..`` component, or
-    a folder that resolves elsewhere (through a symlink) would write the run outside it."""
-    name = log.run_name
-    if not name:  # the default: preset + time stamp
-        return
-    problem = None
-    if "\0" in name:
-        problem = "holds a NUL character"
-    elif PurePath(name).is_absolute():
-        problem = "is an absolute path"
-    elif ".." in PurePath(name).parts:
-        problem = "has a '..' component"
-    else:
-        out = Path(log.out_dir).resolve()
-        run = (out / name).resolve()
-        if run == out:
-            problem = "is log.out_dir itself"
-        elif out not in run.parents:
-            problem = f"resolves to {run}"
-    if problem:
-        raise ConfigError(f"config key 'log.run_name' = {name!r} {problem}: it must name a folder inside "
-                          f"log.out_dir ({log.out_dir})")
-
-
 def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_training: bool = True) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options.
     ``model_folder_may_be_absent``: a ``model.name`` that names nothing yet is let through (``config
@@ -368,7 +303,8 @@ def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_tr
     finished run rebuilds its policy only."""
     check_choices(cfg)
     _check_trackers(cfg.log.trackers)
-    _check_run_name(cfg.log)
+    if cfg.log.run_name:  # the default (preset + time stamp) is always inside
+        check_inside(cfg.log.out_dir, cfg.log.run_name, "log.run_name", "log.out_dir")
     check_ranges(cfg)
     _check_adam_betas(cfg.train.adam_betas)
     if for_training and not cfg.reward.weights:

@@ -21,9 +21,9 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 
-from .errors import UserError
+from .errors import ConfigError, UserError
 
 
 def write_problem(exc: BaseException, folder: Path) -> str:
@@ -155,3 +155,27 @@ def _remove_empty(folders: list[Path]) -> None:
     for folder in folders:
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+def check_inside(parent: str | Path, name: str, key: str, parent_key: str) -> None:
+    """Refuse, in one ConfigError naming ``key``, a ``name`` whose folder ``parent/name`` is not a
+    folder inside ``parent`` (config key ``parent_key``): an absolute path (``Path(parent) / "/abs"`` is
+    ``/abs``), a ``..`` component, a NUL, ``parent`` itself, or a folder that resolves elsewhere
+    (through a symlink) would write outside it."""
+    problem = None
+    if "\0" in name:
+        problem = "holds a NUL character"
+    elif PurePath(name).is_absolute():
+        problem = "is an absolute path"
+    elif ".." in PurePath(name).parts:
+        problem = "has a '..' component"
+    else:
+        out = Path(parent).resolve()
+        run = (out / name).resolve()
+        if run == out:
+            problem = f"is {parent_key} itself"
+        elif out not in run.parents:
+            problem = f"resolves to {run}"
+    if problem:
+        raise ConfigError(f"config key '{key}' = {name!r} {problem}: it must name a folder inside "
+                          f"{parent_key} ({parent})")

@@ -15,3 +15,9 @@ class ConfigError(UserError):
 class RewardUnavailableError(UserError):
     """A reward service (the ``remote`` reward's server) did not answer within its retries: the run
     stops with one line naming the URL; its last checkpoint is intact and ``--resume`` continues."""
+
+
+def first_line(exc: BaseException, limit: int | None = None) -> str:
+    """The first line of ``exc``'s message (empty for none), cut to ``limit`` characters with "..."."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return text if limit is None or len(text) <= limit else text[:limit] + "..."

@@ -7,7 +7,7 @@ import importlib
 import inspect
 from typing import Any, Callable, Generic, TypeVar
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 T = TypeVar("T")
 
@@ -46,11 +46,6 @@ def describe(obj: Any) -> str:
     return f"{type(obj).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
 def import_object(path: str) -> Any:
     """The object at ``"package.module:attr"`` (``attr`` may be dotted: ``module:Class.method``).
     Raises :class:`~flowgrpo.errors.UserError` with one line for a malformed path, a module that does not
@@ -61,9 +56,9 @@ def import_object(path: str) -> Any:
     try:
         obj = importlib.import_module(module)
     except ImportError as exc:
-        raise UserError(f"cannot import module {module!r}: {_first_line(exc)}") from None
+        raise UserError(f"cannot import module {module!r}: {first_line(exc)}") from None
     except Exception as exc:  # the module raised while importing (a syntax error, a failing top level)
-        raise UserError(f"importing module {module!r} failed: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise UserError(f"importing module {module!r} failed: {type(exc).__name__}: {first_line(exc)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UserError(f"module {module!r} has no attribute {attr!r}")

@@ -30,7 +30,8 @@ import torch
 from flowgrpo.cli import main
 from flowgrpo.config import ModelConfig
 from flowgrpo.policies import build_policy
-from flowgrpo.policies.diffusers.generic.adapter import PipelinePolicy, is_flow_solver
+from flowgrpo.policies.diffusers.generic.adapter import PipelinePolicy
+from flowgrpo.policies.diffusers.wan import is_flow_solver
 from flowgrpo.policies.diffusers.wan import wan_euler_scheduler
 from flowgrpo.policies.tiny.families import save_tiny_pipeline
 from flowgrpo.references import probe_references

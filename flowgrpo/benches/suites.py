@@ -54,9 +54,7 @@ class Bench:
 
     def shipped_prompts(self) -> Path | None:
         """The path of the shipped prompt file (:attr:`shipped`), or None where none is shipped."""
-        if self.shipped is None:
-            return None
-        return Path(str(resources.files(__package__).joinpath(DATA_FOLDER, self.shipped)))
+        return None if self.shipped is None else shipped_file(self.shipped)
 
 
 #: name -> :class:`Bench`

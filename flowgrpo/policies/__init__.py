@@ -28,7 +28,7 @@ for _name, _target in (("shapes", "flowgrpo.shapes.policy:build_shapes_policy"),
                        ("sd3-tiny", "flowgrpo.policies.tiny.sd3:build_tiny_sd3_policy"),
                        ("flux", "flowgrpo.policies.diffusers.flux:build_flux_policy"),
                        ("wan", "flowgrpo.policies.diffusers.wan:build_wan_policy"),
-                       ("pipeline", "flowgrpo.policies.diffusers.generic.adapter:build_pipeline_policy")):
+                       ("pipeline", "flowgrpo.policies.diffusers.generic.loading:build_pipeline_policy")):
     POLICIES.register_lazy(_name, _target)
 
 #: diffusers pipeline class (``_class_name`` of ``model_index.json``) -> adapter name

@@ -37,6 +37,14 @@ from .switches import runtime_options, torch_dtype
 WAN_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 
 
+def is_flow_solver(scheduler) -> bool:
+    """Whether ``scheduler`` is not flow-matching Euler but a multistep solver on flow sigmas predicting
+    flow (Wan's ``UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction")``)."""
+    config = getattr(scheduler, "config", None) or {}
+    return "FlowMatch" not in type(scheduler).__name__ and bool(config.get("use_flow_sigmas")) \
+        and config.get("prediction_type") == "flow_prediction"
+
+
 def wan_euler_scheduler(scheduler=None):
     """The flow-matching Euler scheduler whose grid Wan rollouts use (see the module docstring)."""
     from diffusers import FlowMatchEulerDiscreteScheduler

@@ -4,5 +4,6 @@
   two recorded steps (the recording and replay live in :mod:`flowgrpo.diffusers.replay`);
 * :mod:`.families`: the declarative entries of the families it knows (guidance keyword, fixed call
   options, LoRA targets, defaults);
+* :mod:`.loading`: what makes a pipeline folder trainable, and the ``model.name=pipeline`` factory;
 * :mod:`.experts`: pipelines with more than one denoiser (Wan 2.2 A14B), which expert runs when.
 """

@@ -44,12 +44,12 @@ from flowgrpo.references import probe_references, quantize, resize_references, t
 
 from ...base import Conditioning
 from ...base.lora import DEFAULT_LORA_INIT, lora_disabled
-from ..common import load_pipeline, lora_options, make_trainable
+from ..common import make_trainable
 from ..policy import DiffusersPolicy
-from ..switches import COMPILE_BACKEND_ENV, runtime_options, torch_dtype
-from ..wan import wan_euler_scheduler
+from ..switches import COMPILE_BACKEND_ENV
+from ..wan import is_flow_solver, wan_euler_scheduler
 from .experts import ExpertSwitch, route_rows
-from .families import PipelineFamily, family_of
+from .families import PipelineFamily
 
 PROBE_PROMPTS = ("a red cube on a table", "two blue spheres", "a photo of a cat")
 #: steps of the stubbed run whose timesteps fit the sigma -> timestep map (many sigmas pin its rounding)
@@ -359,65 +359,3 @@ class PipelinePolicy(DiffusersPolicy):
             rec = self._record(kwargs, guidance=1.0, max_steps=2, run_transformer=False)
             images.append(torch.as_tensor(rec.output[0]).float())
         return torch.cat(images).clamp(0.0, 1.0)
-
-
-def is_flow_solver(scheduler) -> bool:
-    """Whether ``scheduler`` is not flow-matching Euler but a multistep solver on flow sigmas predicting
-    flow (Wan's ``UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction")``)."""
-    config = getattr(scheduler, "config", None) or {}
-    return "FlowMatch" not in type(scheduler).__name__ and bool(config.get("use_flow_sigmas")) \
-        and config.get("prediction_type") == "flow_prediction"
-
-
-def check_trainable(pipe) -> None:
-    """ValueError naming what ``pipe`` lacks for the generic adapter (a transformer, a flow-matching
-    scheduler, ``__call__`` keywords)."""
-    if not isinstance(getattr(pipe, "transformer", None), nn.Module):
-        raise ValueError("it has no `transformer` component (UNet pipelines are not flow-matching transformers)")
-    scheduler = getattr(pipe, "scheduler", None)
-    if scheduler is None or not ("FlowMatch" in type(scheduler).__name__ or is_flow_solver(scheduler)):
-        raise ValueError(f"its scheduler {type(scheduler).__name__} is not a flow-matching one")
-    params = inspect.signature(type(pipe).__call__).parameters
-    missing = [p for p in ("prompt", "latents", "output_type", "num_inference_steps", "height", "width")
-               if p not in params]
-    if missing:
-        raise ValueError(f"its __call__ lacks the keyword(s) {', '.join(missing)}")
-
-
-def build_pipeline_policy(cfg) -> PipelinePolicy:
-    """Factory for ``model.name=<pipeline folder>`` of a class without a dedicated adapter."""
-    from diffusers import DiffusionPipeline
-
-    path = Path(cfg.path or "").expanduser()
-    dtype = torch_dtype(cfg.dtype)
-    try:
-        pipe = load_pipeline(DiffusionPipeline, path, dtype)
-    except (OSError, ValueError, ImportError, AttributeError) as exc:
-        raise UserError(f"cannot load the diffusers pipeline in {str(path)!r}: {exc}") from None
-    name = type(pipe).__name__
-    try:
-        check_trainable(pipe)
-        return PipelinePolicy(pipe, family_of(name), resolution=cfg.resolution, guidance_scale=cfg.guidance_scale,
-                              train_mode=cfg.train_mode, **lora_options(cfg),
-                              max_sequence_length=cfg.max_sequence_length, num_frames=cfg.num_frames, dtype=dtype,
-                              **runtime_options(cfg))
-    except ValueError as exc:
-        raise UserError(f"{name} in {str(path)!r} cannot be trained: {exc}") from None
-    except RuntimeError as exc:  # the stock pipeline itself failed on the probe's call
-        raise UserError(f"{name} in {str(path)!r} failed when probed at model.resolution={cfg.resolution} "
-                        f"({type(exc).__name__}: {first_line(exc)}){resolution_hint(pipe)}") from None
-
-
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """The first line of ``exc``'s message, at most ``limit`` characters."""
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def resolution_hint(pipe) -> str:
-    """A hint naming the pipeline's VAE downsampling factor, the usual lower bound of its resolution."""
-    factor = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
-    if not factor:
-        return ""
-    return (f"; its VAE downsamples by {factor} and the transformer may patch the latents further, so the "
-            f"resolution must be a multiple of {factor} and usually of {2 * factor}")
