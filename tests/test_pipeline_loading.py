@@ -34,7 +34,7 @@ def _no_load(*args, **kwargs):
 def test_an_incomplete_pipeline_folder_is_named_before_anything_loads(qwen_dir, tmp_path, monkeypatch, capsys,
                                                                       component):
     import flowgrpo.policies.diffusers.common as common
-    import flowgrpo.policies.diffusers.generic.adapter as generic
+    import flowgrpo.policies.diffusers.generic.loading as generic
     from flowgrpo.cli import main
 
     monkeypatch.setattr(common, "load_pipeline", _no_load)
