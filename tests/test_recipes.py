@@ -22,7 +22,7 @@ from flowgrpo.recipes import SHAPES_RECIPE
 BEFORE = json.loads((Path(__file__).parent / "data" / "shapes_presets_before_recipes.json").read_text())
 REAL = [r for r in recipe_names() if r != SHAPES_RECIPE]
 # values changed on purpose since the snapshot, each with its reason: (preset, key) -> value now.
-# The method race (docs/results.md) found the paper presets breaking the scene world's images at the
+# The method race (docs/results/method_race.md) found the paper presets breaking the scene world's images at the
 # world's lr 1e-4, so the shapes recipe gives each method the lr that keeps them.
 # diffusion-dpo's lr and flow-grpo's lr and KL were re-screened for 10 CPU-minutes after the race.
 CHANGED_SINCE = {**{(p, "train.lr"): 1e-5 for p in ("mix-grpo", "branch-grpo", "tempflow-grpo",

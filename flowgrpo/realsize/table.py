@@ -146,7 +146,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines += ["", "GiB per GPU for the transformer only (text encoders and VAE not included): frozen weights in "
               "bf16 (FSDP: 1/N plus two gathered blocks), float32 LoRA + gradients + AdamW moments + EMA, and the "
               "activations of one training micro-batch (`b`: samples per forward; `(ckpt)`: gradient "
-              "checkpointing, the recipe's setting). Method and laws: [results.md](results.md#real-size-without-weights)."]
+              "checkpointing, the recipe's setting). Method and laws: [results/real_models.md](results/real_models.md#real-size-without-weights)."]
     return "\n".join(lines) + "\n"
 
 

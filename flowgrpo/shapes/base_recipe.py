@@ -16,7 +16,8 @@ cores in an hour:
 2. **stage 2** starts every weight from stage 1 and runs the default recipe (all tags, the default
    caption noise, position three shares) for 3,000 steps of 128 at half the learning rate, which
    makes the base misaligned again (held-out accuracy about 0.47). The default's 60 minutes from
-   it hold the relation 0.93-0.94 (docs/results.md, "The two-stage base, shipped").
+   it hold the relation 0.93-0.94 (docs/results/scene_world_interpolating_split.md, "The two-stage
+   base, shipped").
 
 Both stages use the learned cell-offset attention bias (``--cell-offset-bias``). Each stage is an
 ordinary pretraining folder under ``OUT`` (``stage1/``, ``stage2/``) with its log, arguments and

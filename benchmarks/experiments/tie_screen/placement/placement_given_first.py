@@ -1,5 +1,6 @@
 """flowgrpo.shapes.relation_probe.placement_given_first on 16 held-out position prompts (2 draws per cell).
-Usage: python placement_given_first.py WEIGHTS_or_RUN_or_"" 0.9 [0.95]. Results of 27 Nov: results.csv."""
+Usage: python placement_given_first.py WEIGHTS_or_RUN_or_"" 0.9 [0.95]. Results of 27 Nov:
+benchmarks/results/tie_screen/placement/results.csv."""
 import sys, json, torch
 torch.set_num_threads(1)
 from flowgrpo.trainer.checkpoint import load_shapes_policy

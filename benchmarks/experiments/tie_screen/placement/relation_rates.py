@@ -1,6 +1,7 @@
 """Relation holds / same line / reversed in free sampling: 48 held-out position prompts x 8 seeds,
 Euler ODE at each STEPS:SHIFT given. Usage: python relation_rates.py WEIGHTS_DIR_or_"" 20:1 [10:1 ...]
-("" = the shipped weights). Results of 27 Nov: results.csv."""
+("" = the shipped weights). Results of 27 Nov:
+benchmarks/results/tie_screen/placement/results.csv."""
 import sys, json, numpy as np, torch
 torch.set_num_threads(1)
 from flowgrpo.shapes.policy import ShapesPolicy

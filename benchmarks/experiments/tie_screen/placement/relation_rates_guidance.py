@@ -1,6 +1,7 @@
 """relation_rates.py at classifier-free guidance scales: 48 held-out position prompts x 8 seeds, 20
 Euler steps, shift 1. Usage: python relation_rates_guidance.py WEIGHTS_DIR_or_RUN_or_"" 2 4 ("" = the
-shipped weights; a run: its EMA weights, as `flowgrpo shapes probe --weights RUN`). Results of 27 Nov (third session): results.csv."""
+shipped weights; a run: its EMA weights, as `flowgrpo shapes probe --weights RUN`). Results of 27 Nov (third session):
+benchmarks/results/tie_screen/placement/results.csv."""
 import sys, json, numpy as np, torch
 torch.set_num_threads(1)
 from flowgrpo.trainer.checkpoint import load_shapes_policy
