@@ -55,7 +55,7 @@ FSDP_SETTINGS = {
 
 def _sd3_overrides(prompts_file: Path) -> list[str]:
     return ["--preset", "flow-grpo", "model.name=sd3-tiny", "model.train_mode=lora", "model.guidance_scale=4.5",
-            "loss.kl_beta=0.04", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts_file}",
+            "loss.grpo.kl_beta=0.04", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts_file}",
             "data.prompts_per_iteration=4", "data.trees_per_prompt=4", "sampler.num_steps=10"]
 
 

@@ -40,7 +40,7 @@ def _trainer(model_dir: Path, prompt_file: Path, prompts: int, group: int, steps
         "model.name=sd3", f"model.path={model_dir}", f"model.resolution={resolution}", "model.lora_rank=4",
         "model.max_sequence_length=16", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompt_file}",
         f"data.prompts_per_iteration={prompts}", f"data.trees_per_prompt={group}", f"sampler.num_steps={steps}",
-        "loss.kl_beta=0", "eval.evaluator=none", "train.threads=1", "train.ema=false", "log.progress=false"],
+        "loss.grpo.kl_beta=0", "eval.evaluator=none", "train.threads=1", "train.ema=false", "log.progress=false"],
         recipe="shapes")
     return GRPOTrainer(cfg)
 

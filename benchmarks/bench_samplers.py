@@ -126,7 +126,7 @@ def _overrides(model: str, prompts_file: str, num_steps: int, trees: int, prompt
                resolution: int) -> list[str]:
     ov = [f"model.name={model}", "reward.weights={jpeg_compressibility: 1.0}", f"data.prompts={prompts_file}",
           f"data.prompts_per_iteration={prompts_per_iteration}", f"data.trees_per_prompt={trees}",
-          f"sampler.num_steps={num_steps}", "loss.backend=reference", "train.threads=1", "log.progress=false"]
+          f"sampler.num_steps={num_steps}", "loss.grpo.backend=reference", "train.threads=1", "log.progress=false"]
     if model.startswith("sd3"):
         ov += [f"model.resolution={resolution}", "sampler.shift=3.0"]
     return ov
@@ -140,22 +140,18 @@ def bench_config(preset: str, *, prompts_file: str, num_steps: int = NUM_STEPS, 
     Returns ``(cfg, leaves_per_tree, trees_per_prompt)``: T = ``num_steps``; ``group_size`` leaves
     per prompt, i.e. ``group_size`` chains, or ``max(1, round(group_size / leaves_per_tree))`` trees.
     """
-    from flowgrpo.config import compose_config, load_config
-    from flowgrpo.objectives import OBJECTIVE_SPECS
+    from flowgrpo.config import load_config
     from flowgrpo.samplers.strategies import build_strategy
 
-    # loss.backend only where the preset's objective reads it (it is refused where it would be ignored)
-    spec = OBJECTIVE_SPECS.get(compose_config(preset, recipe="shapes").config.loss.objective)
-    keep = lambda ov: [o for o in ov if spec is None or o.split("=")[0] != "loss.backend"  # noqa: E731
-                       or "loss.backend" in spec.reads]
-    # the probe only reads the plan's leaves per tree; 2 trees keep it a config that trains (one chain
+    # loss.grpo.backend is GRPO's own option: kept, and not read, under another objective.
+    # The probe only reads the plan's leaves per tree; 2 trees keep it a config that trains (one chain
     # per prompt is refused: a group of one has no advantage)
-    probe = load_config(preset, None, keep(_overrides(model, prompts_file, num_steps, 2, prompts_per_iteration,
-                                                      resolution)), recipe="shapes")
+    probe = load_config(preset, None, _overrides(model, prompts_file, num_steps, 2, prompts_per_iteration, resolution),
+                        recipe="shapes")
     leaves = build_strategy(probe.sampler, probe.strategy).plan(0).leaves_per_tree
     trees = max(1, round(group_size / leaves))
-    cfg = load_config(preset, None, keep(_overrides(model, prompts_file, num_steps, trees, prompts_per_iteration,
-                                                    resolution)), recipe="shapes")
+    cfg = load_config(preset, None, _overrides(model, prompts_file, num_steps, trees, prompts_per_iteration, resolution),
+                      recipe="shapes")
     return cfg, leaves, trees
 
 
@@ -223,7 +219,7 @@ def _rows(runs: dict, names: list[str], prompts_per_iteration: int) -> list[dict
             "preset": name,
             "nfe_rollout": int(statistics.median(m["nfe_rollout"] for m in ms)),
             "nfe_grad": nfe_grad,
-            "nfe_ref": nfe_grad if cfg.loss.kl_beta > 0 else 0,
+            "nfe_ref": nfe_grad if cfg.loss.grpo.kl_beta > 0 else 0,
             **med,
             "trees_per_prompt": run["trees"],
             "leaves_per_prompt": run["trees"] * run["leaves_per_tree"],

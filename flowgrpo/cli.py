@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="config_command", required=True)
     ce = csub.add_parser("explain", help="every config key: type, default, choices and help")
     ce.add_argument("section", nargs="?", default=None, metavar="SECTION",
-                    help="a section (model, sampler, loss, ...) or one key (loss.kl_beta); default: all")
+                    help="a section (model, sampler, loss, ...) or one key (loss.grpo.kl_beta); default: all")
     ce.set_defaults(fn=_cmd_config)
     cs = csub.add_parser("show", help="the resolved configuration as YAML, each key annotated with the layer that set it")
     _add_layer_options(cs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,11 +21,6 @@ from .fields import as_number, check_choices, check_ranges, field_ranges, help_f
 from .monitors.config import MonitorConfig, check_monitor
 from .objectives import check_objective_keys, objective_help, with_objective_options
 from .objectives.options import check_objective_options
-from .objectives.terms.anchor import AnchorOptions
-from .objectives.terms.base import term_field
-from .objectives.terms.clip_schedule import ClipOptions
-from .objectives.terms.sft import SFTOptions
-from .objectives.terms.step_weights import StepWeightOptions
 from .policies.base import TrainMode
 from .policies.base.lora import DEFAULT_LORA_INIT, DEFAULT_TARGETS, check_lora_settings
 from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_dir, preset_names, read_preset  # noqa: F401 (re-exported)
@@ -107,24 +103,33 @@ class AdvantageConfig:
     fusion_beta: float = _f(0.0, "branch_grpo estimator: reward fusion r(n) = sum_l softmax(beta log p(l | n)) r_l (0: mean of descendant leaves; 1: path probability)")
 
 
-@with_objective_options  # + one options field per registered objective: loss.nft, loss.awm, ... (flowgrpo.objectives)
+@with_objective_options  # + one options field per registered objective: loss.grpo, loss.nft, ... (flowgrpo.objectives)
 @dataclass
 class LossConfig:
     objective: str = _f("grpo", objective_help())
-    # the loss terms' keys (help, range and default live on each term's options, flowgrpo.objectives.terms)
-    clip_range: float = term_field(ClipOptions, "clip_range")
-    clip_adapt: float = term_field(ClipOptions, "clip_adapt")
-    kl_beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass", ge=0.0)
-    kl_sigma: Literal["sigma_t", "transition_std"] = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide kl_beta by ~T to match)")
-    batched_reference: bool = _f(True, "KL reference velocities of a minibatch's rows in no-grad batches of train.micro_batch before its micro-batches, computed once per iteration and reused by every inner epoch, so epochs after the first make no reference call (false: one reference call per micro-batch and epoch; same values up to float rounding; lock-step engines such as FSDP always use the per-micro-batch path)")
+    # read by the trainer for every objective (the policy's guided forward in the update), so not loss.<objective>
     cfg_uncond_grad: bool = _f(True, "with classifier-free guidance in the update: gradients flow through the unconditional pass too (false: it runs without gradient in its own call, as Flow-GRPO's train_sd3.py detaches noise_pred_uncond; the same velocities, about 1.5x less backward work; SD3 / SD3.5 and Wan 2.1 adapters)")
-    guard: bool = _f(False, "GRPO-Guard ratio normalisation (with the gaussian log-prob: not with sampler.cps_log_prob=mse)")
-    guard_reweight: bool = term_field(StepWeightOptions, "guard_reweight")
-    tempflow_weight: bool = term_field(StepWeightOptions, "tempflow_weight")
-    sft_weight: float = term_field(SFTOptions, "sft_weight")
-    anchor_weight: float = term_field(AnchorOptions, "anchor_weight")
-    anchor_steps: int = term_field(AnchorOptions, "anchor_steps")
-    backend: Literal["auto", "reference", "fused"] = _f("auto", "auto (fused op where built, else reference) | reference | fused")
+
+    def __getattr__(self, name: str):
+        """``cfg.loss.kl_beta`` and GRPO's other keys from before ``loss.grpo``: read through to
+        ``cfg.loss.grpo`` (a DeprecationWarning), for code and plug-ins not yet moved. Only called for a
+        name the instance lacks."""
+        new = _GRPO_ATTRS.get(name)
+        if new is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"cfg.loss.{name} is now cfg.loss.grpo.{new}", DeprecationWarning, stacklevel=2)
+        return getattr(self.grpo, new)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _GRPO_ATTRS:  # would otherwise add an attribute nothing reads
+            raise AttributeError(f"cfg.loss.{name} is now cfg.loss.grpo.{_GRPO_ATTRS[name]}")
+        super().__setattr__(name, value)
+
+
+#: LossConfig's attributes that moved into ``loss.grpo``: old name -> name in GRPOOptions
+_GRPO_ATTRS = {old.split(".")[1]: new[0].split(".")[2] for old, new in
+               ((o, (n,) if isinstance(n, str) else n) for o, n in RENAMED_KEYS.items())
+               if old.startswith("loss.") and old.count(".") == 1 and new[0].startswith("loss.grpo.")}
 
 
 @dataclass
@@ -279,7 +284,7 @@ def _check_adam_betas(betas: list) -> None:
 
 
 def _check_guard_log_prob(cfg: RunConfig) -> None:
-    """Refuse GRPO-Guard's ratio normalisation (``loss.guard``) with CPS's mse log-prob.
+    """Refuse GRPO-Guard's ratio normalisation (``loss.grpo.guard``) with CPS's mse log-prob.
 
     Guard's log r^ = s (logp - logp_old) + mse / (2 s), s the std the log-prob is scored with, is
     -mean_D((mu_old - mu) eps) for x' = mu_old + s eps when s is the transition's std: the same spread
@@ -287,8 +292,8 @@ def _check_guard_log_prob(cfg: RunConfig) -> None:
     spread that scales with s = sigma' sin(a pi / 2) again. With the true s it would be exactly the
     gaussian convention's r^ (logp_mse - logp_mse_old = 2 s^2 (logp - logp_old)): mse has no place
     under Guard, so the pair is refused rather than silently ignored."""
-    if cfg.loss.guard and cfg.sampler.sde_kind == "cps" and cfg.sampler.cps_log_prob == "mse":
-        raise ConfigError("config keys 'loss.guard' = true and 'sampler.cps_log_prob' = mse cannot be combined: "
+    if cfg.loss.grpo.guard and cfg.sampler.sde_kind == "cps" and cfg.sampler.cps_log_prob == "mse":
+        raise ConfigError("config keys 'loss.grpo.guard' = true and 'sampler.cps_log_prob' = mse cannot be combined: "
                           "GRPO-Guard normalises by the transition std, the mse log-prob scores with 1/sqrt(2); "
                           "use sampler.cps_log_prob=gaussian (under Guard the mse ratio would equal it)")
 

@@ -128,11 +128,11 @@ def explain_config(section: str | None = None) -> int:
         tables = [(t, [r for r in rows if r["key"] == section]) for t, rows in tables]
         tables = [(t, rows) for t, rows in tables if rows]
         if not tables:
-            from .config import RENAMED_KEYS
+            from .config_renames import RENAMED_KEYS, new_keys, renamed_text
 
             if section in RENAMED_KEYS:  # an old name users still write: say where it went
-                raise UserError(f"config key {section!r} is now {RENAMED_KEYS[section]!r} (the old name still loads, "
-                                f"with a warning); run `flowgrpo config explain {RENAMED_KEYS[section]}`")
+                raise UserError(f"config key {section!r} is now {renamed_text(section)} (the old name still loads, "
+                                f"with a warning); run `flowgrpo config explain {new_keys(section)[0]}`")
             raise UserError(f"unknown config key {section!r}; valid keys under {head!r}: {', '.join(keys) or '(none)'}")
     console = Console()
     if not console.is_terminal and "COLUMNS" not in os.environ:

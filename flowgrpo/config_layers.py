@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from .config_renames import new_keys
 from .errors import ConfigError, UserError
 from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_names, read_chain, read_preset
 from .recipes import META_KEYS, recipe_chain, recipe_for_model, recipe_meta, recipe_names, recipe_needs
@@ -181,7 +182,7 @@ def _apply_layer(composed: Composed, apply, data: dict, label: str) -> None:
     before = flatten(composed.config)
     apply(composed.config, {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()})
     after = flatten(composed.config)
-    written = {_flat_key(k, after) for k in _leaf_keys(data)}
+    written = {_flat_key(new, after) for k in _leaf_keys(data) for new in new_keys(k)}  # an old key: its new place
     for key in list(composed.sources):
         if key not in after:  # e.g. strategy options reset by another sampler.strategy
             del composed.sources[key]

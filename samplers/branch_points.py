@@ -72,7 +72,7 @@ class TempFlowGRPOStrategy(_BranchPointStrategy):
     ``branch_steps`` (None = every step 0..T-1, the case of the paper's cost formula) bounds the
     cost: the forward cost per tree is (k_last + 1) + K * sum_k (T - 1 - k), i.e.
     T + K * sum_k (T - 1 - k) when every step branches. Seed groups in the paper: 4 initial noises x 6 branches
-    (``data.trees_per_prompt`` = 4). The noise-aware loss weight is ``loss.tempflow_weight``.
+    (``data.trees_per_prompt`` = 4). The noise-aware loss weight is ``loss.grpo.tempflow_weight``.
     """
 
     Options = TempFlowOptions

@@ -51,7 +51,7 @@ class SDEKind(ABC):
 
     @abstractmethod
     def sigma_t(self, sigma: Tensor, sigma_next: Tensor, a: float, sigma_max: Tensor | None = None) -> Tensor:
-        """The diffusion coefficient sigma_t [B] (what ``loss.kl_sigma=sigma_t`` divides by)."""
+        """The diffusion coefficient sigma_t [B] (what ``loss.grpo.kl_sigma=sigma_t`` divides by)."""
 
     @abstractmethod
     def mean_std(self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, a: float,

@@ -250,8 +250,8 @@ class DynamicTreeRPOStrategy(Strategy):
     * Per-depth noise: the noise level grows linearly with the tree depth j = 0..w-1 inside the window,
       a_j = a * (1 + ``noise_growth`` * j) (a = ``sampler.noise_level``; beta = 0.25 by default).
     * The method's loss-side parts live in the loss configuration: the reward-adaptive clip bound
-      ``loss.clip_adapt`` (:mod:`flowgrpo.objectives.terms.clip_schedule`) and the SFT pull toward each tree's best
-      path ``loss.sft_weight`` (:mod:`flowgrpo.objectives.terms.sft`); the ``tree-rpo`` preset sets both.
+      ``loss.grpo.clip_adapt`` (:mod:`flowgrpo.objectives.terms.clip_schedule`) and the SFT pull toward each tree's best
+      path ``loss.grpo.sft_weight`` (:mod:`flowgrpo.objectives.terms.sft`); the ``tree-rpo`` preset sets both.
     * Advantages: pair with the ``branch_grpo`` estimator (per-depth normalisation inside each tree).
     """
 

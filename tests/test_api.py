@@ -77,7 +77,7 @@ class HalfGRPO(GRPOObjective):
     name = "half_grpo"
 
     def __init__(self, cfg, device=None):
-        super().__init__(cfg.loss, device)
+        super().__init__(cfg.loss.grpo, device)
 
 
 def my_estimator(rollout, rewards, cfg_adv, cfg_reward):

@@ -40,7 +40,7 @@ def test_variant_parsing():
 def test_same_chains_and_outputs(tmp_path):
     """Both sides draw the same latents and log-probs (equal work), and every output is written."""
     res = run_bench_reference(CHECKOUT, tmp_path / "r.json", num_steps=3, prompts=2, group=2, repeats=1, warmup=0,
-                              variants={"flowgrpo": [], "plain": ["loss.backend=reference"]},
+                              variants={"flowgrpo": [], "plain": ["loss.grpo.backend=reference"]},
                               out_dir=tmp_path, quiet=True)
     assert res["max_latent_diff"] < 1e-5
     assert res["max_logprob_diff"] < 1e-5

@@ -58,7 +58,7 @@ TIMING = {"rollout_s", "collect_s", "train_s", "iter_s"}
 def overrides(model_dir, preset, world, prompt_file=None):
     ov = [f"model.path={model_dir}", f"data.prompts_per_iteration={PROMPTS}", f"data.trees_per_prompt={GROUP}",
           f"sampler.num_steps={T}", "eval.num_prompts=2", "eval.seeds_per_prompt=1", "eval.num_steps=2",
-          "train.threads=1", "log.progress=false", "log.trackers=[]", "loss.backend=reference"]
+          "train.threads=1", "log.progress=false", "log.trackers=[]", "loss.grpo.backend=reference"]
     if preset.startswith("mix-grpo"):
         ov.append("strategy.window=2")  # T = 6: leave room for the window to move and a compressed tail
         if preset != "mix-grpo-flash-star":
@@ -116,8 +116,8 @@ def test_presets_describe_themselves():
     assert load_config("pref-grpo").reward.combine == "normalize_then_sum"
     dance = load_config("dance-grpo")
     assert dance.sampler.shared_group_noise and dance.train.timestep_order == "random"
-    assert dance.train.timestep_fraction == 0.6 and dance.loss.kl_beta == 0.0
-    assert load_config("flow-grpo").loss.kl_beta > 0  # Flow-GRPO keeps a KL to the base model
+    assert dance.train.timestep_fraction == 0.6 and dance.loss.grpo.kl_beta == 0.0
+    assert load_config("flow-grpo").loss.grpo.kl_beta > 0  # Flow-GRPO keeps a KL to the base model
 
 
 def run_two(cfg):

@@ -265,7 +265,7 @@ def test_config_explain_bad_section_and_key(capsys):
     rc = main(["config", "explain", "loss.bta"])
     one_line_error(rc, capsys.readouterr().err, "'loss.bta'", ", ".join(loss_keys))
     rc = main(["config", "explain", "loss.beta"])  # a renamed key: the error names where it went
-    one_line_error(rc, capsys.readouterr().err, "'loss.beta' is now 'loss.kl_beta'", "config explain loss.kl_beta")
+    one_line_error(rc, capsys.readouterr().err, "'loss.beta' is now 'loss.grpo.kl_beta'", "config explain loss.grpo.kl_beta")
 
 
 def test_strategy_options_are_each_strategys_option_dataclass():

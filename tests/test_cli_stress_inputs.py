@@ -89,7 +89,7 @@ def test_a_group_of_one_is_refused_only_where_it_trains_nothing(shapes_model_dir
     for preset in ("branch-grpo", "tree-rpo", "branch-grpo-mix"):
         assert load_config(preset, None, ["data.trees_per_prompt=1"]).data.trees_per_prompt == 1
     # the refused configuration, built behind validation's back: no sample carries signal, nothing trains
-    cfg = load_config("shapes", None, tiny_overrides(shapes_model_dir) + [SIGNAL, "loss.backend=reference"])
+    cfg = load_config("shapes", None, tiny_overrides(shapes_model_dir) + [SIGNAL, "loss.grpo.backend=reference"])
     cfg.data.trees_per_prompt = 1
     trainer = GRPOTrainer(cfg)
     before = {k: v.clone() for k, v in trainer.policy.trainable_state_dict().items()}
@@ -105,7 +105,7 @@ def test_yaml_file_floats_written_as_users_write_them(tmp_path):
                     "reward:\n  weights: {shapes: 1, jpeg_compressibility: 1e-2}\n")
     cfg = load_config("shapes", str(path))
     assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
-    assert cfg.loss.clip_range == 2e-4 and cfg.train.max_minutes == 5.0
+    assert cfg.loss.grpo.clip_range == 2e-4 and cfg.train.max_minutes == 5.0
     assert cfg.reward.weights == {"shapes": 1, "jpeg_compressibility": 0.01}
     path.write_text("train:\n  lr: fast\n")
     with pytest.raises(ConfigError, match=r"config key 'train.lr' expects float, got str 'fast'"):

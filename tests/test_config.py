@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -71,11 +72,11 @@ def test_overrides_parse(text, expected):
 
 def test_overrides_apply_with_types():
     cfg = load_config("shapes", None, ["train.lr=1e-4", "log.progress=false", "train.adam_betas=[0.8, 0.9]",
-                                        "loss.clip_range=1", "sampler.shared_group_noise=true"])
+                                        "loss.grpo.clip_range=1", "sampler.shared_group_noise=true"])
     assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
     assert cfg.log.progress is False and cfg.sampler.shared_group_noise is True
     assert cfg.train.adam_betas == [0.8, 0.9]
-    assert cfg.loss.clip_range == 1.0 and isinstance(cfg.loss.clip_range, float)  # ints are fine for floats
+    assert cfg.loss.grpo.clip_range == 1.0 and isinstance(cfg.loss.grpo.clip_range, float)  # ints are fine for floats
     # later overrides win; strategy options merge
     cfg = load_config("mix-grpo", None, ["train.iterations=3", "train.iterations=5", "strategy={window: 2}",
                                          "strategy={stride: 2}"])
@@ -229,16 +230,16 @@ def test_renamed_keys_still_work_with_a_warning():
     # options that moved from the strategy to the loss / advantage sections
     with pytest.warns(ConfigKeyRenamedWarning) as rec:
         cfg = load_config("tree-rpo", None, ["strategy.sft_weight=0.3", "strategy.fusion_beta=1.0"])
-    assert cfg.loss.sft_weight == 0.3 and cfg.advantage.fusion_beta == 1.0
+    assert cfg.loss.grpo.sft_weight == 0.3 and cfg.advantage.fusion_beta == 1.0
     assert "sft_weight" not in cfg.strategy and len(rec) == 2
     # the new key wins over the old one in the same layer
     with pytest.warns(ConfigKeyRenamedWarning):
         cfg = load_config("shapes", None, ["data.group_size=3", "data.trees_per_prompt=5"])
     assert cfg.data.trees_per_prompt == 5
     # GRPO's KL weight has the name every objective uses; configs written with the old one still load
-    with pytest.warns(ConfigKeyRenamedWarning, match="'loss.beta' is now 'loss.kl_beta'"):
+    with pytest.warns(ConfigKeyRenamedWarning, match="'loss.beta' is now 'loss.grpo.kl_beta'"):
         cfg = load_config("flow-grpo", None, ["loss.beta=0.03"])
-    assert cfg.loss.kl_beta == 0.03 and not hasattr(cfg.loss, "beta")
+    assert cfg.loss.grpo.kl_beta == 0.03 and "beta" not in {f.name for f in dataclasses.fields(cfg.loss)}
 
 
 @pytest.mark.parametrize("override,message", [
@@ -255,8 +256,8 @@ def test_choices_are_checked_in_one_place(override, message):
 
 def test_choices_set_in_code_are_checked_by_validate():
     cfg = load_config("shapes")
-    cfg.loss.kl_sigma = "sigma"
-    with pytest.raises(ConfigError, match="'loss.kl_sigma' = 'sigma' is not one of: sigma_t, transition_std"):
+    cfg.loss.grpo.kl_sigma = "sigma"
+    with pytest.raises(ConfigError, match="'loss.grpo.kl_sigma' = 'sigma' is not one of: sigma_t, transition_std"):
         validate(cfg)
 
 

@@ -10,7 +10,7 @@ from flowgrpo.errors import ConfigError
 
 
 @pytest.mark.parametrize("override", ["sampler.noise_level=-1", "sampler.noise_level=nan", "train.lr=inf",
-                                      "train.lr=nan", "train.lr=-1", "loss.clip_range=-1", "train.ema_decay=5",
+                                      "train.lr=nan", "train.lr=-1", "loss.grpo.clip_range=-1", "train.ema_decay=5",
                                       "train.adam_eps=0", "train.adam_betas=[0.9, 1.5]", "loss.nft.beta=0",
                                       "loss.awm.timesteps=0", "loss.dgpo.time_fraction=1.5", "train.max_grad_norm=0"])
 def test_out_of_range_values_are_one_line_config_errors(override):

@@ -3,7 +3,7 @@
 Guard's normalised log-ratio s (logp - logp_old) + mse / (2 s) equals -mean_D((mu_old - mu) eps), of
 spread sqrt(mse / D) at every step, only when s is the std the transition was drawn with. The
 mse convention (Flow-GRPO-Fast) scores every CPS step with 1/sqrt(2): Guard then leaves a factor
-sqrt(2) s per step (s = sigma' sin(a pi / 2)), which is why ``loss.guard`` with
+sqrt(2) s per step (s = sigma' sin(a pi / 2)), which is why ``loss.grpo.guard`` with
 ``sampler.cps_log_prob=mse`` is refused at config validation.
 """
 
@@ -62,10 +62,10 @@ def test_guard_on_cps_steps_equalises_the_spread_only_with_the_transition_std():
 def test_guard_with_the_mse_log_prob_is_refused_naming_both_keys():
     cps = ["sampler.sde_kind=cps"]
     with pytest.raises(ConfigError) as err:
-        load_config("shapes", None, [*cps, "sampler.cps_log_prob=mse", "loss.guard=true"])
+        load_config("shapes", None, [*cps, "sampler.cps_log_prob=mse", "loss.grpo.guard=true"])
     msg = str(err.value)
-    assert "\n" not in msg and "loss.guard" in msg and "sampler.cps_log_prob" in msg and "gaussian" in msg
+    assert "\n" not in msg and "loss.grpo.guard" in msg and "sampler.cps_log_prob" in msg and "gaussian" in msg
     # each alone, and Guard's per-step reweighting (which reads only the grid), stay valid
-    load_config("shapes", None, [*cps, "loss.guard=true"])
+    load_config("shapes", None, [*cps, "loss.grpo.guard=true"])
     load_config("shapes", None, [*cps, "sampler.cps_log_prob=mse"])
-    load_config("shapes", None, [*cps, "sampler.cps_log_prob=mse", "loss.guard_reweight=true"])
+    load_config("shapes", None, [*cps, "sampler.cps_log_prob=mse", "loss.grpo.guard_reweight=true"])

@@ -123,7 +123,7 @@ def test_installed_commands_run_elsewhere_and_write_only_where_asked(wheel, tmp_
 
     assert "shapes" in run("presets").split()
     assert f"extension sources: {site / 'csrc'}" in run("doctor")
-    assert "│ loss.clip_range " in run("config", "explain", "loss")
+    assert "│ loss.grpo.clip_range " in run("config", "explain", "loss")
     out = run("bench", "ops", "--json", "ops.json", "--out", "res", "--repeats", "1")
     assert "fused" in out
     proc = subprocess.run([str(venv / "bin" / "python"), "-m", "flowgrpo.benchmarks.bench_samplers",

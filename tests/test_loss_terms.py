@@ -18,6 +18,7 @@ from conftest import run_cli
 import flowgrpo.objectives.terms as terms_pkg
 from flowgrpo import objectives
 from flowgrpo.config import LossConfig, load_config
+from flowgrpo.objectives.options import GRPOOptions
 from flowgrpo.errors import ConfigError
 from flowgrpo.objectives.options import AWMOptions, DGPOOptions, NFTOptions
 from flowgrpo.objectives.terms import LossTerm, term_field
@@ -66,8 +67,8 @@ def test_terms_name_the_references_they_need():
     assert VelocityKL(KLOptions(kl_beta=1e-3)).references == {"base"}
     assert VelocityKL(KLOptions(kl_beta=1.0), reference="ema").references == {"ema"}
     assert VelocityKL(KLOptions(kl_beta=0.0)).references == frozenset()  # off: no reference pass
-    assert ODEAnchor.from_config(LossConfig(anchor_weight=1.0)).references == {"base"}
-    assert not ODEAnchor.from_config(LossConfig()).active
+    assert ODEAnchor.from_config(GRPOOptions(anchor_weight=1.0)).references == {"base"}
+    assert not ODEAnchor.from_config(GRPOOptions()).active
     assert LowNoiseAnchor.from_config(NFTOptions(policy_min_t=0.4, anchor_beta=0.0)).references == frozenset()
     assert LowNoiseAnchor.from_config(NFTOptions(policy_min_t=0.4)).references == {"base"}
     # the objectives read one term: dgpo's KL weight is its own option, not awm's
@@ -95,14 +96,15 @@ def test_term_option_bounds_are_checked_on_the_objectives_keys():
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"'loss\.nft\.kl_beta' must be a finite number >= 0"):
         load_config(overrides=["loss.nft.kl_beta=-1"])
-    with pytest.raises(ConfigError, match=r"'loss\.anchor_weight' must be a finite number >= 0"):
-        load_config("flow-grpo", overrides=["loss.anchor_weight=-1"])
+    with pytest.raises(ConfigError, match=r"'loss\.grpo\.anchor_weight' must be a finite number >= 0"):
+        load_config("flow-grpo", overrides=["loss.grpo.anchor_weight=-1"])
 
 
 def test_loss_config_holds_one_options_field_per_registered_objective():
     names = [f.name for f in dataclasses.fields(LossConfig)]
     with_options = [n for n, spec in objectives.OBJECTIVE_SPECS.items() if spec.options]
-    assert names[-len(with_options):] == with_options  # in registration order, after grpo's loss.* keys
+    assert names[-len(with_options):] == with_options  # in registration order, after the shared loss.* keys
+    assert names == ["objective", "cfg_uncond_grad", *with_options] and with_options[0] == "grpo"
     assert set(objectives.OBJECTIVE_SPECS) == set(objectives.OBJECTIVES.names())
     help_text = {f.name: f for f in dataclasses.fields(LossConfig)}["objective"].metadata["help"]
     for name in objectives.OBJECTIVE_SPECS:
@@ -135,25 +137,32 @@ def test_registering_an_objective_adds_its_options_without_touching_config():
 
 
 def test_a_users_key_the_objective_ignores_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError) as err:
-        load_config(overrides=["loss.kl_beta=0.2"])  # the default recipe is DiffusionNFT: GRPO's KL weight does nothing
-    assert str(err.value) == ("config key 'loss.kl_beta' = 0.2 has no effect with loss.objective=nft (read by: grpo); "
-                              "leave it at its default 0.0")
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  timestep_fraction: 0.5\n")
-    with pytest.raises(ConfigError, match=r"'train\.timestep_fraction' = 0\.5 .* loss\.objective=awm \(read by: grpo, flow_dppo\)"):
-        load_config("awm", str(path))
-    with pytest.raises(ConfigError, match=r"'loss\.sft_weight' = 0\.1 .* loss\.objective=flow_dppo"):
-        load_config("flow-dppo", overrides=["loss.sft_weight=0.1"])
+    with pytest.raises(ConfigError) as err:
+        load_config("awm", str(path))  # AWM draws its own training times: the credit stage's subset does nothing
+    assert str(err.value) == ("config key 'train.timestep_fraction' = 0.5 has no effect with loss.objective=awm "
+                              "(read by: grpo, flow_dppo); leave it at its default 1.0")
+    with pytest.raises(ConfigError, match=r"'train\.timestep_order' = 'random' .* loss\.objective=nft"):
+        load_config(overrides=["train.timestep_order=random"])
     # what the objective reads is accepted, and so is a key left at its default
-    assert load_config("flow-dppo", overrides=["loss.guard_reweight=true"]).loss.guard_reweight
-    assert load_config("flow-grpo", overrides=["loss.kl_beta=0.2", "train.timestep_fraction=0.5"]).loss.kl_beta == 0.2
-    load_config(overrides=["loss.kl_beta=0.0"])
+    assert load_config("flow-dppo", overrides=["train.timestep_fraction=0.5"]).train.timestep_fraction == 0.5
+    assert load_config("flow-grpo", overrides=["loss.grpo.kl_beta=0.2", "train.timestep_fraction=0.5"]).loss.grpo.kl_beta == 0.2
+    load_config(overrides=["train.timestep_fraction=1.0"])
+
+
+def test_another_objectives_options_are_kept_whatever_runs():
+    """An objective's options are its own (``loss.<objective>.*``): set under another objective they are
+    kept and not read, GRPO's as AWM's (a preset switched to another objective keeps its options)."""
+    cfg = load_config(overrides=["loss.grpo.kl_beta=0.2", "loss.awm.kl_beta=0.3"])  # the default recipe runs nft
+    assert cfg.loss.objective == "nft" and cfg.loss.grpo.kl_beta == 0.2 and cfg.loss.awm.kl_beta == 0.3
+    cfg = load_config("flow-dppo", overrides=["loss.flow_dppo.guard_reweight=true", "loss.grpo.sft_weight=0.1"])
+    assert cfg.loss.flow_dppo.guard_reweight and not cfg.loss.grpo.guard_reweight and cfg.loss.grpo.sft_weight == 0.1
 
 
 def test_a_presets_grpo_keys_do_not_stop_switching_the_objective():
-    cfg = load_config("shapes", overrides=["loss.objective=nft"])  # the shapes preset sets loss.kl_beta = 0.01
-    assert cfg.loss.objective == "nft" and cfg.loss.kl_beta == 0.01
+    cfg = load_config("shapes", overrides=["loss.objective=nft"])  # the shapes preset sets loss.grpo.kl_beta = 0.01
+    assert cfg.loss.objective == "nft" and cfg.loss.grpo.kl_beta == 0.01
 
 
 def test_no_shipped_preset_sets_a_key_its_objective_ignores():
@@ -167,14 +176,22 @@ def test_no_shipped_preset_sets_a_key_its_objective_ignores():
         composed = compose_config(preset, None, [], recipe)
         # every key as if the user had set it: nothing a preset or recipe sets may be ignored
         objectives.check_objective_keys(composed.config, {k: "override" for k in composed.sources})
+        # an objective's options set by a preset or recipe are the objective's that runs (or GRPO's
+        # defaults, which a preset for another objective may inherit from its base)
+        objective = composed.config.loss.objective
+        for key, src in composed.sources.items():
+            parts = key.split(".")
+            if parts[0] == "loss" and len(parts) == 3 and src != "default":
+                assert parts[1] == objective, f"{preset} on {recipe} sets {key} under loss.objective={objective}"
 
 
 def test_the_cli_refuses_an_ignored_key_before_writing_anything(tmp_path):
     out = tmp_path / "runs"
-    proc = run_cli(["train", "loss.sft_weight=0.5", f"log.out_dir={out}"])
+    proc = run_cli(["train", "train.timestep_order=random", f"log.out_dir={out}"])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("flowgrpo: error: config key 'loss.sft_weight' = 0.5 has no effect with loss.objective=nft")
+    assert lines[-1].startswith("flowgrpo: error: config key 'train.timestep_order' = 'random' has no effect with "
+                                "loss.objective=nft")
     assert not out.exists()
 
 

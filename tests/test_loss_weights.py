@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from flowgrpo.config import LossConfig
+from flowgrpo.objectives.options import GRPOOptions
 from flowgrpo.objectives.terms.step_weights import (guard_step_weights, iteration_trained_steps, tempflow_step_weights,
                                                       transition_weights)
 from flowgrpo.ops import grpo_loss_ref
@@ -237,12 +237,12 @@ def test_transition_weights_gather_step_weights():
     plan = plan_of(GRID, [sde() for _ in range(8)])
     step = [1, 1, 1, 4, 6, 6]
     batch = _Batch(step)
-    assert torch.equal(transition_weights(batch, plan, LossConfig()), torch.ones(6))
+    assert torch.equal(transition_weights(batch, plan, GRPOOptions()), torch.ones(6))
     guard = ref_guard(GRID, step)  # normalised over the distinct steps present in this update: 1, 4, 6
     temp = ref_tempflow(GRID, [("flow_grpo", 0.7)] * 8)
-    g = transition_weights(batch, plan, LossConfig(guard_reweight=True))
-    t = transition_weights(batch, plan, LossConfig(tempflow_weight=True))
-    both = transition_weights(batch, plan, LossConfig(guard_reweight=True, tempflow_weight=True))
+    g = transition_weights(batch, plan, GRPOOptions(guard_reweight=True))
+    t = transition_weights(batch, plan, GRPOOptions(tempflow_weight=True))
+    both = transition_weights(batch, plan, GRPOOptions(guard_reweight=True, tempflow_weight=True))
     assert g.shape == t.shape == both.shape == (6,)
     close(g, [guard[i] for i in step])
     close(t, [temp[i] for i in step])
@@ -256,7 +256,7 @@ def test_guard_weights_of_a_row_do_not_depend_on_the_rows_beside_it():
     """Under several processes each rank weighs its own rows: normalised over the whole update's
     steps, a rank holding only some of them gives its rows the weights of the 1-process batch."""
     plan = plan_of(GRID, [sde() for _ in range(8)])
-    cfg = LossConfig(guard_reweight=True)
+    cfg = GRPOOptions(guard_reweight=True)
     whole = transition_weights(_Batch([1, 1, 4, 6, 6]), plan, cfg)
     rank0 = transition_weights(_Batch([1, 1, 4]), plan, cfg, trained_steps=[1, 4, 6])
     rank1 = transition_weights(_Batch([6, 6]), plan, cfg, trained_steps=[1, 4, 6])

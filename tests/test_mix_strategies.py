@@ -85,7 +85,7 @@ def test_dance_preset_settings():
     assert cfg.sampler.noise_level == pytest.approx(0.3)
     assert cfg.sampler.shared_group_noise is True
     assert cfg.train.timestep_order == "random" and cfg.train.timestep_fraction == pytest.approx(0.6)
-    assert cfg.loss.kl_beta == 0.0
+    assert cfg.loss.grpo.kl_beta == 0.0
     # shared group noise: every member of a group starts from the same noise
     ro, _ = rollout(build_strategy(cfg.sampler, cfg.strategy).plan(0), prompts=2, group=4, shared=True)
     x0 = ro.levels[0].x

@@ -118,7 +118,7 @@ def test_guard_reweighting_on_two_processes_makes_the_one_process_update(tmp_pat
     from flowgrpo.shapes.model import WEIGHTS_DIR
 
     ov = tiny_overrides(WEIGHTS_DIR, **SMOOTH_ADAM, **{
-        "train.seed": 11, "sampler.shift": 3.0, "loss.guard_reweight": "true", "sampler.strategy": "tempflow_grpo",
+        "train.seed": 11, "sampler.shift": 3.0, "loss.grpo.guard_reweight": "true", "sampler.strategy": "tempflow_grpo",
         "advantage.estimator": "tempflow", "strategy.branch": 3, "data.prompts_per_iteration": 3,
         "data.trees_per_prompt": 3, "reward.weights": "{shapes: 1.0}", "log.trackers": "[]"})
     one = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "one"), "1", *ov], env=cli_env(),

@@ -11,8 +11,8 @@ from flowgrpo.trainer.trainer import GRPOTrainer
 def _one_iteration(model_dir, backend):
     cfg = load_config("shapes", None, [
         f"model.path={model_dir}", "data.prompts_per_iteration=2", "data.trees_per_prompt=4", "sampler.num_steps=4",
-        "train.ema=false", "train.lr=1e-3", f"loss.backend={backend}", "loss.clip_range=1e-3",
-        "loss.kl_beta=0.01", "loss.guard=true", "reward.weights={test_brightness: 1.0}",
+        "train.ema=false", "train.lr=1e-3", f"loss.grpo.backend={backend}", "loss.grpo.clip_range=1e-3",
+        "loss.grpo.kl_beta=0.01", "loss.grpo.guard=true", "reward.weights={test_brightness: 1.0}",
     ])
     trainer = GRPOTrainer(cfg)
     grads = {}

@@ -14,6 +14,7 @@ from conftest import run_cli
 
 from flowgrpo.config import compose_config, load_config, preset_names, recipe_names, to_dict
 from flowgrpo.config_layers import GROUP_KEYS, METHOD_KEYS, check_needs, flatten, method_key_violations, recipe_chain
+from flowgrpo.config_renames import new_keys
 from flowgrpo.config_show import resolved_strategy_options
 from flowgrpo.errors import ConfigError, UserError
 from flowgrpo.presets import read_preset
@@ -46,8 +47,9 @@ def test_the_shapes_world_resolves_as_before_recipes(name):
         expected.update(BEFORE["presets"][name])
     got = flatten(cfg)
     assert cfg.recipe == SHAPES_RECIPE
-    for key, value in expected.items():
-        value = CHANGED_SINCE.get((name, key), value)
+    for old_key, value in expected.items():
+        value = CHANGED_SINCE.get((name, old_key), value)
+        key = new_keys(old_key)[0]  # a key renamed since (loss.kl_beta -> loss.grpo.kl_beta) is read at its new place
         if value == "<absent>":
             assert key not in got, f"{name}: {key} = {got.get(key)!r}, absent before"
         else:
@@ -77,9 +79,9 @@ def test_a_recipe_that_sets_a_method_key_at_its_top_level_is_refused(monkeypatch
     import flowgrpo.recipes as recipes
 
     real = recipes.read_recipe
-    monkeypatch.setattr(recipes, "read_recipe", lambda name: {"base": "diffusers", "loss": {"kl_beta": 0.1}}
+    monkeypatch.setattr(recipes, "read_recipe", lambda name: {"base": "diffusers", "loss": {"grpo": {"kl_beta": 0.1}}}
                         if name == "leaky" else real(name))
-    with pytest.raises(ConfigError, match=r"recipe leaky sets the method key 'loss.kl_beta'.*methods"):
+    with pytest.raises(ConfigError, match=r"recipe leaky sets the method key 'loss.grpo.kl_beta'.*methods"):
         load_config("flow-grpo", recipe="leaky")
 
 
@@ -150,7 +152,7 @@ def test_layer_order(tmp_path):
     assert composed.source("model.resolution") == "recipe:flux1-dev"
     assert composed.source("model.gradient_checkpointing") == "recipe:diffusers"
     assert composed.source("model.dtype") == "recipe-method:flux1-dev/mix-grpo"  # MixGRPO's float32 full fine-tune
-    assert composed.source("loss.clip_range") == "default"
+    assert composed.source("loss.grpo.clip_range") == "default"
     assert load_config("flow-grpo", recipe="flux1-dev").sampler.num_steps == 16  # the recipe's own steps
     assert load_config("dance-grpo", recipe="flux1-dev").sampler.num_steps == 12  # DanceGRPO's LoRA script
     file = tmp_path / "run.yaml"
@@ -171,9 +173,9 @@ def test_flow_grpo_on_sd35_is_flow_grpos_setting():
     cfg = load_config(recipe="sd35-ocr")  # the recipe's method: flow-grpo
     assert cfg.preset == "flow-grpo" and cfg.reward.weights == {"ocr": 1.0}
     assert (cfg.model.name, cfg.model.resolution, cfg.model.guidance_scale, cfg.sampler.num_steps) == ("sd3", 512, 4.5, 10)
-    method = (cfg.data.trees_per_prompt, cfg.advantage.std, cfg.loss.kl_beta, cfg.train.timestep_fraction)
+    method = (cfg.data.trees_per_prompt, cfg.advantage.std, cfg.loss.grpo.kl_beta, cfg.train.timestep_fraction)
     assert method == (24, "global", 0.04, 0.9)
-    assert load_config(recipe="sd35-pickscore").loss.kl_beta == 0.01
+    assert load_config(recipe="sd35-pickscore").loss.grpo.kl_beta == 0.01
     nft = load_config("diffusion-nft", recipe="sd35-ocr")
     assert nft.model.guidance_scale == 1.0 and nft.loss.nft.beta == 0.1 and nft.advantage.std == "global"
 

@@ -2,7 +2,7 @@
 
 * the sampler's ``merge_lora`` (the LoRA adapter folded into the base weights for a rollout):
   same chains and log-probs as the unmerged rollout, and the base weights restored bit for bit;
-* ``loss.batched_reference`` (the KL reference means of a minibatch in few no-grad batches, reused
+* ``loss.grpo.batched_reference`` (the KL reference means of a minibatch in few no-grad batches, reused
   by every inner epoch): the same update as one reference call per micro-batch.
 """
 
@@ -28,7 +28,7 @@ def _config(prompt_file, *extra):
         "model.name=sd3-tiny", "model.train_mode=lora", "model.resolution=64", "model.max_sequence_length=16",
         "model.lora_rank=8", "model.lora_alpha=16", "model.guidance_scale=4.5", "reward.weights={jpeg_compressibility: 1.0}",
         f"data.prompts={prompt_file}", "data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3",
-        "train.threads=1", "train.lr=1e-3", "log.progress=false", "loss.kl_beta=0.04", "loss.backend=reference", *extra],
+        "train.threads=1", "train.lr=1e-3", "log.progress=false", "loss.grpo.kl_beta=0.04", "loss.grpo.backend=reference", *extra],
         recipe="shapes")
 
 
@@ -89,7 +89,7 @@ def test_batched_reference_matches_per_micro_batch(prompt_file, epochs):
     runs = {}
     for batched in (True, False):
         torch.manual_seed(0)
-        trainer = Trainer(_config(prompt_file, f"loss.batched_reference={str(batched).lower()}",
+        trainer = Trainer(_config(prompt_file, f"loss.grpo.batched_reference={str(batched).lower()}",
                                   f"train.inner_epochs={epochs}", "train.micro_batch=3"))
         _perturb_lora(trainer.policy)  # the policy differs from the reference: the KL term is not zero
         calls, ref = [], trainer.policy.reference_velocity

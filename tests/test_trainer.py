@@ -28,7 +28,7 @@ def brightness_cfg(tiny_config, **extra):
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, backend):
-    cfg = brightness_cfg(tiny_config, **{"loss.backend": backend})
+    cfg = brightness_cfg(tiny_config, **{"loss.grpo.backend": backend})
     trainer = GRPOTrainer(cfg)
     policy = trainer.policy
 
@@ -52,7 +52,7 @@ def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, back
                               noise_level=spec.noise_level, kind=spec.sde_kind, prev_sample=batch.prev_sample[rows],
                               sigma_max=plan.sigmas[1]).mean
     st = grpo_loss_ref(batch.prev_sample, mean, batch.mean_old, batch.std, batch.log_prob_old,
-                       torch.ones(len(batch)), torch.ones(len(batch)), clip_range=cfg.loss.clip_range)
+                       torch.ones(len(batch)), torch.ones(len(batch)), clip_range=cfg.loss.grpo.clip_range)
     independent = (st.ratio - 1).abs().max().item()
     print(f"independent on-policy |r - 1| max = {independent:.3e}")
     assert independent < 1e-6
@@ -78,7 +78,7 @@ def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, back
 
 
 def test_two_runs_with_the_same_seed_are_identical(tiny_config):
-    cfg = brightness_cfg(tiny_config, **{"loss.backend": "reference"})
+    cfg = brightness_cfg(tiny_config, **{"loss.grpo.backend": "reference"})
     a, b = GRPOTrainer(cfg), GRPOTrainer(cfg)
     for _ in range(2):
         ma, mb = a.iteration_step().metrics, b.iteration_step().metrics
@@ -88,7 +88,7 @@ def test_two_runs_with_the_same_seed_are_identical(tiny_config):
 
 
 def test_state_dict_resume_reproduces_the_uninterrupted_run(tiny_config):
-    cfg = brightness_cfg(tiny_config, **{"loss.backend": "reference", "train.lr": 1e-3})
+    cfg = brightness_cfg(tiny_config, **{"loss.grpo.backend": "reference", "train.lr": 1e-3})
     full = GRPOTrainer(cfg)
     ref = [numeric(full.iteration_step().metrics) for _ in range(3)]
 
@@ -134,7 +134,7 @@ def test_run_with_nan_rewards_finishes_and_counts_them(tiny_config, tmp_path):
 
 def test_timestep_fraction_selects_a_subset(tiny_config):
     cfg = brightness_cfg(tiny_config, **{"train.timestep_fraction": 0.5, "train.timestep_order": "random",
-                                         "loss.backend": "reference"})
+                                         "loss.grpo.backend": "reference"})
     trainer = GRPOTrainer(cfg)
     m = trainer.iteration_step().metrics
     assert m["trained_steps"] == 2
@@ -145,7 +145,7 @@ def test_timestep_fraction_selects_a_subset(tiny_config):
 
 def test_cps_kind_is_on_policy_too(tiny_config):
     """CPS rollouts store the Gaussian log-prob the loss recomputes; the std-0 last step runs as ODE."""
-    cfg = brightness_cfg(tiny_config, **{"sampler.sde_kind": "cps", "loss.backend": "reference"})
+    cfg = brightness_cfg(tiny_config, **{"sampler.sde_kind": "cps", "loss.grpo.backend": "reference"})
     m = GRPOTrainer(cfg).iteration_step().metrics
     assert m["onpolicy_ratio_maxdev"] < 1e-6
     assert np.isfinite(m["loss"])

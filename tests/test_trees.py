@@ -220,7 +220,7 @@ def test_trainer_pruning_leaves_rollout_and_rewards_alone(shapes_model_dir):
     common = [f"model.path={shapes_model_dir}", "sampler.strategy=branch_grpo", "sampler.num_steps=4",
               "strategy.splits=[0, 2]", "advantage.estimator=branch_grpo", "data.prompts_per_iteration=2",
               "data.trees_per_prompt=1", "reward.weights={shapes: 1.0, jpeg_compressibility: 0.01}",
-              "loss.backend=reference", "train.threads=1"]
+              "loss.grpo.backend=reference", "train.threads=1"]
     runs = {}
     for name, extra in (("plain", []), ("pruned", ["strategy.width_prune=top", "strategy.depth_prune=1"])):
         tr = GRPOTrainer(load_config("shapes", None, common + extra))
@@ -255,7 +255,7 @@ def test_tree_rpo_window_tree_noise_growth_clip_and_sft():
     assert [s.noise_level for s in p.steps if s.sde] == pytest.approx([0.7, 1.05, 1.4])
     assert all(s.branch == 2 for s in p.steps if s.sde) and p.leaves_per_tree == 8
     assert [i for i, s in enumerate(st.plan(4).steps) if s.sde] == [2, 3, 4]
-    # reward-adaptive clip (loss.clip_adapt = 1): eps0 * (1 + (1 - q)), q the mean reward clamped to [0, 1]
+    # reward-adaptive clip (loss.grpo.clip_adapt = 1): eps0 * (1 + (1 - q)), q the mean reward clamped to [0, 1]
     assert clip_range_for(1e-4, 1.0, {"r": torch.zeros(4)}) == pytest.approx(2e-4)
     assert clip_range_for(1e-4, 1.0, {"r": torch.ones(4)}) == pytest.approx(1e-4)
     assert clip_range_for(1e-4, 1.0, {"r": torch.tensor([0.5, float("nan")])}) == pytest.approx(1.5e-4)

@@ -73,7 +73,7 @@ class ObjectiveSpec:
         factory: ``"package.module:attr"`` of the factory ``(run_cfg, device) -> Objective``.
         options: ``"package.module:Class"`` of its options dataclass, held in ``LossConfig`` as
             ``loss.<name>`` (help on every field, shown by ``flowgrpo config explain loss``), or ""
-            for none (grpo's options are ``loss.*`` itself).
+            for none.
         label: the progress bar's name of the objective.
         summary: one line, in ``loss.objective``'s help.
         reads: the keys of :data:`OBJECTIVE_DEPENDENT_KEYS` the objective reads (the others are
@@ -87,12 +87,10 @@ class ObjectiveSpec:
     reads: tuple[str, ...] = ()
 
 
-#: keys outside ``loss.<name>`` that only some objectives read: GRPO's ``loss.*`` keys and the credit
-#: stage's subset of trained steps (the forward-process objectives draw their own times)
-OBJECTIVE_DEPENDENT_KEYS = ("loss.clip_range", "loss.clip_adapt", "loss.kl_beta", "loss.kl_sigma", "loss.batched_reference",
-                            "loss.guard", "loss.guard_reweight", "loss.tempflow_weight", "loss.sft_weight",
-                            "loss.anchor_weight", "loss.anchor_steps", "loss.backend", "train.timestep_fraction",
-                            "train.timestep_order")
+#: keys outside ``loss.<name>`` that only some objectives read: the credit stage's subset of trained
+#: steps (the transition objectives train it; the forward-process objectives draw their own times).
+#: An objective's own options are ``loss.<name>.*``, set under any objective as the others' are.
+OBJECTIVE_DEPENDENT_KEYS = ("train.timestep_fraction", "train.timestep_order")
 
 
 #: name -> :class:`ObjectiveSpec` of every shipped objective, in registration order
@@ -112,8 +110,8 @@ def register_objective(name: str, factory: str, options: str = "", label: str = 
     OBJECTIVE_SPECS[name] = ObjectiveSpec(factory, options, label or name.upper(), summary, tuple(reads))
 
 
-register_objective("grpo", "flowgrpo.objectives.grpo:build_grpo", label="GRPO",
-                   summary="clipped log-prob ratios on SDE transitions; the loss.* keys", reads=OBJECTIVE_DEPENDENT_KEYS)
+register_objective("grpo", "flowgrpo.objectives.grpo:build_grpo", "flowgrpo.objectives.options:GRPOOptions", "GRPO",
+                   "clipped log-prob ratios on SDE transitions", reads=OBJECTIVE_DEPENDENT_KEYS)
 register_objective("nft", "flowgrpo.objectives.nft:build_nft", "flowgrpo.objectives.options:NFTOptions",
                    "DiffusionNFT", "DiffusionNFT, negative-aware fine-tuning on the forward process")
 register_objective("awm", "flowgrpo.objectives.awm:build_awm", "flowgrpo.objectives.options:AWMOptions",
@@ -123,7 +121,7 @@ register_objective("dgpo", "flowgrpo.objectives.dgpo:build_dgpo", "flowgrpo.obje
 register_objective("flow_dppo", "flowgrpo.objectives.flow_dppo:build_flow_dppo",
                    "flowgrpo.objectives.flow_dppo:FlowDPPOOptions", "Flow-DPPO",
                    "Flow-DPPO: grpo's rows, an exact-KL trust region instead of the clip",
-                   reads=("loss.guard_reweight", "loss.tempflow_weight", "train.timestep_fraction", "train.timestep_order"))
+                   reads=OBJECTIVE_DEPENDENT_KEYS)
 register_objective("diffusion_dpo", "flowgrpo.objectives.diffusion_dpo:build_diffusion_dpo",
                    "flowgrpo.objectives.diffusion_dpo:DiffusionDPOOptions", "Diffusion-DPO",
                    "Diffusion-DPO on preference pairs, online or from a file")

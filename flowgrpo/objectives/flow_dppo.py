@@ -19,9 +19,9 @@ A row that moved far but back toward the old policy (A > 0 with r < 1, or A < 0 
 gradient; rows inside the region keep the unclipped -A r whatever r is. The mean runs over every row,
 dropped ones included (they contribute 0). The old means and log-probs are the rollout's, fixed for
 every inner epoch and minibatch of the iteration. ``kl_coefficient=false`` divides by 1 instead of
-s^2 (the authors' ``add_kl_coefficient``). Per-row weights w are GRPO's (``loss.tempflow_weight``,
-``loss.guard_reweight``; 1 otherwise). GRPO's clip, KL (``loss.kl_beta``), SFT and anchor terms are not
-part of this objective; its own reference KL (``kl_beta``, the authors' beta, 0 by default) uses the
+s^2 (the authors' ``add_kl_coefficient``). Per-row weights w are GRPO's terms under this objective's
+own keys (``loss.flow_dppo.tempflow_weight``, ``loss.flow_dppo.guard_reweight``; 1 otherwise). GRPO's
+clip, KL (``loss.grpo.kl_beta``), SFT and anchor terms are not part of this objective; its own reference KL (``kl_beta``, the authors' beta, 0 by default) uses the
 same exact Gaussian KL with the transition std.
 
 Works with every SDE kind (``flow_grpo``, ``dance``, ``cps``): the means come from the step kind's own
@@ -43,7 +43,9 @@ from .base import MicroLoss, UpdateContext
 from .grpo import GRPOObjective
 from .grpo_stats import UpdateStatsCollector
 from .lora_fold import lora_folded
+from .terms.base import term_field
 from .terms.kl import gaussian_mean_kl
+from .terms.step_weights import StepWeightOptions
 
 
 @dataclass
@@ -52,7 +54,9 @@ class FlowDPPOOptions:
 
     kl_threshold: float = _f(1e-5, "tau: a row whose divergence from the rollout policy, mean_D((mu - mu_old)^2) / (2 s^2) (the exact Gaussian KL over the D latent elements, divided by D), reaches tau is dropped from the surrogate when it moved in its advantage's direction (r > 1 with A > 0, r < 1 with A < 0) (the authors: 1e-5)", gt=0.0)
     kl_coefficient: bool = _f(True, "divide the squared mean shift by the transition variance s^2 (the exact KL; the authors' add_kl_coefficient); false: by 1 (mean_D((mu - mu_old)^2) / 2)")
-    kl_beta: float = _f(0.0, "weight of a KL term to the frozen base model, mean_D((mu - mu_ref)^2) / (2 s^2) with the transition std s (the authors' beta: 0; note loss.kl_beta's grpo KL divides by sigma_t^2 instead, about T times weaker)", ge=0.0)
+    kl_beta: float = _f(0.0, "weight of a KL term to the frozen base model, mean_D((mu - mu_ref)^2) / (2 s^2) with the transition std s (the authors' beta: 0; note loss.grpo.kl_beta's KL divides by sigma_t^2 instead, about T times weaker)", ge=0.0)
+    guard_reweight: bool = term_field(StepWeightOptions, "guard_reweight")
+    tempflow_weight: bool = term_field(StepWeightOptions, "tempflow_weight")
 
 
 @dataclass(frozen=True)
@@ -143,8 +147,10 @@ class FlowDPPOObjective(GRPOObjective):
     name = "flow_dppo"
 
     def __init__(self, cfg, device=None):
-        super().__init__(cfg.loss, None)  # GRPO's rows and per-row weights; its loss op is not used
+        # GRPO's rows and per-row weights (this objective's own keys); its loss op, clip, SFT and anchor are not used
         self.opt: FlowDPPOOptions = cfg.loss.flow_dppo
+        self.cfg = self.opt
+        self._compose_terms(self.opt)
         self.needs_reference = self.opt.kl_beta > 0
 
     def new_collector(self, rows):
@@ -165,7 +171,7 @@ class FlowDPPOObjective(GRPOObjective):
         return MicroLoss(loss=out.loss, record=out)
 
     def begin_minibatch(self, ctx: UpdateContext, rows, passes: int) -> int:
-        return 0  # GRPO's batched reference serves loss.kl_beta, which this objective does not read
+        return 0  # GRPO's batched reference serves loss.grpo.kl_beta, which this objective does not read
 
     def minibatch_terms(self, ctx: UpdateContext) -> dict:
         return {}  # no anchor term

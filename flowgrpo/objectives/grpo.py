@@ -29,34 +29,39 @@ from .terms.step_weights import StepWeights, iteration_trained_steps
 
 
 class GRPOObjective(Objective):
-    """Flow-GRPO's objective and every variant's loss options (``loss.*``).
+    """Flow-GRPO's objective and every variant's loss options (``loss.grpo.*``).
 
     Args:
-        loss_cfg: the run's :class:`~flowgrpo.config.LossConfig`.
+        opt: the run's ``loss.grpo`` (:class:`~flowgrpo.objectives.options.GRPOOptions`).
         device: where the model runs (to build the fused op ahead of the first timed iteration).
     """
 
     name = "grpo"
 
-    def __init__(self, loss_cfg, device=None):
-        self.cfg = loss_cfg
-        self.clip, self.weights = ClipSchedule.from_config(loss_cfg), StepWeights.from_config(loss_cfg)
-        self.sft, self.anchor = BestPathSFT.from_config(loss_cfg), ODEAnchor.from_config(loss_cfg)
-        refs = frozenset().union(*(t.references for t in (self.clip, self.weights, self.sft, self.anchor)))
-        self.needs_reference = loss_cfg.kl_beta > 0 or "base" in refs
-        if loss_cfg.backend == "reference":
+    def __init__(self, opt, device=None):
+        self.cfg = opt
+        refs = self._compose_terms(opt)
+        self.needs_reference = opt.kl_beta > 0 or "base" in refs
+        if opt.backend == "reference":
             self.loss_fn = grpo_loss_ref
-        elif loss_cfg.backend == "fused":
+        elif opt.backend == "fused":
             self.loss_fn = functools.partial(grpo_loss, backend="fused")
         else:  # auto: the fused op where a kernel is built, else the reference (one warning)
             self.loss_fn = grpo_loss
-        if loss_cfg.backend != "reference" and device is not None:
+        if opt.backend != "reference" and device is not None:
             # build/load the extension now, not inside the first (timed) iteration: a first JIT build
             # takes ~20 s, which would otherwise be charged to the training clock
             from ..ops import fused_available
 
             fused_available(device)
+
+    def _compose_terms(self, opt) -> frozenset[str]:
+        """The loss terms set by ``opt``'s fields of their names (a term whose keys ``opt`` lacks keeps
+        its inactive default); returns the models they evaluate besides the trained one."""
+        self.clip, self.weights = ClipSchedule.from_config(opt), StepWeights.from_config(opt)
+        self.sft, self.anchor = BestPathSFT.from_config(opt), ODEAnchor.from_config(opt)
         self._it: dict = {}
+        return frozenset().union(*(t.references for t in (self.clip, self.weights, self.sft, self.anchor)))
 
     # ------------------------------------------------------------------ rows
     def rows(self, ctx: UpdateContext):
@@ -72,7 +77,7 @@ class GRPOObjective(Objective):
         it = self._it
         it["clip"] = self.clip.value(col.rewards)
         steps = None  # one process: the batch's own steps are the iteration's
-        if self.cfg.guard_reweight and ctx.dp.world > 1:  # normalise over every rank's steps
+        if self.weights.opt.guard_reweight and ctx.dp.world > 1:  # normalise over every rank's steps
             steps = iteration_trained_steps(view.whole, adv.edge_advantages, cr.steps, cr.edge_masks)
         it["weights"] = self.weights.value(batch, plan, steps)
         it["logp_std"] = transition_log_prob_std(batch, plan)
@@ -133,7 +138,7 @@ class GRPOObjective(Objective):
         return transition_means(rows, v_ref, ctx.collected.plan).detach()
 
     def begin_minibatch(self, ctx: UpdateContext, rows, passes: int) -> int:
-        """With ``loss.batched_reference`` (and beta > 0, not lock-step): the reference means of the
+        """With ``loss.grpo.batched_reference`` (and kl_beta > 0, not lock-step): the reference means of the
         minibatch's rows not yet computed this iteration, in no-grad batches of ``train.micro_batch``
         rows, which every inner epoch then reuses (the base model is frozen): epochs after the first
         make no reference call. (Larger batches than the update's own were slower on a 2-core CPU:
@@ -166,4 +171,4 @@ class GRPOObjective(Objective):
 
 def build_grpo(cfg, device=None) -> GRPOObjective:
     """Factory of ``loss.objective=grpo`` from a :class:`~flowgrpo.config.RunConfig`."""
-    return GRPOObjective(cfg.loss, device)
+    return GRPOObjective(cfg.loss.grpo, device)

@@ -1,4 +1,5 @@
-"""Typed options of the forward-process objectives: ``loss.nft.*``, ``loss.awm.*``, ``loss.dgpo.*``.
+"""Typed options of GRPO and the forward-process objectives: ``loss.grpo.*``, ``loss.nft.*``,
+``loss.awm.*``, ``loss.dgpo.*`` (Flow-DPPO's and Diffusion-DPO's sit in their modules).
 
 Defaults are the authors' SD3.5 settings where they carry over to any model; the shapes-world
 presets (``diffusion-nft``, ``awm``, ``dgpo``) override what the small world needs. Every field's
@@ -12,10 +13,13 @@ from typing import Literal
 
 from ..errors import ConfigError
 from ..fields import help_field as _f
-from .terms.anchor import LowNoiseAnchorOptions
-from .terms.self_guidance import SelfGuidanceOptions
+from .terms.anchor import AnchorOptions, LowNoiseAnchorOptions
 from .terms.base import term_field
+from .terms.clip_schedule import ClipOptions
 from .terms.kl import KLOptions
+from .terms.self_guidance import SelfGuidanceOptions
+from .terms.sft import SFTOptions
+from .terms.step_weights import StepWeightOptions
 
 #: ``loss.{nft,awm,dgpo}.rows``: which samples become training rows (one help, one default, three keys)
 ROWS_HELP = ("which samples train: all (the authors: every sample with a finite reward; a group whose rewards have "
@@ -27,6 +31,24 @@ ROWS_HELP = ("which samples train: all (the authors: every sample with a finite 
 
 def _rows_field():
     return _f("all", ROWS_HELP)
+
+
+@dataclass
+class GRPOOptions:
+    """``loss.grpo.*``: Flow-GRPO's clipped ratio and every GRPO variant's loss terms."""
+
+    clip_range: float = term_field(ClipOptions, "clip_range")
+    clip_adapt: float = term_field(ClipOptions, "clip_adapt")
+    kl_beta: float = _f(0.0, "KL weight against the reference model (adapter off); 0 disables the reference pass", ge=0.0)
+    kl_sigma: Literal["sigma_t", "transition_std"] = _f("sigma_t", "KL denominator: sigma_t (mean((mu - mu_ref)^2) / (2 sigma_t^2), as the current Flow-GRPO code) | transition_std (divides by s^2 = sigma_t^2 * (-dt) instead: ~T times larger at T steps, so divide kl_beta by ~T to match)")
+    batched_reference: bool = _f(True, "KL reference velocities of a minibatch's rows in no-grad batches of train.micro_batch before its micro-batches, computed once per iteration and reused by every inner epoch, so epochs after the first make no reference call (false: one reference call per micro-batch and epoch; same values up to float rounding; lock-step engines such as FSDP always use the per-micro-batch path)")
+    guard: bool = _f(False, "GRPO-Guard ratio normalisation (with the gaussian log-prob: not with sampler.cps_log_prob=mse)")
+    guard_reweight: bool = term_field(StepWeightOptions, "guard_reweight")
+    tempflow_weight: bool = term_field(StepWeightOptions, "tempflow_weight")
+    sft_weight: float = term_field(SFTOptions, "sft_weight")
+    anchor_weight: float = term_field(AnchorOptions, "anchor_weight")
+    anchor_steps: int = term_field(AnchorOptions, "anchor_steps")
+    backend: Literal["auto", "reference", "fused"] = _f("auto", "GRPO loss op: auto (fused op where built, else reference) | reference | fused")
 
 
 @dataclass

@@ -81,7 +81,7 @@ def _base_velocity_available(trainer) -> bool:
             if trainer.dp.is_main:
                 print(f"note: monitor.velocity_norm is not measured: a full fine-tune without a reference copy of "
                       f"its {size / 2**30:.1f} GiB denoiser{' (sharded)' if trainer.engine.lockstep else ''}; "
-                      "a KL or anchor term keeps one (e.g. loss.kl_beta > 0)")
+                      "a KL or anchor term keeps one (e.g. loss.grpo.kl_beta > 0)")
             return False
         policy.snapshot_reference()
     return True

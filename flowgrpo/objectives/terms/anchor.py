@@ -1,6 +1,6 @@
 """Anchor terms: keep the policy equal to the base model where the policy loss should not act.
 
-* :class:`ODEAnchor` (GRPO's ``loss.anchor_weight``): on the rollout's untrained ODE steps.
+* :class:`ODEAnchor` (GRPO's ``loss.grpo.anchor_weight``): on the rollout's untrained ODE steps.
 * :class:`LowNoiseAnchor` (DiffusionNFT's ``loss.nft.policy_min_t``): on the forward-process rows at
   low-noise times, which then train the anchor instead of the policy loss.
 

@@ -1,6 +1,6 @@
 """The ratio clip range of an iteration: fixed, or Dynamic-TreeRPO's reward-adaptive bound.
 
-``loss.clip_adapt`` = c > 0 gives eps = eps_0 * (1 + c * (1 - q)), q = the iteration's mean reward
+``loss.grpo.clip_adapt`` = c > 0 gives eps = eps_0 * (1 + c * (1 - q)), q = the iteration's mean reward
 (the mean over reward names of each reward's mean over finite values) clamped to [0, 1]: a low
 reward widens the trust region (exploration), a high one narrows it back to eps_0. Stateless, so a
 resumed run computes the same bounds.

@@ -10,7 +10,7 @@
   is the frozen base model, or (``reference="ema"``) a lagging copy of the trained weights (AWM's
   second KL).
 * :func:`gaussian_mean_kl`, the exact KL per latent element between two transition Gaussians of one
-  std (Flow-DPPO's trust region and its reference KL). GRPO's own KL (``loss.kl_beta``) is computed
+  std (Flow-DPPO's trust region and its reference KL). GRPO's own KL (``loss.grpo.kl_beta``) is computed
   inside the fused loss op (:mod:`flowgrpo.ops`) from the same means.
 """
 

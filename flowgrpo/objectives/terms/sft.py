@@ -1,4 +1,4 @@
-"""The best-path SFT term of Dynamic-TreeRPO (LayerTuning-RL): ``loss.sft_weight``.
+"""The best-path SFT term of Dynamic-TreeRPO (LayerTuning-RL): ``loss.grpo.sft_weight``.
 
 For each tree, the path from its root to its best leaf (highest advantage among the leaves that
 carry signal) is a target: every SDE edge on it adds ``sft_weight`` (lambda) times its negative
@@ -61,7 +61,7 @@ def best_path_sft_loss(batch, mean: Tensor, best: list[Tensor], weight: float) -
             locate each transition's child in the rollout).
         mean: mu_theta [m, ...] recomputed with gradients for the batch's rows.
         best: :func:`best_paths` of the rollout.
-        weight: lambda (``loss.sft_weight``).
+        weight: lambda (``loss.grpo.sft_weight``).
     """
     if weight <= 0 or batch.depth is None:
         return None

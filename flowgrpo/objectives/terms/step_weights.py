@@ -4,13 +4,13 @@ loss: GRPO-Guard reweighting and TempFlow weighting.
 Both are functions of the plan step a transition belongs to, so they are computed per step and
 gathered to rows; with both options on the weights multiply.
 
-* **GRPO-Guard gradient reweighting** (``loss.guard_reweight``): delta_t proportional to 1 / |Delta_t|
+* **GRPO-Guard gradient reweighting** (``loss.grpo.guard_reweight``): delta_t proportional to 1 / |Delta_t|
   (Delta_t = sigma' - sigma of the step), normalised to mean 1 over the distinct steps trained in
   this update by any process (:func:`iteration_trained_steps`), so that the weights do not depend on
   how the rows are split across processes. The SDE mean depends on the velocity through a factor proportional to Delta_t, so the
   policy gradient of a step scales with |Delta_t|; the weight equalises it across noise levels
-  (together with the ratio normalisation ``loss.guard``, which equalises the ratio's spread).
-* **TempFlow-GRPO noise-aware weighting** (``loss.tempflow_weight``): w_t proportional to the std of
+  (together with the ratio normalisation ``loss.grpo.guard``, which equalises the ratio's spread).
+* **TempFlow-GRPO noise-aware weighting** (``loss.grpo.tempflow_weight``): w_t proportional to the std of
   the step's transition (sigma_t * sqrt(-Delta_t) for the Flow-GRPO and DanceGRPO kinds), normalised to mean 1 over **all** steps
   of the schedule (so the overall loss scale does not depend on which steps are trained). Steps that
   are ODE in the plan are weighed with the noise level / SDE kind of the plan's SDE steps. The
