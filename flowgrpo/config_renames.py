@@ -21,11 +21,11 @@ RENAMED_KEYS: dict[str, str | tuple[str, ...]] = {
     "data.group_size": "data.trees_per_prompt",
     "strategy.fusion_beta": "advantage.fusion_beta",
     "strategy.clip_adapt": "loss.grpo.clip_adapt",
-    "strategy.sft_weight": "loss.grpo.sft_weight",
+    "strategy.sft_weight": "loss.grpo.sft_beta",
     "loss.beta": "loss.grpo.kl_beta",  # one name for the KL weight across objectives
     **{f"loss.{key}": f"loss.grpo.{key}" for key in _GRPO_MOVED},
-    "loss.sft_weight": "loss.grpo.sft_weight",
-    "loss.anchor_weight": "loss.grpo.anchor_weight",
+    "loss.sft_weight": "loss.grpo.sft_beta",
+    "loss.anchor_weight": "loss.grpo.anchor_beta",
     "loss.guard_reweight": ("loss.grpo.guard_reweight", "loss.flow_dppo.guard_reweight"),
     "loss.tempflow_weight": ("loss.grpo.tempflow_weight", "loss.flow_dppo.tempflow_weight"),
 }

@@ -251,7 +251,7 @@ class DynamicTreeRPOStrategy(Strategy):
       a_j = a * (1 + ``noise_growth`` * j) (a = ``sampler.noise_level``; beta = 0.25 by default).
     * The method's loss-side parts live in the loss configuration: the reward-adaptive clip bound
       ``loss.grpo.clip_adapt`` (:mod:`flowgrpo.objectives.terms.clip_schedule`) and the SFT pull toward each tree's best
-      path ``loss.grpo.sft_weight`` (:mod:`flowgrpo.objectives.terms.sft`); the ``tree-rpo`` preset sets both.
+      path ``loss.grpo.sft_beta`` (:mod:`flowgrpo.objectives.terms.sft`); the ``tree-rpo`` preset sets both.
     * Advantages: pair with the ``branch_grpo`` estimator (per-depth normalisation inside each tree).
     """
 

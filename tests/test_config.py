@@ -230,7 +230,7 @@ def test_renamed_keys_still_work_with_a_warning():
     # options that moved from the strategy to the loss / advantage sections
     with pytest.warns(ConfigKeyRenamedWarning) as rec:
         cfg = load_config("tree-rpo", None, ["strategy.sft_weight=0.3", "strategy.fusion_beta=1.0"])
-    assert cfg.loss.grpo.sft_weight == 0.3 and cfg.advantage.fusion_beta == 1.0
+    assert cfg.loss.grpo.sft_beta == 0.3 and cfg.advantage.fusion_beta == 1.0
     assert "sft_weight" not in cfg.strategy and len(rec) == 2
     # the new key wins over the old one in the same layer
     with pytest.warns(ConfigKeyRenamedWarning):

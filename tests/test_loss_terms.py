@@ -67,7 +67,7 @@ def test_terms_name_the_references_they_need():
     assert VelocityKL(KLOptions(kl_beta=1e-3)).references == {"base"}
     assert VelocityKL(KLOptions(kl_beta=1.0), reference="ema").references == {"ema"}
     assert VelocityKL(KLOptions(kl_beta=0.0)).references == frozenset()  # off: no reference pass
-    assert ODEAnchor.from_config(GRPOOptions(anchor_weight=1.0)).references == {"base"}
+    assert ODEAnchor.from_config(GRPOOptions(anchor_beta=1.0)).references == {"base"}
     assert not ODEAnchor.from_config(GRPOOptions()).active
     assert LowNoiseAnchor.from_config(NFTOptions(policy_min_t=0.4, anchor_beta=0.0)).references == frozenset()
     assert LowNoiseAnchor.from_config(NFTOptions(policy_min_t=0.4)).references == {"base"}
@@ -96,8 +96,8 @@ def test_term_option_bounds_are_checked_on_the_objectives_keys():
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"'loss\.nft\.kl_beta' must be a finite number >= 0"):
         load_config(overrides=["loss.nft.kl_beta=-1"])
-    with pytest.raises(ConfigError, match=r"'loss\.grpo\.anchor_weight' must be a finite number >= 0"):
-        load_config("flow-grpo", overrides=["loss.grpo.anchor_weight=-1"])
+    with pytest.raises(ConfigError, match=r"'loss\.grpo\.anchor_beta' must be a finite number >= 0"):
+        load_config("flow-grpo", overrides=["loss.grpo.anchor_beta=-1"])
 
 
 def test_loss_config_holds_one_options_field_per_registered_objective():
@@ -156,8 +156,8 @@ def test_another_objectives_options_are_kept_whatever_runs():
     kept and not read, GRPO's as AWM's (a preset switched to another objective keeps its options)."""
     cfg = load_config(overrides=["loss.grpo.kl_beta=0.2", "loss.awm.kl_beta=0.3"])  # the default recipe runs nft
     assert cfg.loss.objective == "nft" and cfg.loss.grpo.kl_beta == 0.2 and cfg.loss.awm.kl_beta == 0.3
-    cfg = load_config("flow-dppo", overrides=["loss.flow_dppo.guard_reweight=true", "loss.grpo.sft_weight=0.1"])
-    assert cfg.loss.flow_dppo.guard_reweight and not cfg.loss.grpo.guard_reweight and cfg.loss.grpo.sft_weight == 0.1
+    cfg = load_config("flow-dppo", overrides=["loss.flow_dppo.guard_reweight=true", "loss.grpo.sft_beta=0.1"])
+    assert cfg.loss.flow_dppo.guard_reweight and not cfg.loss.grpo.guard_reweight and cfg.loss.grpo.sft_beta == 0.1
 
 
 def test_a_presets_grpo_keys_do_not_stop_switching_the_objective():

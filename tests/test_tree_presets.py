@@ -84,7 +84,7 @@ def test_tree_rpo_hooks_run_in_the_trainer(shapes_model_dir):
     extra, leaves = PRESETS["tree-rpo"]
     cfg = load_config("tree-rpo", None, [f"model.path={shapes_model_dir}", *COMMON, *extra,
                                          "reward.weights={jpeg_compressibility: 1.0}"], recipe="shapes")
-    assert cfg.loss.grpo.clip_adapt == 1.0 and cfg.loss.grpo.sft_weight == 0.1  # the preset sets both
+    assert cfg.loss.grpo.clip_adapt == 1.0 and cfg.loss.grpo.sft_beta == 0.1  # the preset sets both
     trainer = GRPOTrainer(cfg)
     calls = {"sft": []}
     value0 = BestPathSFT.value

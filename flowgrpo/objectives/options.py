@@ -45,8 +45,8 @@ class GRPOOptions:
     guard: bool = _f(False, "GRPO-Guard ratio normalisation (with the gaussian log-prob: not with sampler.cps_log_prob=mse)")
     guard_reweight: bool = term_field(StepWeightOptions, "guard_reweight")
     tempflow_weight: bool = term_field(StepWeightOptions, "tempflow_weight")
-    sft_weight: float = term_field(SFTOptions, "sft_weight")
-    anchor_weight: float = term_field(AnchorOptions, "anchor_weight")
+    sft_beta: float = term_field(SFTOptions, "sft_beta")
+    anchor_beta: float = term_field(AnchorOptions, "anchor_beta")
     anchor_steps: int = term_field(AnchorOptions, "anchor_steps")
     backend: Literal["auto", "reference", "fused"] = _f("auto", "GRPO loss op: auto (fused op where built, else reference) | reference | fused")
 

@@ -2,9 +2,9 @@
 
 * :mod:`.kl` -- :class:`~.kl.VelocityKL` (nft, awm, dgpo; to the base model or an EMA) and the exact
   transition-Gaussian KL (flow_dppo);
-* :mod:`.anchor` -- :class:`~.anchor.ODEAnchor` (grpo's ``loss.grpo.anchor_weight``) and
+* :mod:`.anchor` -- :class:`~.anchor.ODEAnchor` (grpo's ``loss.grpo.anchor_beta``) and
   :class:`~.anchor.LowNoiseAnchor` (nft's ``policy_min_t``);
-* :mod:`.sft` -- :class:`~.sft.BestPathSFT` (grpo's ``loss.grpo.sft_weight``);
+* :mod:`.sft` -- :class:`~.sft.BestPathSFT` (grpo's ``loss.grpo.sft_beta``);
 * :mod:`.step_weights` -- :class:`~.step_weights.StepWeights` (GRPO-Guard and TempFlow per-step weights);
 * :mod:`.clip_schedule` -- :class:`~.clip_schedule.ClipSchedule` (fixed or reward-adaptive clip).
 

@@ -1,6 +1,6 @@
 """Anchor terms: keep the policy equal to the base model where the policy loss should not act.
 
-* :class:`ODEAnchor` (GRPO's ``loss.grpo.anchor_weight``): on the rollout's untrained ODE steps.
+* :class:`ODEAnchor` (GRPO's ``loss.grpo.anchor_beta``): on the rollout's untrained ODE steps.
 * :class:`LowNoiseAnchor` (DiffusionNFT's ``loss.nft.policy_min_t``): on the forward-process rows at
   low-noise times, which then train the anchor instead of the policy loss.
 
@@ -35,7 +35,7 @@ from .base import LossTerm
 
 @dataclass
 class AnchorOptions:
-    anchor_weight: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.objectives.terms.anchor)", ge=0.0)
+    anchor_beta: float = _f(0.0, "weight of the anchor term: mean (v_theta - v_ref)^2 against the frozen base model on the rollout's ODE (untrained) steps; holds full fine-tuning where no policy gradient reaches (flowgrpo.objectives.terms.anchor)", ge=0.0)
     anchor_steps: int = _f(2, "ODE depths per update on which the anchor term is evaluated")
 
 
@@ -98,7 +98,7 @@ class ODEAnchor(LossTerm):
 
     @property
     def active(self) -> bool:
-        return self.opt.anchor_weight > 0
+        return self.opt.anchor_beta > 0
 
     @property
     def references(self) -> frozenset[str]:
@@ -107,7 +107,7 @@ class ODEAnchor(LossTerm):
     def value(self, policy, rollout, plan, cond, rng: np.random.Generator,
               level_sizes: list[int] | None = None) -> Tensor | None:
         """:func:`ode_anchor_loss` with this term's weight and depth count (None: no ODE depth)."""
-        return ode_anchor_loss(policy, rollout, plan, cond, self.opt.anchor_weight, self.opt.anchor_steps, rng,
+        return ode_anchor_loss(policy, rollout, plan, cond, self.opt.anchor_beta, self.opt.anchor_steps, rng,
                                level_sizes)
 
 

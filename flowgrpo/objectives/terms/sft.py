@@ -1,7 +1,7 @@
-"""The best-path SFT term of Dynamic-TreeRPO (LayerTuning-RL): ``loss.grpo.sft_weight``.
+"""The best-path SFT term of Dynamic-TreeRPO (LayerTuning-RL): ``loss.grpo.sft_beta``.
 
 For each tree, the path from its root to its best leaf (highest advantage among the leaves that
-carry signal) is a target: every SDE edge on it adds ``sft_weight`` (lambda) times its negative
+carry signal) is a target: every SDE edge on it adds ``sft_beta`` (lambda) times its negative
 log-likelihood under the current policy, mean_dims((x' - mu_theta)^2) / (2 s^2), which pulls each
 step's prediction toward the best path's next state. The term is summed over the on-path rows of a
 micro-batch and divided by the micro-batch's size, so it averages over transitions like the policy
@@ -23,7 +23,7 @@ from .base import LossTerm
 
 @dataclass
 class SFTOptions:
-    sft_weight: float = _f(0.0, "weight of the best-path SFT term (Dynamic-TreeRPO / LayerTuning-RL, flowgrpo.objectives.terms.sft); 0 = off", ge=0.0)
+    sft_beta: float = _f(0.0, "weight of the best-path SFT term (Dynamic-TreeRPO / LayerTuning-RL, flowgrpo.objectives.terms.sft); 0 = off", ge=0.0)
 
 
 def best_paths(rollout, leaf_values: Tensor, leaf_mask: Tensor) -> list[Tensor]:
@@ -61,7 +61,7 @@ def best_path_sft_loss(batch, mean: Tensor, best: list[Tensor], weight: float) -
             locate each transition's child in the rollout).
         mean: mu_theta [m, ...] recomputed with gradients for the batch's rows.
         best: :func:`best_paths` of the rollout.
-        weight: lambda (``loss.grpo.sft_weight``).
+        weight: lambda (``loss.grpo.sft_beta``).
     """
     if weight <= 0 or batch.depth is None:
         return None
@@ -85,8 +85,8 @@ class BestPathSFT(LossTerm):
 
     @property
     def active(self) -> bool:
-        return self.opt.sft_weight > 0
+        return self.opt.sft_beta > 0
 
     def value(self, batch, mean: Tensor, best: list[Tensor]) -> Tensor | None:
         """:func:`best_path_sft_loss` of a micro-batch with this term's weight (None: no row on a path)."""
-        return best_path_sft_loss(batch, mean, best, self.opt.sft_weight)
+        return best_path_sft_loss(batch, mean, best, self.opt.sft_beta)
