@@ -48,6 +48,7 @@ from ..fields import help_field as _f
 from ..seeds import FORWARD_ROWS, derive_seed
 from .base import MicroLoss, Objective, UpdateContext
 from .forward_rows import logit_normal_times, per_row_mean, rollout_times, uniform_times
+from .terms.kl import velocity_kl
 
 
 @dataclass
@@ -300,7 +301,7 @@ class DiffusionDPOObjective(Objective):
         loss, z = diffusion_dpo_loss(err[:m], err[m:], ref[:m], ref[m:], o.beta)
         stats = {"dpo_logit": z.detach(), "dpo_accuracy": (z.detach() > 0).float(),
                  "fm_loss_chosen": err[:m].detach(), "fm_loss_rejected": err[m:].detach(),
-                 "kl": (per_row_mean((v - v_ref) ** 2)).detach().view(2, m).mean(0)}
+                 "kl": velocity_kl(v, v_ref).detach().view(2, m).mean(0)}
         return MicroLoss(loss=loss.mean(), stats=stats)
 
     def idle_pass(self, ctx: UpdateContext) -> Tensor:

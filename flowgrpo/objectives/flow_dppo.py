@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ..fields import help_field as _f
 from ..ops import GRPOLossOutput
+from ..ops.kl import mean_kl
 from ..samplers.recompute import transition_means
 from ..samplers.steps import gaussian_log_prob
 from .base import MicroLoss, UpdateContext
@@ -44,7 +45,6 @@ from .grpo import GRPOObjective
 from .grpo_stats import UpdateStatsCollector
 from .lora_fold import lora_folded
 from .terms.base import term_field
-from .terms.kl import gaussian_mean_kl
 from .terms.step_weights import StepWeightOptions
 
 
@@ -98,7 +98,7 @@ def flow_dppo_loss(prev_sample: Tensor, mean: Tensor, mean_old: Tensor, std: Ten
     ratio = torch.exp(logp - logp_old.to(acc))
     adv = advantages.to(acc)
     with torch.no_grad():
-        kl_old = gaussian_mean_kl(mu, mean_old, s if kl_coefficient else torch.ones_like(s))
+        kl_old = mean_kl(mu, mean_old, s if kl_coefficient else torch.ones_like(s))
         outside = kl_old >= kl_threshold
         drop_high = outside & (ratio > 1) & (adv > 0)
         drop_low = outside & (ratio < 1) & (adv < 0)
@@ -108,7 +108,7 @@ def flow_dppo_loss(prev_sample: Tensor, mean: Tensor, mean_old: Tensor, std: Ten
     loss = (weights.to(acc) * surrogate).mean()
     kl_ref = torch.zeros_like(logp)
     if mean_ref is not None and kl_beta > 0:
-        kl_ref = gaussian_mean_kl(mu, mean_ref, s)
+        kl_ref = mean_kl(mu, mean_ref, s)
         loss = loss + kl_beta * kl_ref.mean()
     return FlowDPPOLossOutput(loss=loss, logp=logp.detach(), ratio=ratio.detach(), kl=kl_ref.detach(),
                               clipped_high=drop_high, clipped_low=drop_low, kl_old=kl_old, outside=outside)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ..samplers.steps import gaussian_log_prob
+from .kl import mean_kl
 from .output import GRPOLossOutput
 
 
@@ -68,7 +69,7 @@ def grpo_loss_ref(
     if mean_ref is not None and beta != 0.0:
         if kl_sigma is None:
             raise ValueError("mean_ref given without kl_sigma")
-        kl = ((mu - mean_ref.to(acc).reshape(n, -1)) ** 2).mean(1) / (2 * kl_sigma.to(acc) ** 2)
+        kl = mean_kl(mu, mean_ref, kl_sigma)
         loss = policy_loss + beta * kl.mean()
     else:
         kl = torch.zeros_like(logp)

@@ -9,20 +9,21 @@
   AWM's ELBO option keeps (``kl_sigma_weighting``, noise level a = ``kl_noise_level``). The reference
   is the frozen base model, or (``reference="ema"``) a lagging copy of the trained weights (AWM's
   second KL).
-* :func:`gaussian_mean_kl`, the exact KL per latent element between two transition Gaussians of one
-  std (Flow-DPPO's trust region and its reference KL). GRPO's own KL (``loss.grpo.kl_beta``) is computed
-  inside the fused loss op (:mod:`flowgrpo.ops`) from the same means.
+
+The KL itself is :func:`flowgrpo.ops.kl.mean_kl`, the one KL of the non-fused paths: here without a
+std (the velocity KL), in Flow-DPPO's trust region and reference KL with the transition std, and in
+GRPO's reference op (``loss.grpo.kl_beta``) with sigma_t or the transition std; the fused op
+computes the same in its kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ...fields import help_field as _f
-from ..forward_rows import per_row_mean
+from ...ops.kl import mean_kl
 from .base import LossTerm
 
 
@@ -42,17 +43,8 @@ def kl_sigma_factor(t: Tensor, noise_level: float) -> Tensor:
 def velocity_kl(v: Tensor, v_ref: Tensor, t: Tensor | None = None, noise_level: float | None = None) -> Tensor:
     """mean_D((v - v_ref)^2) per row [R] of velocities [R, ...]; divided by 2 sigma_t^2 when
     ``noise_level`` is given (t [R] then the rows' times)."""
-    kl = per_row_mean((v - v_ref) ** 2)
+    kl = mean_kl(v, v_ref)
     return kl if noise_level is None else kl * kl_sigma_factor(t.to(kl.device), noise_level)
-
-
-def gaussian_mean_kl(mean: Tensor, other: Tensor, std: Tensor) -> Tensor:
-    """KL between N(other, s^2 I) and N(mean, s^2 I) per element: mean_D((mean - other)^2) / (2 s^2), [N].
-
-    Args: mean, other [N, ...]; std [N] (the shared std of both). Computed in mean's dtype."""
-    n = mean.shape[0]
-    diff = (mean - other.to(mean.dtype)).reshape(n, -1)
-    return (diff**2).mean(1) / (2 * std.to(mean.dtype).reshape(n) ** 2)
 
 
 class VelocityKL(LossTerm):
