@@ -3,7 +3,7 @@
 Both paths train the same policy (the tiny random SD3 with a LoRA adapter) with the same update
 code; they differ in who samples:
 
-* **sd3 path**: :class:`~flowgrpo.trainer.trainer.GRPOTrainer`'s own rollout
+* **sd3 path**: :class:`~flowgrpo.trainer.trainer.Trainer`'s own rollout
   (:class:`~flowgrpo.samplers.forest_sampler.ForestSampler` calling the policy's velocity);
 * **plug-in path**: the stock ``StableDiffusion3Pipeline`` built over the *same* modules, with
   :class:`~flowgrpo.diffusers.scheduler.FlowGRPOScheduler` and the recorder
@@ -34,7 +34,7 @@ BOUND = 1.05
 
 def _trainer(model_dir: Path, prompt_file: Path, prompts: int, group: int, steps: int, resolution: int):
     from flowgrpo.config import load_config
-    from flowgrpo.trainer.trainer import GRPOTrainer
+    from flowgrpo.trainer.trainer import Trainer
 
     cfg = load_config("flow-grpo", None, [
         "model.name=sd3", f"model.path={model_dir}", f"model.resolution={resolution}", "model.lora_rank=4",
@@ -42,7 +42,7 @@ def _trainer(model_dir: Path, prompt_file: Path, prompts: int, group: int, steps
         f"data.prompts_per_iteration={prompts}", f"data.trees_per_prompt={group}", f"sampler.num_steps={steps}",
         "loss.grpo.kl_beta=0", "eval.evaluator=none", "train.threads=1", "train.ema=false", "log.progress=false"],
         recipe="shapes")
-    return GRPOTrainer(cfg)
+    return Trainer(cfg)
 
 
 def _plugin_iteration(trainer, pipe, it: int) -> int:

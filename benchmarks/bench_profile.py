@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.config import load_config
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 from . import output_dir, write_json
 
@@ -63,7 +63,7 @@ def profile_iterations(preset: str = "shapes", iterations: int = 5, warmup: int 
     """Time ``iterations`` iterations (after ``warmup``) of ``preset``. Returns seconds per phase
     (summed over the timed iterations), the total and each phase's share."""
     cfg = load_config(preset, None, list(overrides))
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     clock = _Clock()
     clock.wrap(trainer.policy, "_forward", "model forward")
     clock.wrap(trainer.accelerator, "backward", "model backward")

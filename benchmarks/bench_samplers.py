@@ -1,7 +1,7 @@
 """`flowgrpo bench samplers`: cost of one GRPO iteration for every preset on one model.
 
 Every preset (all of ``flowgrpo.config.preset_names()`` except ``shapes``, which is the flow-grpo
-setup on the shapes world) is run by :class:`~flowgrpo.trainer.trainer.GRPOTrainer` on the same
+setup on the shapes world) is run by :class:`~flowgrpo.trainer.trainer.Trainer` on the same
 model (default: the tiny random SD3, ``model.name=sd3-tiny``), the same reward (JPEG
 compressibility), the same prompts and the same
 
@@ -166,7 +166,7 @@ def run_bench_samplers(json_path=None, presets=None, iterations: int = ITERATION
     The CSV (``out_dir``/samplers.csv, default: the current directory) adds the settings and the
     extra columns of the table.
     """
-    from flowgrpo.trainer.trainer import GRPOTrainer
+    from flowgrpo.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     names = bench_presets(presets)
@@ -182,7 +182,7 @@ def run_bench_samplers(json_path=None, presets=None, iterations: int = ITERATION
                 cfg, leaves, trees = bench_config(name, prompts_file=str(prompts_file), num_steps=num_steps,
                                                   group_size=group_size, prompts_per_iteration=prompts_per_iteration,
                                                   model=model, resolution=resolution)
-                trainer = GRPOTrainer(cfg)
+                trainer = Trainer(cfg)
                 for _ in range(warmup):
                     trainer.iteration_step()
                 runs[name] = {"cfg": cfg, "trainer": trainer, "leaves_per_tree": leaves, "trees": trees,

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from .config import RunConfig, load_config
 from .errors import UserError
 from .rewards.callable import CallableReward
-from .trainer.callbacks import Callback
+from .callbacks import Callback
 from .trainer.checkpoint import read_run_config
 from .trainer.run import train as run_training
 from .trainer.trainer import Trainer

@@ -346,7 +346,7 @@ def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_tr
             except UserError as exc:
                 raise ConfigError(f"config key '{key}': {exc}") from None
     if cfg.eval.evaluator not in ("auto", "none"):
-        from .evaluation import EVALUATORS
+        from .evaluators import EVALUATORS
 
         if cfg.eval.evaluator not in EVALUATORS:
             raise ConfigError(f"config key 'eval.evaluator': unknown evaluator {cfg.eval.evaluator!r}; valid choices: "

@@ -1,6 +1,6 @@
 """Reference images of image-editing prompts: reading them, resizing them, handing them to pipelines.
 
-A prompt file's ``image`` column (:func:`flowgrpo.shapes.prompts.load_prompt_file`) names one image
+A prompt file's ``image`` column (:func:`flowgrpo.data.load_prompt_file`) names one image
 per prompt; :class:`~flowgrpo.data.PromptSource` draws them with the prompts as float tensors
 [3, H, W] in [0, 1] at their own size. The policy of an edit pipeline resizes them to its resolution
 and hands them to the pipeline as PIL images (:func:`to_pil`); rewards that ask for them

@@ -16,12 +16,12 @@ import torch  # noqa: E402
 
 from flowgrpo.config import load_config  # noqa: E402
 from flowgrpo.trainer.launch import close_process_group  # noqa: E402
-from flowgrpo.trainer.trainer import GRPOTrainer  # noqa: E402
+from flowgrpo.trainer.trainer import Trainer  # noqa: E402
 
 
 def main() -> None:
     out, iterations, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    trainer = GRPOTrainer(load_config("shapes", None, overrides))
+    trainer = Trainer(load_config("shapes", None, overrides))
     record = {"world": trainer.dp.world, "engine": trainer.engine.name, "leaf_advantages": [], "edge_advantages": [],
               "weights": [], "metrics": [], "local_trees": [],
               # elements of the trainable weights this rank holds (all of them unless sharded)

@@ -160,10 +160,10 @@ def test_estimator_on_a_chain_rollout(combine):
 
 def test_nan_reward_registered_in_tests_drops_and_counts(tiny_config):
     """The trainer keeps going when a reward fails on some samples: those are dropped and counted."""
-    from flowgrpo.trainer.trainer import GRPOTrainer
+    from flowgrpo.trainer.trainer import Trainer
 
     cfg = tiny_config(**{"reward.weights": f"{{{NAN_EVERY_THIRD}: 1.0}}", "loss.grpo.backend": "reference"})
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.policy.trainable_state_dict().items()}
     out = trainer.iteration_step()
     m = out.metrics

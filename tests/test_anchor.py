@@ -8,14 +8,14 @@ import torch
 
 from flowgrpo.objectives.terms.anchor import ode_anchor_loss, ode_depths
 from flowgrpo.config import load_config
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 
 def _trainer(model_dir, **extra):
     ov = [f"model.path={model_dir}", "data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=6",
           "strategy.window=2", "loss.grpo.anchor_beta=1.0", "loss.grpo.backend=reference", "train.ema=false",
           "reward.weights={test_brightness: 1.0}", "log.progress=false"] + [f"{k}={v}" for k, v in extra.items()]
-    return GRPOTrainer(load_config("shapes", None, ov))
+    return Trainer(load_config("shapes", None, ov))
 
 
 def _rollout(trainer, it=0):

@@ -14,8 +14,8 @@ import torch
 from conftest import tiny_overrides
 from flowgrpo.config import load_config
 from flowgrpo.errors import UserError
-from flowgrpo.shapes.model import ShapesFlowModel
-from flowgrpo.trainer.base_weights import BASE_FILE, shapes_base_fingerprint
+from flowgrpo.shapes.model import ShapesFlowModel, base_fingerprint
+from flowgrpo.trainer.base_weights import BASE_FILE
 from flowgrpo.trainer.checkpoint import load_trained_policy
 from flowgrpo.trainer.run import train
 
@@ -29,7 +29,7 @@ def test_a_run_refuses_base_weights_it_was_not_trained_from(shapes_model_dir, tm
     train(cfg)
     run = tmp_path / "r"
     recorded = json.loads((run / BASE_FILE).read_text())
-    assert recorded == shapes_base_fingerprint(str(base)) and len(recorded["sha256"]) == 64
+    assert recorded == base_fingerprint(str(base)) and len(recorded["sha256"]) == 64
     load_trained_policy(run)  # the same base: loads
 
     with torch.random.fork_rng(devices=[]):  # the same architecture, other weights (a retrained base)

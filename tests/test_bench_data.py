@@ -14,7 +14,7 @@ import pytest
 from flowgrpo.benches.suites import BENCHES, bench_names, bench_prompts, get_bench
 from flowgrpo.errors import UserError
 from flowgrpo.rewards.geneval import TAGS
-from flowgrpo.shapes.prompts import load_prompt_file
+from flowgrpo.data import load_prompt_file
 
 DATA = Path(str(resources.files("flowgrpo.benches").joinpath("data")))
 
@@ -157,7 +157,7 @@ def test_a_recipe_names_a_shipped_prompt_file_by_its_name():
     path that exists wins over a shipped name."""
     from flowgrpo.benches.suites import bench_prompts, get_bench, shipped_file
     from flowgrpo.config import compose_config
-    from flowgrpo.shapes.prompts import load_prompt_file
+    from flowgrpo.data import load_prompt_file
 
     for recipe, bench in (("sd35-geneval", "geneval"), ("sd35-ocr", "ocr")):
         ev = compose_config("flow-grpo", recipe=recipe).config.eval

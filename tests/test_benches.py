@@ -159,7 +159,7 @@ def test_geneval_bench_end_to_end_on_a_tiny_pipeline_detector_and_clip(lora_run,
     assert set(model["per_tag"]) == {"single_object", "counting", "colors"} and model["num_images"] == 6
     assert model["headline"] == pytest.approx(sum(model["per_tag"].values()) / 3)
     # each score is the official verdict of the PNG file it was drawn to
-    from flowgrpo.benches.runner import _read_png
+    from flowgrpo.commands.bench_eval import _read_png
 
     reward = build_reward("geneval", score="geneval", **options)
     files = sorted((out / "model0").glob("*.png"))

@@ -22,7 +22,7 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.trainer.run import train
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -121,7 +121,7 @@ def test_presets_describe_themselves():
 
 
 def run_two(cfg):
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     results = [trainer.iteration_step() for _ in range(2)]
     return trainer, results
 

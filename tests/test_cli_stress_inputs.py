@@ -81,7 +81,7 @@ def test_a_group_of_one_is_refused_only_where_it_trains_nothing(shapes_model_dir
     """Chains (one leaf per tree) with one tree per prompt: refused, because such a run really trains
     nothing (shown by building it anyway). Tree methods with one tree per prompt (the group is the
     tree's leaves) load as before."""
-    from flowgrpo.trainer.trainer import GRPOTrainer
+    from flowgrpo.trainer.trainer import Trainer
 
     for preset in ("flow-grpo", "shapes", "shapes-nft", "dance-grpo"):
         with pytest.raises(ConfigError, match=r"config key 'data\.trees_per_prompt' = 1 trains nothing"):
@@ -91,7 +91,7 @@ def test_a_group_of_one_is_refused_only_where_it_trains_nothing(shapes_model_dir
     # the refused configuration, built behind validation's back: no sample carries signal, nothing trains
     cfg = load_config("shapes", None, tiny_overrides(shapes_model_dir) + [SIGNAL, "loss.grpo.backend=reference"])
     cfg.data.trees_per_prompt = 1
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.policy.trainable_state_dict().items()}
     m = trainer.iteration_step().metrics
     assert m["zero_std_ratio"] == 1.0 and "loss" not in m  # no row carries signal: no update ran
@@ -379,7 +379,7 @@ def sparse_file(path: Path, mib: int) -> Path:
 def test_sample_refuses_a_prompt_file_over_the_limit_before_reading_it(tmp_path, capsys, monkeypatch):
     """``sample --prompts`` checks the same limit as ``train`` (one reader, one constant), from the file's
     size: nothing of it is read (it used to be read whole first: 1.9 GiB RSS for 128 MiB of text)."""
-    from flowgrpo.shapes import prompts
+    from flowgrpo.data import prompt_files as prompts
 
     big = sparse_file(tmp_path / "big.txt", 128)
     monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read"))
@@ -450,10 +450,10 @@ def test_divergence_names_the_first_broken_weight(tiny_config):
     """The check after each iteration: finite samples and weights pass; a NaN weight is named."""
     from types import SimpleNamespace
 
-    from flowgrpo.trainer.run import _divergence
-    from flowgrpo.trainer.trainer import GRPOTrainer
+    from flowgrpo.trainer.run_parts import divergence as _divergence
+    from flowgrpo.trainer.trainer import Trainer
 
-    trainer = GRPOTrainer(tiny_config())
+    trainer = Trainer(tiny_config())
     out = SimpleNamespace(images=torch.rand(2, 3, 8, 8), metrics={"loss": 0.5, "grad_norm": 1.0})
     assert _divergence(trainer, out) is None
     assert _divergence(trainer, SimpleNamespace(images=out.images, metrics={"loss": float("nan")})) == "loss is nan"

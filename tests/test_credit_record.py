@@ -10,7 +10,7 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.objectives.base import Credit
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 SHRINK = ["sampler.num_steps=6", "data.prompts_per_iteration=2", "data.trees_per_prompt=1", "train.threads=1",
           "strategy.splits=[0, 2]", "strategy.depth_prune=0"]
@@ -38,7 +38,7 @@ def _trainer(shapes_model_dir, objective, width_prune):
     cfg = load_config("branch-grpo", None, [f"model.path={shapes_model_dir}", *SHRINK, f"loss.objective={objective}",
                                             f"strategy.width_prune={width_prune}",
                                             "reward.weights={jpeg_compressibility: 1.0}"], recipe="shapes")
-    return GRPOTrainer(cfg)
+    return Trainer(cfg)
 
 
 def test_width_pruning_reaches_the_forward_process_rows(shapes_model_dir):

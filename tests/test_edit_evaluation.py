@@ -12,7 +12,7 @@ import torch
 
 from flowgrpo.cli import main
 from flowgrpo.config import EvalConfig, ModelConfig
-from flowgrpo.edit_evaluator import EditEvaluator
+from flowgrpo.evaluation.edit import EditEvaluator
 from flowgrpo.errors import ConfigError, UserError
 from flowgrpo.images import to_uint8
 from flowgrpo.policies import build_policy

@@ -35,7 +35,7 @@ from flowgrpo.policies.diffusers.generic.adapter import PipelinePolicy
 from flowgrpo.references import quantize, resize_references, to_pil
 from flowgrpo.rewards import build_reward
 from flowgrpo.samplers.solvers import solve_ode
-from flowgrpo.shapes.prompts import load_prompt_file
+from flowgrpo.data import load_prompt_file
 from flowgrpo.trainer import run as run_module
 from flowgrpo.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -225,7 +225,7 @@ def family(request, tmp_path_factory):
     prompts, refs = edit_prompt_file(root)
     trainers = []
 
-    class Capturing(run_module.GRPOTrainer):
+    class Capturing(run_module.Trainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             trainers.append(self)
@@ -238,7 +238,7 @@ def family(request, tmp_path_factory):
             "train.iterations=2", "train.threads=1", "train.lr=3e-2", "eval.evaluator=none", "log.progress=false",
             "log.trackers=[]", "log.checkpoint_every=1", f"log.out_dir={root}", "log.run_name=run"]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run_module, "GRPOTrainer", Capturing)
+        mp.setattr(run_module, "Trainer", Capturing)
         assert main(argv) == 0
     return name, base, case, root / "run", refs, trainers[0].policy
 

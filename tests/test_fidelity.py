@@ -137,7 +137,7 @@ def test_eval_result_json_has_fidelity():
 
 def test_curve_and_before_after_figures_with_and_without_fidelity(tmp_path):
     from flowgrpo.output.plots import save_accuracy_curve
-    from flowgrpo.trainer.run import _save_before_after
+    from flowgrpo.evaluation.in_training import save_before_after as _save_before_after
 
     old = [{"iteration": 0, "train_seconds": 0.0, "accuracy": 0.4, "accuracy_unseen": 0.3},
            {"iteration": 5, "train_seconds": 60.0, "accuracy": 0.6, "accuracy_unseen": None}]

@@ -140,7 +140,7 @@ def test_saved_lora_loads_into_stock_pipeline(flux_dir, tmp_path):
 
 
 def test_tiny_flux_trains_two_iterations(flux_dir, tmp_path):
-    from flowgrpo.trainer.trainer import GRPOTrainer
+    from flowgrpo.trainer.trainer import Trainer
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a cat\na red circle on a white table\na mountain lake at dawn\n")
@@ -151,7 +151,7 @@ def test_tiny_flux_trains_two_iterations(flux_dir, tmp_path):
         "data.trees_per_prompt=2", "sampler.num_steps=3", "train.iterations=2", "train.threads=1", "train.lr=1e-3",
         "eval.evaluator=none", "log.progress=false", f"log.out_dir={tmp_path / 'runs'}",
     ], recipe="shapes")
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     policy = trainer.policy
     assert isinstance(policy, FluxPolicy)
     lora_before = policy.trainable_state_dict()

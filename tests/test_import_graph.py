@@ -28,6 +28,8 @@ def _modules() -> dict[str, Path]:
         if not base.is_dir():
             continue
         for path in base.rglob("*.py"):
+            if folder == "benchmarks" and path.relative_to(base).parts[0] == "experiments":
+                continue  # scripts kept with their results, not modules of the package (no __init__.py)
             rel = path.relative_to(base).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             mods[".".join([pkg, *parts])] = path
@@ -145,3 +147,16 @@ def test_no_folder_level_cycles():
 def test_shared_leaves_import_nothing_but_each_other(leaf):
     deps = _graph()[leaf]
     assert deps <= set(LEAVES), f"{leaf} imports {sorted(deps - set(LEAVES))}"
+
+
+#: the stages every model shares: the embedded world enters them only through registries (by name),
+#: like any model, reward or evaluator
+GENERIC = ("flowgrpo.trainer", "flowgrpo.objectives", "flowgrpo.samplers", "flowgrpo.policies")
+
+
+@pytest.mark.parametrize("package", GENERIC)
+def test_generic_stages_never_import_the_shapes_world(package):
+    graph = _graph()
+    found = sorted(f"{mod} -> {dep}" for mod, deps in graph.items() if mod == package or mod.startswith(package + ".")
+                   for dep in deps if dep == "flowgrpo.shapes" or dep.startswith("flowgrpo.shapes."))
+    assert not found, "the shapes world imported by generic code: " + "; ".join(found)

@@ -19,7 +19,7 @@ from flowgrpo.samplers.rollout import ForestSampler
 from flowgrpo.samplers.schedule import sigma_grid
 from flowgrpo.samplers.solvers import compressed_grid
 from flowgrpo.samplers.strategies import STRATEGIES, build_strategy
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -94,7 +94,7 @@ def test_dance_preset_settings():
     # a fresh random 60 % of the timesteps each iteration
     fake = SimpleNamespace(cfg=cfg)
     plan = build_strategy(cfg.sampler, cfg.strategy).plan(0)
-    chosen = [GRPOTrainer.select_steps(fake, plan, it) for it in range(6)]
+    chosen = [Trainer.select_steps(fake, plan, it) for it in range(6)]
     assert all(len(c) == 6 and c == sorted(set(c)) for c in chosen)  # round(0.6 * 10)
     assert len({tuple(c) for c in chosen}) > 1
 

@@ -223,7 +223,7 @@ class _Trainer:
     """What MonitorAlarms reads of a trainer: its iteration and callbacks."""
 
     def __init__(self):
-        from flowgrpo.trainer.callbacks import CallbackList
+        from flowgrpo.callbacks import CallbackList
 
         self.iteration, self.callbacks = 0, CallbackList()
 

@@ -5,7 +5,7 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.ops import active_backend
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 
 def _one_iteration(model_dir, backend):
@@ -14,7 +14,7 @@ def _one_iteration(model_dir, backend):
         "train.ema=false", "train.lr=1e-3", f"loss.grpo.backend={backend}", "loss.grpo.clip_range=1e-3",
         "loss.grpo.kl_beta=0.01", "loss.grpo.guard=true", "reward.weights={test_brightness: 1.0}",
     ])
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     grads = {}
     step = trainer.optimizer.step
 

@@ -15,7 +15,7 @@ from flowgrpo.rewards.pairwise import (PairwiseJudgeBase, PairwiseReward, Shapes
                                        win_rates)
 from flowgrpo.shapes.prompts import parse_prompt
 from flowgrpo.shapes.world import render
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -167,7 +167,7 @@ def test_shapes_judge_and_reward():
     assert out.components["ties"].tolist() == [0, 1, 1, 1, 1] and not out.components["failed"].any()
     # the trainer hands the leaves' group ids to every reward
     trainer = SimpleNamespace(rewards={"shapes_pairwise": reward}, cfg=SimpleNamespace(reward=SimpleNamespace(frame_stride=1)))
-    scores, comps = GRPOTrainer.score(trainer, images, prompts, torch.tensor([0, 0, 0, 1, 1]))
+    scores, comps = Trainer.score(trainer, images, prompts, torch.tensor([0, 0, 0, 1, 1]))
     torch.testing.assert_close(scores["shapes_pairwise"], out.scores)
     assert "shapes_pairwise.failed" in comps
 

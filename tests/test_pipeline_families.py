@@ -129,13 +129,13 @@ def family(request, tmp_path_factory):
     cfg = run_config(base, case, root)
     trainers = []
 
-    class Capturing(run_module.GRPOTrainer):
+    class Capturing(run_module.Trainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             trainers.append(self)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run_module, "GRPOTrainer", Capturing)
+        mp.setattr(run_module, "Trainer", Capturing)
         run_module.train(cfg)
     return name, base, case, root / "run", cfg, trainers[0].policy
 

@@ -20,7 +20,7 @@ from conftest import cli_env, flowgrpo_command, tiny_overrides
 from test_cli_errors import one_line_error
 
 from flowgrpo.cli import main
-from flowgrpo.trainer import run as run_module
+from flowgrpo.trainer import run_state as run_module
 from flowgrpo.trainer.run_lock import LOCK_FILE, RunFolderInUse, lock_run_dir
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="flock")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowgrpo.config import load_config
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def test_tiny_sd3_trains_two_iterations(prompt_file):
         "data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3", "sampler.strategy=flow_grpo", "sampler.shift=3.0",
         "train.iterations=2", "train.threads=1", "train.lr=1e-3", "log.progress=false",
     ], recipe="shapes")
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     policy = trainer.policy
     assert tuple(policy.latent_shape) == (16, 8, 8)
     lora_before = policy.trainable_state_dict()

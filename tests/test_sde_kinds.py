@@ -125,7 +125,7 @@ _METHOD_PRESETS = _shapes_presets()
 def test_every_preset_and_sde_kind_gives_a_finite_loss(preset, kind, shapes_model_dir):
     """One iteration with a stochastic reward (JPEG size of noisy images varies by sample) on a short
     grid, so that branch points reach the last step: the loss and every metric are finite."""
-    from flowgrpo.trainer.trainer import GRPOTrainer
+    from flowgrpo.trainer.trainer import Trainer
 
     overrides = [f"model.path={shapes_model_dir}", f"sampler.sde_kind={kind}", "sampler.num_steps=4",
                  "data.prompts_per_iteration=1", "train.micro_batch=512", "log.progress=false",
@@ -141,7 +141,7 @@ def test_every_preset_and_sde_kind_gives_a_finite_loss(preset, kind, shapes_mode
             "mix_grpo_flash_star": ["strategy.window=2"]}
     overrides += opts.get(strategy or "", [])
     cfg = load_config(preset, None, overrides)
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     m = trainer.iteration_step().metrics
     assert "loss" in m, f"{preset}/{kind}: no transition was trained"
     bad = {k: v for k, v in m.items() if isinstance(v, float) and not np.isfinite(v) and k != "reward_mean"}

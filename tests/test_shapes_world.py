@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from flowgrpo.data import PromptSource
+from flowgrpo.data import PromptSource, load_prompt_file
 from flowgrpo.evaluation import paired_gain
 from flowgrpo.shapes.evaluate import heldout_prompts, score_shapes
 from flowgrpo.rewards import build_reward
 from flowgrpo.shapes.pretrain import make_batch, parse_noise
-from flowgrpo.shapes.prompts import (factor_pairs, heldout_specs, is_heldout, load_prompt_file, parse_prompt,
+from flowgrpo.shapes.prompts import (factor_pairs, heldout_specs, is_heldout, parse_prompt,
                                      seen_specs, split_specs)
 from flowgrpo.shapes.verify import UNKNOWN, detect, verify
 from flowgrpo.shapes.world import (CELL, GRID, SHAPES, TAGS, VOCAB, ObjectSpec, SceneSpec, all_specs, draw, place,

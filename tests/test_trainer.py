@@ -1,4 +1,4 @@
-"""GRPOTrainer on the random-init shapes model: on-policy ratio, determinism, in-process resume, edge cases."""
+"""Trainer on the random-init shapes model: on-policy ratio, determinism, in-process resume, edge cases."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from conftest import BRIGHTNESS, CONSTANT, NAN_EVERY_THIRD
 from flowgrpo.ops.reference import grpo_loss_ref
 from flowgrpo.samplers import sde_step
 from flowgrpo.seeds import ROLLOUT, derive_seed
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 TIMING = ("rollout_s", "collect_s", "train_s", "iter_s", "train_seconds")
 
@@ -29,7 +29,7 @@ def brightness_cfg(tiny_config, **extra):
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, backend):
     cfg = brightness_cfg(tiny_config, **{"loss.grpo.backend": backend})
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     policy = trainer.policy
 
     # 1. independently: rebuild iteration 0's rollout, recompute every SDE mean with the same
@@ -79,7 +79,7 @@ def test_importance_ratio_is_one_on_the_first_on_policy_update(tiny_config, back
 
 def test_two_runs_with_the_same_seed_are_identical(tiny_config):
     cfg = brightness_cfg(tiny_config, **{"loss.grpo.backend": "reference"})
-    a, b = GRPOTrainer(cfg), GRPOTrainer(cfg)
+    a, b = Trainer(cfg), Trainer(cfg)
     for _ in range(2):
         ma, mb = a.iteration_step().metrics, b.iteration_step().metrics
         assert numeric(ma) == numeric(mb)
@@ -89,14 +89,14 @@ def test_two_runs_with_the_same_seed_are_identical(tiny_config):
 
 def test_state_dict_resume_reproduces_the_uninterrupted_run(tiny_config):
     cfg = brightness_cfg(tiny_config, **{"loss.grpo.backend": "reference", "train.lr": 1e-3})
-    full = GRPOTrainer(cfg)
+    full = Trainer(cfg)
     ref = [numeric(full.iteration_step().metrics) for _ in range(3)]
 
-    first = GRPOTrainer(cfg)
+    first = Trainer(cfg)
     first.iteration_step()
     state = first.state_dict()
     state = {k: (v.copy() if isinstance(v, dict) else v) for k, v in state.items()}
-    resumed = GRPOTrainer(cfg)
+    resumed = Trainer(cfg)
     resumed.load_state_dict(state)
     assert resumed.iteration == 1
     got = [numeric(resumed.iteration_step().metrics) for _ in range(2)]
@@ -107,7 +107,7 @@ def test_state_dict_resume_reproduces_the_uninterrupted_run(tiny_config):
 
 def test_zero_std_everywhere_means_no_update(tiny_config):
     cfg = tiny_config(**{"reward.weights": f"{{{CONSTANT}: 1.0}}"})
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     before = trainer.policy.trainable_state_dict()
     m = trainer.iteration_step().metrics
     assert m["zero_std_ratio"] == 1.0
@@ -135,7 +135,7 @@ def test_run_with_nan_rewards_finishes_and_counts_them(tiny_config, tmp_path):
 def test_timestep_fraction_selects_a_subset(tiny_config):
     cfg = brightness_cfg(tiny_config, **{"train.timestep_fraction": 0.5, "train.timestep_order": "random",
                                          "loss.grpo.backend": "reference"})
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     m = trainer.iteration_step().metrics
     assert m["trained_steps"] == 2
     assert m["transitions"] == 2 * cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
@@ -146,7 +146,7 @@ def test_timestep_fraction_selects_a_subset(tiny_config):
 def test_cps_kind_is_on_policy_too(tiny_config):
     """CPS rollouts store the Gaussian log-prob the loss recomputes; the std-0 last step runs as ODE."""
     cfg = brightness_cfg(tiny_config, **{"sampler.sde_kind": "cps", "loss.grpo.backend": "reference"})
-    m = GRPOTrainer(cfg).iteration_step().metrics
+    m = Trainer(cfg).iteration_step().metrics
     assert m["onpolicy_ratio_maxdev"] < 1e-6
     assert np.isfinite(m["loss"])
 

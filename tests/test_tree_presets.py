@@ -1,6 +1,6 @@
 """The tree-method presets (issue 3) train end to end: shapes world (random tiny model) and tiny SD3.
 
-Each preset runs 2 iterations of :class:`GRPOTrainer` shrunk to seconds (6 steps, 2 prompts, smaller
+Each preset runs 2 iterations of :class:`Trainer` shrunk to seconds (6 steps, 2 prompts, smaller
 trees through strategy overrides); the first update is fully on-policy, so its importance ratio is 1.
 The reference loss backend is used: the fused op's JIT build is not what these tests are about.
 """
@@ -15,7 +15,7 @@ import torch
 from flowgrpo.config import load_config, read_preset
 from flowgrpo.samplers.strategies import build_strategy
 from flowgrpo.objectives.terms.sft import BestPathSFT
-from flowgrpo.trainer.trainer import GRPOTrainer
+from flowgrpo.trainer.trainer import Trainer
 
 PRESETS = {
     # preset: (overrides that shrink it, expected leaves per tree after shrinking)
@@ -49,7 +49,7 @@ def prompt_file(tmp_path_factory):
 
 
 def _run(cfg, leaves_per_tree: int):
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     results = [trainer.iteration_step() for _ in range(2)]
     trees = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
     for res in results:
@@ -85,7 +85,7 @@ def test_tree_rpo_hooks_run_in_the_trainer(shapes_model_dir):
     cfg = load_config("tree-rpo", None, [f"model.path={shapes_model_dir}", *COMMON, *extra,
                                          "reward.weights={jpeg_compressibility: 1.0}"], recipe="shapes")
     assert cfg.loss.grpo.clip_adapt == 1.0 and cfg.loss.grpo.sft_beta == 0.1  # the preset sets both
-    trainer = GRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     calls = {"sft": []}
     value0 = BestPathSFT.value
 

@@ -215,7 +215,7 @@ def test_width_pruning_top_bottom_keeps_best_and_worst_quarter():
 
 def test_trainer_pruning_leaves_rollout_and_rewards_alone(shapes_model_dir):
     from flowgrpo.config import load_config
-    from flowgrpo.trainer.trainer import GRPOTrainer
+    from flowgrpo.trainer.trainer import Trainer
 
     common = [f"model.path={shapes_model_dir}", "sampler.strategy=branch_grpo", "sampler.num_steps=4",
               "strategy.splits=[0, 2]", "advantage.estimator=branch_grpo", "data.prompts_per_iteration=2",
@@ -223,7 +223,7 @@ def test_trainer_pruning_leaves_rollout_and_rewards_alone(shapes_model_dir):
               "loss.grpo.backend=reference", "train.threads=1"]
     runs = {}
     for name, extra in (("plain", []), ("pruned", ["strategy.width_prune=top", "strategy.depth_prune=1"])):
-        tr = GRPOTrainer(load_config("shapes", None, common + extra))
+        tr = Trainer(load_config("shapes", None, common + extra))
         runs[name] = tr.iteration_step()
     a, b = runs["plain"], runs["pruned"]
     assert torch.equal(a.images, b.images)

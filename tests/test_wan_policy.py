@@ -85,7 +85,7 @@ def test_wan_trains_two_iterations_and_writes_mp4(wan_dir, prompt_file, tmp_path
     cfg = load_config("flow-grpo", None, _overrides(wan_dir, prompt_file, "train.iterations=2", "log.grid_every=1",
                                                      "log.checkpoint_every=1"), recipe="shapes")
     captured = {}
-    real_trainer = run_mod.GRPOTrainer
+    real_trainer = run_mod.Trainer
 
     def spy(*args, **kwargs):
         trainer = real_trainer(*args, **kwargs)
@@ -96,11 +96,11 @@ def test_wan_trains_two_iterations_and_writes_mp4(wan_dir, prompt_file, tmp_path
         captured["base"] = {n: p.detach().clone() for n, p in policy.named_parameters() if id(p) not in ids}
         return trainer
 
-    run_mod.GRPOTrainer = spy
+    run_mod.Trainer = spy
     try:
         summary = run_mod.train(cfg, tmp_path / "run")
     finally:
-        run_mod.GRPOTrainer = real_trainer
+        run_mod.Trainer = real_trainer
     assert summary["iterations"] == 2
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == 2
     assert math.isfinite(summary["final_metrics"]["loss"])

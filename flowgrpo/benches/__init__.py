@@ -2,6 +2,6 @@
 
 * :mod:`.suites`: each benchmark as data (:class:`~.suites.Bench`: its metric, protocol, headline);
 * :mod:`.scoring`: a benchmark's scorer and the summary of one model's scores (per tag, headline);
-* :mod:`.runner`: ``flowgrpo eval TARGET --bench NAME`` (drawing, scoring, resuming, the table);
-* :mod:`.evaluator`: the ``bench`` held-out evaluator, the same numbers during training.
+* :mod:`flowgrpo.commands.bench_eval`: ``flowgrpo eval TARGET --bench NAME`` (drawing, scoring, resuming, the table);
+* :mod:`flowgrpo.evaluation.bench`: the ``bench`` held-out evaluator, the same numbers during training.
 """

@@ -80,7 +80,7 @@ def _print_accuracy_table(res: dict, ckpt) -> None:
 
 
 def _cmd_bench(args) -> int:
-    from ..benches.runner import BenchOptions, run_bench
+    from .bench_eval import BenchOptions, run_bench
     from ..benches.suites import bench_prompts, get_bench
     from ..serve.server import parse_options
 

@@ -9,8 +9,9 @@ weights), a training run folder (its newest intact checkpoint, EMA weights when 
 checkpoint folder (``RUN/checkpoints/ckpt_N``). Writes ``probe.json`` and ``probe.csv`` into ``--out``.
 
 A command module in :mod:`flowgrpo.commands` (as ``flowgrpo bench``), not inside ``flowgrpo.shapes``: it
-reads training runs through ``flowgrpo.trainer``, which depends on the shapes world, so living in the
-world's folder would make a folder-level import cycle.
+reads training runs through ``flowgrpo.trainer`` (:func:`load_shapes_policy`, also what the world's
+experiment scripts read), and the world sits below the trainer's layers (the shapes reward is one of
+the rewards), so living in the world's folder would make a folder-level import cycle.
 """
 
 from __future__ import annotations
@@ -101,13 +102,34 @@ def print_tables(res: dict, title: str) -> None:
               f"{c['prompts_with_indistinguishable_twin']} of {c['num_prompts']}")
 
 
+def load_shapes_policy(weights: str | Path | None):
+    """(frozen shapes policy in eval mode, evaluation shift, description) for ``weights``: None (the shipped
+    weights), a weights folder (``model.safetensors`` + ``config.json``), a shapes run folder (its newest
+    intact checkpoint, EMA weights when kept) or one checkpoint folder. What ``flowgrpo shapes probe
+    --weights`` and the shapes experiment scripts read; anything else is one UserError."""
+    from ..shapes.model import ShapesFlowModel
+    from ..shapes.policy import ShapesPolicy
+    from ..trainer.checkpoint import CONFIG_FILE, STATE_FILE, load_trained_policy
+
+    if weights is None:
+        return ShapesPolicy(train_mode="frozen").eval(), 1.0, "shipped base weights"
+    path = Path(weights)
+    if (path / "model.safetensors").is_file():
+        return ShapesPolicy(ShapesFlowModel.load(path), train_mode="frozen").eval(), 1.0, f"weights {path}"
+    if not ((path / CONFIG_FILE).exists() or (path / STATE_FILE).exists()):
+        raise UserError(f"{path} is neither a shapes weights folder (model.safetensors), a run directory "
+                        "nor a checkpoint folder")
+    run = load_trained_policy(path, only_model="shapes")
+    run.policy.eval()
+    return run.policy, run.cfg.sampler.shift, f"{run.weights.kind} weights of {run.weights.path}"
+
+
 def _cmd_probe(args) -> int:
     import torch
 
     from ..images import to_uint8
     from ..shapes.evaluate import finish_ode, generate_ode
     from ..shapes.probe import THRESHOLD, run_probe
-    from ..trainer.checkpoint import load_shapes_policy
 
     for name in ("prompts", "seeds", "passk_prompts", "n"):
         if getattr(args, name) < 1:

@@ -63,7 +63,7 @@ class SampleOptions:
 
 def _check_options(opts: SampleOptions) -> list[dict]:
     """The prompt file's rows; one UserError for any bad option, before a model is built."""
-    from ..shapes.prompts import load_prompt_file
+    from ..data import load_prompt_file
 
     if opts.weights not in (None, "ema", "raw"):
         raise UserError(f"--weights must be ema or raw, got {opts.weights!r}")

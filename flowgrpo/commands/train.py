@@ -91,7 +91,8 @@ def _train_fresh(cfg) -> dict:
     have made it a moment before this one looked), is never removed."""
     import shutil
 
-    from ..trainer.run import make_run_dir, train
+    from ..trainer.run import train
+    from ..trainer.run_state import make_run_dir
     from ..trainer.run_lock import RunFolderInUse
 
     if os.environ.get("RANK", "0") != "0":  # another rank: the main process names the folder

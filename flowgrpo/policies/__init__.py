@@ -31,6 +31,11 @@ for _name, _target in (("shapes", "flowgrpo.shapes.policy:build_shapes_policy"),
                        ("pipeline", "flowgrpo.policies.diffusers.generic.loading:build_pipeline_policy")):
     POLICIES.register_lazy(_name, _target)
 
+#: models whose base weights a run fingerprints (``model.name`` -> ``fn(model_path) -> {"path", "sha256"}``):
+#: those whose default weights can change under a run between releases (:mod:`flowgrpo.trainer.base_weights`)
+BASE_FINGERPRINTS: Registry = Registry("base-weights fingerprint")
+BASE_FINGERPRINTS.register_lazy("shapes", "flowgrpo.shapes.model:base_fingerprint")
+
 #: diffusers pipeline class (``_class_name`` of ``model_index.json``) -> adapter name
 PIPELINE_ADAPTERS = {
     "StableDiffusion3Pipeline": "sd3",

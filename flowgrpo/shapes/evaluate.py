@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..evaluation import EvalResult
+from ..evaluators import EvalResult
 from ..images import to_uint8
 from ..samplers import euler_step, sigma_grid
 from .fidelity import fidelity_parts

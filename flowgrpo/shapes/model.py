@@ -14,6 +14,8 @@ exercised by the embedded default exactly as they are on the real model.
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -34,6 +36,15 @@ def weights_folder(directory: str | Path | None = None) -> Path:
     """The folder of shapes weights that ``directory`` names: itself, or (None / empty) the weights
     shipped inside the package, which is what ``model.path: null`` means."""
     return Path(directory) if directory else WEIGHTS_DIR
+
+
+def base_fingerprint(model_path: str | None) -> dict:
+    """{"path", "sha256"} of the base weights that ``model.path`` resolves to (None: the shipped weights),
+    which a run records (:mod:`flowgrpo.trainer.base_weights`); the hash is over ``model.safetensors``
+    (14 MB, tens of milliseconds)."""
+    folder = weights_folder(model_path)
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    return {"path": str(folder.resolve()), "sha256": digest}
 
 
 #: the text sides a shapes model can have (``ShapesModelConfig.text_encoder``)

@@ -339,24 +339,3 @@ def load_trained_policy(target: Path, only_model: str | None = None, *, prefer_e
     policy = build_policy(cfg.model)
     policy.load_trainable_state_dict(trained.weights)
     return TrainedPolicy(cfg, policy, trained)
-
-
-def load_shapes_policy(weights: str | Path | None):
-    """(frozen shapes policy in eval mode, evaluation shift, description) for ``weights``: None (the shipped
-    weights), a weights folder (``model.safetensors`` + ``config.json``), a shapes run folder (its newest
-    intact checkpoint, EMA weights when kept) or one checkpoint folder. What ``flowgrpo shapes probe
-    --weights`` and the shapes scripts in ``benchmarks/results`` read; anything else is one UserError."""
-    from ..shapes.model import ShapesFlowModel
-    from ..shapes.policy import ShapesPolicy
-
-    if weights is None:
-        return ShapesPolicy(train_mode="frozen").eval(), 1.0, "shipped base weights"
-    path = Path(weights)
-    if (path / "model.safetensors").is_file():
-        return ShapesPolicy(ShapesFlowModel.load(path), train_mode="frozen").eval(), 1.0, f"weights {path}"
-    if not ((path / CONFIG_FILE).exists() or (path / STATE_FILE).exists()):
-        raise UserError(f"{path} is neither a shapes weights folder (model.safetensors), a run directory "
-                        "nor a checkpoint folder")
-    run = load_trained_policy(path, only_model="shapes")
-    run.policy.eval()
-    return run.policy, run.cfg.sampler.shift, f"{run.weights.kind} weights of {run.weights.path}"

@@ -62,6 +62,9 @@ class MetricsLogger:
             # other trackers keep the scalars; the PNG stays in RUN_DIR/grids/
 
     def close(self) -> None:
+        """Close the file and end the trackers; a second call does nothing."""
+        if self._fh.closed:
+            return
         self._fh.close()
         if self.accelerator is not None:
             self.accelerator.end_training()

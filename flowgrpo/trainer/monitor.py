@@ -30,7 +30,7 @@ from ..evaluation import build_evaluator
 from ..monitors.config import MonitorConfig, monitor_rules
 from ..monitors.measure import MonitoredEvaluator
 from ..output.monitor_plot import save_monitor_curves
-from .callbacks import Callback
+from ..callbacks import Callback
 from .metrics import json_safe
 
 RECORDS = "monitors.jsonl"

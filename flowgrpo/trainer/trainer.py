@@ -45,7 +45,7 @@ from ..samplers.forest_sampler import ForestSampler
 from ..samplers.strategies import build_strategy
 from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
 from ..sharded_tensors import like_param
-from .callbacks import CallbackList
+from ..callbacks import CallbackList
 from .data_parallel import DataParallel
 from .parts import build_prompts, build_rewards, check_references, model_grid, reward_parts
 from .update_loop import run_update, update_rng
@@ -361,5 +361,12 @@ class Trainer:
         return IterationResult(metrics, col.rollout, col.images, adv, leaf_rewards)
 
 
-#: the trainer's former name (it runs every objective, not only GRPO)
-GRPOTrainer = Trainer
+def __getattr__(name: str):
+    # the trainer runs every objective, not GRPO's alone: the old name warns for one release, then goes
+    if name == "GRPOTrainer":
+        import warnings
+
+        warnings.warn("flowgrpo.trainer.trainer.GRPOTrainer is now Trainer; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

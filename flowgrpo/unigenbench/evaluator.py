@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError, UserError
-from ..evaluation import EvalResult
+from ..evaluators import EvalResult
 from .prompts import load_prompt_set
 
 DEFAULTS = {"judge_url": None, "judge_model": "QwenVL", "api_key_env": None, "set": "en", "csv": None,
@@ -36,7 +36,7 @@ class UniGenBenchEvaluator:
     name = "unigenbench"
 
     def __init__(self, eval_cfg, shift: float = 1.0):
-        from ..evaluation import evaluator_options
+        from ..evaluators import evaluator_options
         from .score import JudgeOptions
 
         opts = evaluator_options(eval_cfg, DEFAULTS, "unigenbench")

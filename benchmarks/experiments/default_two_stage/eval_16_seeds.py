@@ -2,7 +2,7 @@
 each, as the evaluator draws them; the runs' own evaluation draws 4 a prompt). Usage: python eval_16_seeds.py RUN"""
 import sys, json, torch
 torch.set_num_threads(1)
-from flowgrpo.trainer.checkpoint import load_shapes_policy
+from flowgrpo.commands.probe import load_shapes_policy
 from flowgrpo.shapes.evaluate import evaluate_policy
 pol = load_shapes_policy(sys.argv[1])[0]
 with torch.no_grad():

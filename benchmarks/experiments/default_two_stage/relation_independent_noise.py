@@ -3,7 +3,7 @@ across prompts, unlike coupling.py). Usage: python relation_independent_noise.py
 import sys, json, numpy as np, torch
 torch.set_num_threads(1)
 from flowgrpo.shapes.prompts import split_specs
-from flowgrpo.trainer.checkpoint import load_shapes_policy
+from flowgrpo.commands.probe import load_shapes_policy
 from flowgrpo.shapes.evaluate import generate_ode
 from flowgrpo.shapes.relation_probe import relation_holds_rate
 from flowgrpo.shapes.verify import detect

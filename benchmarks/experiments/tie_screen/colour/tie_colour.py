@@ -4,7 +4,7 @@
 these position samples. Usage: python tie_colour.py WEIGHTS [GUIDANCE [SAMPLER]]"""
 import sys, json, torch
 torch.set_num_threads(1)
-from flowgrpo.trainer.checkpoint import load_shapes_policy
+from flowgrpo.commands.probe import load_shapes_policy
 from flowgrpo.shapes.evaluate import generate_ode, score_shapes, seeded_noise, sigma_grid
 from flowgrpo.shapes.prompts import split_specs
 from flowgrpo.shapes.verify import detect, group_hits

@@ -9,7 +9,7 @@ Usage: python coupling.py WEIGHTS_or_RUN [GUIDANCE]"""
 import sys, json
 import numpy as np, torch
 torch.set_num_threads(1)
-from flowgrpo.trainer.checkpoint import load_shapes_policy
+from flowgrpo.commands.probe import load_shapes_policy
 from flowgrpo.shapes.evaluate import generate_ode
 from flowgrpo.shapes.prompts import split_specs
 from flowgrpo.shapes.relation_probe import as_left_of, independent_placement_rates, relation_holds_rate

@@ -19,7 +19,7 @@ import torch
 torch.set_num_threads(1)
 from flowgrpo.shapes.evaluate import generate_ode
 from flowgrpo.shapes.prompts import sample_train_spec
-from flowgrpo.trainer.checkpoint import load_shapes_policy
+from flowgrpo.commands.probe import load_shapes_policy
 from distill import distill  # the same loop (this script's folder is on sys.path when run)
 
 src, out, G = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])

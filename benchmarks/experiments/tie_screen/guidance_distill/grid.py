@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np, torch
 torch.set_num_threads(1)
 from PIL import Image
-from flowgrpo.trainer.checkpoint import load_shapes_policy
+from flowgrpo.commands.probe import load_shapes_policy
 from flowgrpo.shapes.evaluate import generate_ode
 from flowgrpo.shapes.prompts import split_specs
 from flowgrpo.images import to_uint8

@@ -3,7 +3,7 @@ Usage: python placement_given_first.py WEIGHTS_or_RUN_or_"" 0.9 [0.95]. Results 
 benchmarks/results/tie_screen/placement/results.csv."""
 import sys, json, torch
 torch.set_num_threads(1)
-from flowgrpo.trainer.checkpoint import load_shapes_policy
+from flowgrpo.commands.probe import load_shapes_policy
 from flowgrpo.images import to_uint8
 from flowgrpo.shapes.evaluate import finish_ode
 from flowgrpo.shapes.prompts import split_specs

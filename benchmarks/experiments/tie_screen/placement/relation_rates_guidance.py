@@ -4,7 +4,7 @@ shipped weights; a run: its EMA weights, as `flowgrpo shapes probe --weights RUN
 benchmarks/results/tie_screen/placement/results.csv."""
 import sys, json, numpy as np, torch
 torch.set_num_threads(1)
-from flowgrpo.trainer.checkpoint import load_shapes_policy
+from flowgrpo.commands.probe import load_shapes_policy
 from flowgrpo.shapes.evaluate import generate_ode
 from flowgrpo.shapes.prompts import split_specs
 from flowgrpo.shapes.verify import detect

@@ -8,7 +8,7 @@ evaluation recorded, the checkpoint written). :meth:`Trainer.iteration_step
 
 A callback ends a run early with ``trainer.callbacks.request_stop(reason)``: the run loop finishes the
 iteration it is in, then stops as at the end of its time budget (a checkpoint, the evaluation after
-training, the summary). The reward-hacking monitors' ``stop`` rules use it (:mod:`.monitor`).
+training, the summary). The reward-hacking monitors' ``stop`` rules use it (:mod:`flowgrpo.trainer.monitor`).
 """
 
 from __future__ import annotations
@@ -29,16 +29,26 @@ class Callback:
     is ``ckpt_{i + 1:06d}``, and ``trainer.iteration`` (the next iteration to run) is ``i + 1`` by then.
 
     * :meth:`on_run_start` -- the run directory, once the run (or its resumption) is ready to train;
+    * :meth:`on_step_end` -- an iteration's whole result (rollout, decoded images, advantages), before
+      its metrics are logged;
     * :meth:`on_iteration_end` -- an iteration's metrics (the ``metrics.jsonl`` line: ``iteration``
       (0-based), ``reward.<name>`` (mean over scorable samples), ``reward_mean``,
       ``nan_rewards_dropped``, ``loss``, ``train_seconds``, ``eval_accuracy`` when an evaluation ran, ...);
     * :meth:`on_evaluation` -- a held-out evaluation's :class:`~flowgrpo.evaluation.EvalResult`;
-    * :meth:`on_checkpoint` -- a checkpoint written at ``path`` after iteration ``iteration``.
+    * :meth:`on_checkpoint` -- a checkpoint written at ``path`` after iteration ``iteration``;
+    * :meth:`on_train_end` -- the run's summary (``summary.json``), once the run has ended.
+
+    The run loop's own work (time budget, grids, evaluation schedule, checkpoints, export) is made of
+    callbacks on these same events (:mod:`flowgrpo.trainer.run_parts`).
     """
 
     def on_run_start(self, trainer, run_dir: Path, resumed: bool) -> None:
         """Before the evaluation before training (a resumed run: before its next iteration, with
         ``trainer.iteration`` the checkpoint's), with the run's folder ``run_dir``."""
+
+    def on_step_end(self, trainer, result) -> None:
+        """After an iteration's update, before its metrics are logged (``result``:
+        :class:`~flowgrpo.trainer.trainer.IterationResult`; ``result.metrics`` may still gain entries)."""
 
     def on_iteration_end(self, trainer, metrics: dict) -> None:
         """After iteration ``metrics["iteration"]`` was logged."""
@@ -49,6 +59,9 @@ class Callback:
     def on_checkpoint(self, trainer, path: Path, iteration: int) -> None:
         """After the checkpoint holding iterations 0..``iteration`` was written at ``path`` (its
         ``metrics.jsonl`` line, with the same ``iteration``, was logged just before)."""
+
+    def on_train_end(self, trainer, summary: dict) -> None:
+        """After the run: its summary (what ``summary.json`` holds; parts of the run loop fill it)."""
 
 
 class _IterationFunction(Callback):
@@ -89,6 +102,10 @@ class CallbackList:
         for cb in self.items:
             cb.on_run_start(trainer, run_dir, resumed)
 
+    def step_end(self, trainer, result) -> None:
+        for cb in self.items:
+            cb.on_step_end(trainer, result)
+
     def iteration_end(self, trainer, metrics: dict) -> None:
         for cb in self.items:
             cb.on_iteration_end(trainer, metrics)
@@ -100,3 +117,7 @@ class CallbackList:
     def checkpoint(self, trainer, path: Path, iteration: int) -> None:
         for cb in self.items:
             cb.on_checkpoint(trainer, path, iteration)
+
+    def train_end(self, trainer, summary: dict) -> None:
+        for cb in self.items:
+            cb.on_train_end(trainer, summary)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError, UserError
-from ..evaluation import EvalResult, evaluator_options
-from .scoring import build_scorer, summarise
-from .suites import bench_prompts, get_bench
+from . import EvalResult, evaluator_options
+from ..benches.scoring import build_scorer, summarise
+from ..benches.suites import bench_prompts, get_bench
 
 #: eval.options of the bench evaluator and their defaults
 DEFAULTS = {"bench": None, "prompts": None, "metric_options": {}, "seed": 0, "batch_size": 4}
@@ -32,7 +32,7 @@ class BenchEvaluator:
     name = "bench"
 
     def __init__(self, eval_cfg, shift: float = 1.0):
-        from ..shapes.prompts import load_prompt_file
+        from ..data import load_prompt_file
 
         opts = evaluator_options(eval_cfg, DEFAULTS, "bench")
         if not opts["bench"]:

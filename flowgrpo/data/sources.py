@@ -1,10 +1,8 @@
 """Prompt sources: what each training iteration asks the policy to draw.
 
-A prompt file is read by :func:`~flowgrpo.shapes.prompts.load_prompt_file`, the reader of every prompt
-file (``sample --prompts`` too): it refuses what is not a regular file before opening it, a file over
-:data:`~flowgrpo.shapes.prompts.MAX_PROMPT_FILE_BYTES` before reading it, and a prompt over
-:data:`~flowgrpo.shapes.prompts.MAX_PROMPT_CHARS` (text encoders read a few hundred tokens at most),
-each in one line naming the file (and line) and the limit.
+A source is a prompt file, read by :func:`~flowgrpo.data.prompt_files.load_prompt_file` (the reader
+of every prompt file), or a procedural source named in :data:`PROCEDURAL_PROMPTS` (a world that draws
+fresh prompts every iteration, e.g. ``shapes``: :class:`flowgrpo.shapes.prompts.TrainingPrompts`).
 """
 
 from __future__ import annotations
@@ -14,11 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
-from .curriculum import SignalCurriculum
-from .references import read_reference
-from .seeds import PROMPTS
-from .shapes.prompts import load_prompt_file, sample_train_spec
-from .shapes.world import TAGS
+from ..curriculum import SignalCurriculum
+from ..references import read_reference
+from ..registry import Registry
+from ..seeds import PROMPTS
+from .prompt_files import load_prompt_file
+
+#: procedural prompt sources by ``data.prompts`` name: classes with ``tags`` (their curriculum keys) and
+#: ``sample(rng, tag=None) -> (prompt, tag)``, imported when named
+PROCEDURAL_PROMPTS: Registry = Registry("procedural prompt source")
+PROCEDURAL_PROMPTS.register_lazy("shapes", "flowgrpo.shapes.prompts:TrainingPrompts")
 
 
 @dataclass
@@ -38,13 +41,13 @@ class PromptSource:
     """Deterministic prompt batches: ``draw(iteration, n)`` depends only on (seed, iteration) and, with a
     curriculum, on the curriculum's state (itself a function of the run so far, saved in checkpoints).
 
-    ``spec`` is "shapes" (fresh procedural shapes-world prompts every iteration, from the training
-    pools only: held-out prompts are never trained on) or the path of a .txt / .jsonl prompt file
+    ``spec`` names a procedural source (:data:`PROCEDURAL_PROMPTS`, e.g. "shapes": fresh shapes-world
+    prompts every iteration, from the training pools only: held-out prompts are never trained on) or the path of a .txt / .jsonl prompt file
     (prompts drawn without replacement within an iteration). A .jsonl file's ``image`` column gives each
     prompt a reference image (image editing), drawn with it into :attr:`PromptBatch.references`.
 
     ``curriculum`` (optional, :class:`~flowgrpo.curriculum.SignalCurriculum`) reweights what is drawn.
-    Its keys are the tags (the shapes world's six; a .jsonl file's ``tag`` column) when ``key_by`` is
+    Its keys are the tags (a procedural source's ``tags``; a .jsonl file's ``tag`` column) when ``key_by`` is
     "tag", the prompts themselves when "prompt"; "auto" uses tags where the source has more than one.
     """
 
@@ -54,10 +57,11 @@ class PromptSource:
         self.spec = spec
         self.seed = seed
         self.curriculum = curriculum
-        self.rows = None if spec == "shapes" else load_prompt_file(spec)
+        self.world = PROCEDURAL_PROMPTS.get(spec)() if spec in PROCEDURAL_PROMPTS else None
+        self.rows = None if self.world is not None else load_prompt_file(spec)
         self._references: dict[int, Tensor] = {}
         if self.rows is None and key_by == "prompt" and curriculum is not None:
-            raise ValueError("the shapes world draws fresh prompts every iteration: its curriculum keys are its "
+            raise ValueError(f"data.prompts={spec} draws fresh prompts every iteration: its curriculum keys are its "
                              "tags (data.curriculum_key=tag or auto), not the prompts")
         if key_by == "auto":
             key_by = "tag" if self.rows is None or len({r["tag"] for r in self.rows}) > 1 else "prompt"
@@ -71,12 +75,13 @@ class PromptSource:
         rng = np.random.default_rng([self.seed, iteration, PROMPTS])
         cur = self.curriculum
         if self.rows is None:
+            tags = self.world.tags
             if cur is None or self.key_by == "prompt":
-                specs = [sample_train_spec(rng) for _ in range(n)]
+                drawn = [self.world.sample(rng) for _ in range(n)]
             else:
-                p = cur.weights(list(TAGS))
-                specs = [sample_train_spec(rng, TAGS[rng.choice(len(TAGS), p=p)]) for _ in range(n)]
-            return PromptBatch([s.prompt for s in specs], [self._key(s.prompt, s.tag) for s in specs])
+                p = cur.weights(list(tags))
+                drawn = [self.world.sample(rng, tags[rng.choice(len(tags), p=p)]) for _ in range(n)]
+            return PromptBatch([prompt for prompt, _ in drawn], [self._key(prompt, tag) for prompt, tag in drawn])
         keys = [self._key(r["prompt"], r["tag"]) for r in self.rows]
         p = None if cur is None else cur.weights(keys)
         idx = rng.choice(len(self.rows), size=n, replace=len(self.rows) < n, p=p)

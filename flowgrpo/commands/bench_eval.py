@@ -1,7 +1,7 @@
 """``flowgrpo eval TARGET --bench NAME [--prompts FILE] --out DIR``: a benchmark of any run, pipeline or LoRA.
 
 The prompts are ``--prompts FILE``, or where it is not given the benchmark's shipped set
-(:attr:`~.suites.Bench.shipped`: GenEval, OCR, PickScore; :func:`~.suites.bench_prompts`).
+(:attr:`~flowgrpo.benches.suites.Bench.shipped`: GenEval, OCR, PickScore; :func:`~flowgrpo.benches.suites.bench_prompts`).
 
 TARGET is one of
 
@@ -32,8 +32,8 @@ import torch
 
 from ..disk import write_text_atomically
 from ..errors import UserError
-from .scoring import build_scorer, summarise
-from .suites import bench_prompts, get_bench
+from ..benches.scoring import build_scorer, summarise
+from ..benches.suites import bench_prompts, get_bench
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 SETTINGS_FILE = "bench_settings.json"
@@ -46,7 +46,7 @@ class BenchOptions:
     """What ``flowgrpo eval --bench`` runs (None: the benchmark's or the model's own value)."""
 
     bench: str
-    #: the prompt file (None: the benchmark's shipped one, :func:`~.suites.bench_prompts`)
+    #: the prompt file (None: the benchmark's shipped one, :func:`~flowgrpo.benches.suites.bench_prompts`)
     prompts: str | None
     out: str
     base: str | None = None
@@ -203,7 +203,7 @@ def _score_missing(scorer, folder: Path, rows: list[dict], items: list[tuple[int
 
 def run_bench(target: str, opts: BenchOptions) -> dict:
     """Run the benchmark on ``target`` into ``opts.out`` (see the module docstring); returns ``bench.json``'s dict."""
-    from ..shapes.prompts import load_prompt_file
+    from ..data import load_prompt_file
 
     bench = get_bench(opts.bench)
     prompts = bench_prompts(bench, opts.prompts)  # --prompts, else the shipped set; before any model loads

@@ -1,16 +1,11 @@
-"""Held-out evaluation, pluggable per world or benchmark.
+"""The evaluators' contract and names: :class:`EvalResult` (what every evaluator returns), the
+:class:`Evaluator` protocol, :data:`EVALUATORS` (name -> where the evaluator lives, imported when
+named), an evaluator's options (:func:`evaluator_options`) and the paired gain of two evaluations.
 
-An :class:`Evaluator` generates images for a fixed set of (prompt, seed) pairs with a policy and
-scores them; it returns an :class:`EvalResult`. ``eval.evaluator`` picks one from
-:data:`EVALUATORS` ("auto": the policy's own, ``Policy.evaluator``; "none": skip). A model without
-an evaluator (e.g. SD3 on free-form prompts) trains without one, and the run's summary says so.
-
-Built in: ``shapes`` (verifier accuracy of the embedded shapes world, :mod:`flowgrpo.shapes.evaluate`)
-and ``unigenbench`` (UniGenBench on a prompt subset, judged by a VLM over an OpenAI-compatible API;
-configured through ``eval.options``, :mod:`flowgrpo.unigenbench.evaluator`) and ``edit`` (image-editing
-runs: held-out edit prompts drawn with their reference images and scored by a reward that is given
-them, :mod:`flowgrpo.edit_evaluator`) and ``bench`` (a benchmark of the field, GenEval, OCR, PickScore,
-..., on a held-out prompt file of any model: :mod:`flowgrpo.benches.evaluator`).
+A leaf below every evaluator and below the config (which checks ``eval.evaluator`` against the
+names), so that a world's own evaluator (the shapes world's, which the rewards' layer sits above) and
+the evaluators of :mod:`flowgrpo.evaluation` share one contract without an import cycle;
+:mod:`flowgrpo.evaluation` re-exports it.
 """
 
 from __future__ import annotations
@@ -27,8 +22,8 @@ from .registry import Registry
 EVALUATORS: Registry = Registry("evaluator")
 EVALUATORS.register_lazy("shapes", "flowgrpo.shapes.evaluate:ShapesEvaluator")
 EVALUATORS.register_lazy("unigenbench", "flowgrpo.unigenbench.evaluator:UniGenBenchEvaluator")
-EVALUATORS.register_lazy("edit", "flowgrpo.edit_evaluator:EditEvaluator")
-EVALUATORS.register_lazy("bench", "flowgrpo.benches.evaluator:BenchEvaluator")
+EVALUATORS.register_lazy("edit", "flowgrpo.evaluation.edit:EditEvaluator")
+EVALUATORS.register_lazy("bench", "flowgrpo.evaluation.bench:BenchEvaluator")
 
 
 @dataclass
@@ -103,19 +98,6 @@ def evaluator_options(eval_cfg, defaults: dict, evaluator: str) -> dict:
     if eval_cfg.seen:
         raise ConfigError(f"eval.evaluator={evaluator} has no training prompts to compare with: set eval.seen=false")
     return {**defaults, **opts}
-
-
-def build_evaluator(eval_cfg, policy, shift: float = 1.0) -> tuple[Evaluator | None, str]:
-    """The evaluator ``eval_cfg.evaluator`` selects for ``policy``, and a note (why none, when None)."""
-    name = eval_cfg.evaluator
-    if name == "none":
-        return None, "evaluation disabled (eval.evaluator=none)"
-    if name == "auto":
-        name = policy.evaluator
-        if name is None:
-            return None, (f"no held-out evaluator for model {type(policy).__name__}: evaluation skipped "
-                          f"(set eval.evaluator to one of: {', '.join(EVALUATORS.names())})")
-    return EVALUATORS.build(name, eval_cfg, shift), ""
 
 
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:

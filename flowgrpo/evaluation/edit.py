@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import ConfigError, UserError
-from .evaluation import EvalResult, evaluator_options
+from ..errors import ConfigError, UserError
+from . import EvalResult, evaluator_options
 
 #: eval.options of the edit evaluator and their defaults
 DEFAULTS = {"prompts": None, "reward": "edit_consistency", "reward_options": {}, "threshold": 0.5, "seed": 0,
@@ -30,8 +30,8 @@ class EditEvaluator:
     name = "edit"
 
     def __init__(self, eval_cfg, shift: float = 1.0):
-        from .rewards import build_reward
-        from .shapes.prompts import load_prompt_file
+        from ..rewards import build_reward
+        from ..data import load_prompt_file
 
         opts = evaluator_options(eval_cfg, DEFAULTS, "edit")
         if not opts["prompts"]:
@@ -58,9 +58,9 @@ class EditEvaluator:
 
     def evaluate(self, policy, split: str = "heldout", keep_images: bool = False) -> EvalResult:
         """Draw every held-out edit prompt with its reference and score the images (see the module docstring)."""
-        from .output.drawing import draw, noise_seed
-        from .references import read_reference, resize_references
-        from .rewards.base import wants_references
+        from ..output.drawing import draw, noise_seed
+        from ..references import read_reference, resize_references
+        from ..rewards.base import wants_references
 
         if split != "heldout":
             raise ValueError(f"the edit evaluator has only the held-out split, not {split!r}")
