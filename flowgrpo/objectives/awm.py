@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MicroLoss, Objective, UpdateContext
+from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import (SampleRows, build_sample_rows, grid_strata_times, logit_normal_times, per_row_mean,
                            rollout_times, uniform_times)
 from .old_policy import DecaySchedule, OldPolicy
@@ -150,9 +150,7 @@ class AWMObjective(Objective):
 
     def idle_pass(self, ctx: UpdateContext) -> torch.Tensor:
         policy, o = ctx.policy, self.opt
-        x = torch.zeros(1, *policy.latent_shape, device=ctx.device, dtype=ctx.dtype)
-        t = torch.full((1,), 0.5)
-        c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
+        x, t, c = idle_inputs(ctx)
         with ctx.autocast():
             if self._steps > 0:
                 self.old.velocity(policy, x, t, c, o.train_guidance)

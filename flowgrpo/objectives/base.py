@@ -252,9 +252,7 @@ class Objective(ABC):
         """The model calls of one micro-batch on one dummy row, as a loss whose gradient is zero
         (sharded engines need every rank in every forward and backward)."""
         policy = ctx.policy
-        x = torch.zeros(1, *policy.latent_shape, device=ctx.device, dtype=ctx.dtype)
-        sigma = torch.full((1,), 0.5)
-        c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
+        x, sigma, c = idle_inputs(ctx)
         with ctx.autocast():
             v = policy.velocity(x, sigma, c).float()
         if self.needs_reference:
@@ -278,3 +276,12 @@ class Objective(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (missing keys: keep the fresh state)."""
+
+
+def idle_inputs(ctx: UpdateContext, rows: int = 1) -> tuple[Tensor, Tensor, object]:
+    """Dummy model inputs of an idle pass (:meth:`Objective.idle_pass`): ``rows`` zero latents
+    [rows, *latent_shape] at t = 0.5 [rows], with the first prompt's conditioning. Their values never
+    reach a gradient: the pass only keeps a sharded engine's collectives in step."""
+    x = torch.zeros(rows, *ctx.policy.latent_shape, device=ctx.device, dtype=ctx.dtype)
+    t = torch.full((rows,), 0.5)
+    return x, t, ctx.collected.cond.index(torch.zeros(rows, dtype=torch.long))

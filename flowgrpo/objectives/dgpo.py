@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import MicroLoss, Objective, UpdateContext
+from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import SampleRows, build_sample_rows, per_row_mean
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.kl import VelocityKL
@@ -153,9 +153,7 @@ class DGPOObjective(Objective):
 
     def _dummy_forwards(self, ctx: UpdateContext) -> None:
         policy = ctx.policy
-        x = torch.zeros(1, *policy.latent_shape, device=ctx.device, dtype=ctx.dtype)
-        t = torch.full((1,), 0.5)
-        c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
+        x, t, c = idle_inputs(ctx)
         with ctx.autocast():
             self._v_dpo_ref(policy, x, t, c)
             policy.velocity(x, t, c, self.opt.train_guidance)

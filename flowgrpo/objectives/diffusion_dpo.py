@@ -46,7 +46,7 @@ from torch import Tensor
 from ..errors import UserError
 from ..fields import help_field as _f
 from ..seeds import FORWARD_ROWS, derive_seed
-from .base import MicroLoss, Objective, UpdateContext
+from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import logit_normal_times, per_row_mean, rollout_times, uniform_times
 from .terms.kl import velocity_kl
 
@@ -306,9 +306,7 @@ class DiffusionDPOObjective(Objective):
 
     def idle_pass(self, ctx: UpdateContext) -> Tensor:
         policy = ctx.policy
-        x = torch.zeros(2, *policy.latent_shape, device=ctx.device, dtype=ctx.dtype)
-        t = torch.full((2,), 0.5)
-        c = ctx.collected.cond.index(torch.zeros(2, dtype=torch.long))
+        x, t, c = idle_inputs(ctx, 2)
         with torch.no_grad(), ctx.autocast():
             policy.reference_velocity(x, t, c, self.opt.train_guidance)
         with ctx.autocast():

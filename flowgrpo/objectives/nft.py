@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MicroLoss, Objective, UpdateContext
+from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import SampleRows, build_sample_rows, per_row_mean, rollout_times
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.anchor import LowNoiseAnchor
@@ -160,9 +160,7 @@ class NFTObjective(Objective):
 
     def idle_pass(self, ctx: UpdateContext) -> torch.Tensor:
         policy = ctx.policy
-        x = torch.zeros(1, *policy.latent_shape, device=ctx.device, dtype=ctx.dtype)
-        t = torch.full((1,), 0.5)
-        c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
+        x, t, c = idle_inputs(ctx)
         with ctx.autocast():
             self.old.velocity(policy, x, t, c, self.opt.train_guidance)
             if self.self_guidance.active:
