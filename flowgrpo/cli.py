@@ -47,7 +47,7 @@ def _cmd_export(args) -> int:
 
 def _cmd_presets(args) -> int:
     from .config import preset_names
-    from .config_show import preset_description
+    from .config.show import preset_description
 
     for name in preset_names():
         print(f"{name:24s} {preset_description(name)}")
@@ -55,7 +55,7 @@ def _cmd_presets(args) -> int:
 
 
 def _cmd_recipes(args) -> int:
-    from .config_show import recipe_description
+    from .config.show import recipe_description
     from .recipes import recipe_names
 
     for name in recipe_names():
@@ -64,14 +64,14 @@ def _cmd_recipes(args) -> int:
 
 
 def _cmd_config(args) -> int:
-    from .config_help import explain_config
+    from .config.help import explain_config
 
     return explain_config(args.section)
 
 
 def _cmd_config_show(args) -> int:
-    from .config_layers import RECIPE_METHOD
-    from .config_show import show_config
+    from .config.layers import RECIPE_METHOD
+    from .config.show import show_config
 
     if args.config:
         check_text_file(Path(args.config), "config file")

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from conftest import RUN_ITERATIONS, run_cli, tiny_overrides
 
-from flowgrpo import config_help
 from flowgrpo.cli import main
 from flowgrpo.config import RunConfig, preset_names, read_preset
+from flowgrpo.config import help as config_help
 from flowgrpo.shapes.prompts import parse_prompt
 
 
@@ -96,7 +96,7 @@ def test_presets_lists_every_preset_with_its_description():
     assert proc.returncode == 0, proc.stderr
     listed = [ln.split(None, 1) for ln in proc.stdout.splitlines() if ln.strip()]
     assert [x[0] for x in listed] == preset_names() and "shapes" in preset_names()
-    from flowgrpo.config_show import preset_description
+    from flowgrpo.config.show import preset_description
 
     for name, desc in listed:
         # the listing fills each {section.key} placeholder with the preset's resolved value

@@ -15,8 +15,8 @@ import pytest
 
 from flowgrpo.cli import main
 from flowgrpo.config import compose_config, preset_names, read_preset
-from flowgrpo.config_layers import RECIPE_METHOD
-from flowgrpo.config_show import PLACEHOLDER, fill_description, recipe_description
+from flowgrpo.config.layers import RECIPE_METHOD
+from flowgrpo.config.show import PLACEHOLDER, fill_description, recipe_description
 from flowgrpo.errors import ConfigError
 from flowgrpo.recipes import read_recipe, recipe_meta, recipe_names
 

@@ -4,7 +4,7 @@ resolves to changed, and every old key still loads.
 * Every method preset on every recipe, and every recipe with its own method, resolves to the loss
   section (and the filled descriptions that quote a loss key) of ``tests/data/loss_keys_snapshot.json``:
   the same compositions at the commit the file names, before the move, with each old flat key written
-  at its new place (:func:`flowgrpo.config_renames.new_keys`). A key that moved to two objectives'
+  at its new place (:func:`flowgrpo.config.renames.new_keys`). A key that moved to two objectives'
   options (``loss.guard_reweight``, ``loss.tempflow_weight``, read by grpo and flow_dppo alike) keeps
   its value in the options of the objective that runs and the default in the other's.
 * Each old key in a config file or an override gives its new key(s) the value, with exactly one
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.config import RECIPE_METHOD, compose_config, load_config, preset_names, recipe_names
-from flowgrpo.config_layers import flatten
-from flowgrpo.config_renames import RENAMED_KEYS, ConfigKeyRenamedWarning, new_keys
-from flowgrpo.config_show import config_value, fill_description, recipe_description
+from flowgrpo.config.layers import flatten
+from flowgrpo.config.renames import RENAMED_KEYS, ConfigKeyRenamedWarning, new_keys
+from flowgrpo.config.show import config_value, fill_description, recipe_description
 from flowgrpo.recipes import recipe_meta
 
 SNAPSHOT = json.loads((Path(__file__).parent / "data" / "loss_keys_snapshot.json").read_text())

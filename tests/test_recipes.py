@@ -13,9 +13,9 @@ import yaml
 from conftest import run_cli
 
 from flowgrpo.config import compose_config, load_config, preset_names, recipe_names, to_dict
-from flowgrpo.config_layers import GROUP_KEYS, METHOD_KEYS, check_needs, flatten, method_key_violations, recipe_chain
-from flowgrpo.config_renames import new_keys
-from flowgrpo.config_show import resolved_strategy_options
+from flowgrpo.config.layers import GROUP_KEYS, METHOD_KEYS, check_needs, flatten, method_key_violations, recipe_chain
+from flowgrpo.config.renames import new_keys
+from flowgrpo.config.show import resolved_strategy_options
 from flowgrpo.errors import ConfigError, UserError
 from flowgrpo.presets import read_preset
 from flowgrpo.recipes import SHAPES_RECIPE
@@ -66,7 +66,7 @@ def test_method_presets_set_only_method_keys(preset):
 
 
 def test_a_method_preset_that_sets_a_world_key_is_refused(monkeypatch):
-    import flowgrpo.config_layers as layers
+    import flowgrpo.config.layers as layers
 
     real = layers.read_preset
     monkeypatch.setattr(layers, "read_preset", lambda name: {"base": "flow-grpo", "train": {"max_minutes": 5}}

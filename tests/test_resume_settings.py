@@ -89,7 +89,7 @@ def test_budgets_and_schedules_change_with_a_note_and_are_recorded(run, capsys):
 
 def test_the_keys_a_resume_may_change_are_config_keys():
     from flowgrpo.config import RunConfig
-    from flowgrpo.config_layers import flatten
+    from flowgrpo.config.layers import flatten
 
     assert set(CONTINUE_KEYS) <= set(flatten(RunConfig()))
 

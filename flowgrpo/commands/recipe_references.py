@@ -93,7 +93,7 @@ def resolved_config(recipe: str, method: str) -> dict:
     """The flattened configuration of ``method`` on ``recipe``, as ``config show`` composes it (not validated:
     a row names a reward that another part of flowgrpo may not have registered yet; the tests validate)."""
     from ..config import compose_config
-    from ..config_layers import flatten
+    from ..config.layers import flatten
 
     return flatten(compose_config(method, recipe=recipe).config)
 

@@ -70,9 +70,9 @@ def resumed_config(run_dir: Path, preset: str | None = None, recipe: str | None 
 
 
 def changed_keys(before, after) -> list[tuple[str, object, object]]:
-    """``(key, before, after)`` for each flattened key (:func:`~flowgrpo.config_layers.flatten`) whose value
+    """``(key, before, after)`` for each flattened key (:func:`~flowgrpo.config.layers.flatten`) whose value
     differs between the two configurations, in the configuration's order."""
-    from ..config_layers import flatten
+    from ..config.layers import flatten
 
     old, new = flatten(before), flatten(after)
     return [(k, old.get(k), new.get(k)) for k in [*old, *(k for k in new if k not in old)] if old.get(k) != new.get(k)]

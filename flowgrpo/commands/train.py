@@ -16,7 +16,7 @@ def cmd_train(args) -> int:
     from ..trainer.launch import in_launched_process, launch
 
     if args.help_config is not None:
-        from ..config_help import explain_config
+        from ..config.help import explain_config
 
         return explain_config(args.help_config or None)
     if args.num_processes > 1 and not in_launched_process():
@@ -63,7 +63,7 @@ def resumed_config_of(args, quiet: bool = False):
 def _fresh_config(args):
     """The validated config of ``train``'s layers; a UserError when the recipe needs keys the run left unset."""
     from ..config import compose_config, validate
-    from ..config_layers import RECIPE_METHOD, check_needs
+    from ..config.layers import RECIPE_METHOD, check_needs
 
     if args.config:
         check_text_file(Path(args.config), "config file")

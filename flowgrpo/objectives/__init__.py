@@ -134,7 +134,7 @@ def _default(cfg, key: str):
 
 def check_objective_keys(cfg, sources: dict[str, str]) -> None:
     """Refuse, in one line, a key of :data:`OBJECTIVE_DEPENDENT_KEYS` that a config file or an override
-    (``sources``: key -> layer, as :class:`~flowgrpo.config_layers.Composed` records them) sets away
+    (``sources``: key -> layer, as :class:`~flowgrpo.config.layers.Composed` records them) sets away
     from its default while the shipped objective ``cfg.loss.objective`` does not read it: it would be
     ignored silently. A preset's or recipe's keys are left alone (``--preset shapes
     loss.objective=nft`` keeps working; the presets' own consistency is a test). Plug-in objectives
@@ -168,7 +168,7 @@ def objective_help() -> str:
 def with_objective_options(cls: type) -> type:
     """``cls`` (the ``LossConfig`` dataclass) with one field ``<name>: Options`` per shipped objective
     that has options, in registration order: how an objective's options join the config without a
-    line in ``flowgrpo/config.py``."""
+    line in ``flowgrpo/config/schema.py``."""
     extra = []
     for name, spec in OBJECTIVE_SPECS.items():
         if spec.options:

@@ -16,7 +16,7 @@ and budget. Besides its config sections a recipe file has these keys:
 * ``methods``: ``{preset: partial config}``, settings the references used for one method on this
   model, applied after the method preset.
 
-Reading recipes needs no model code; composing one into a config is :mod:`flowgrpo.config_layers`.
+Reading recipes needs no model code; composing one into a config is :mod:`flowgrpo.config.layers`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import os
 import types
 import typing
 
-from .errors import UserError
-from .fields import choices_of
+from ..errors import UserError
+from ..fields import choices_of
 
 
 def describe_type(hint) -> tuple[str, list]:
@@ -74,7 +74,7 @@ def config_rows(cls, prefix: str = "") -> list[dict]:
 
 def strategy_option_rows() -> dict[str, list[dict]]:
     """Per sampling strategy, the rows of its option dataclass (empty for a strategy without options)."""
-    from .samplers.strategies import STRATEGIES, options_class
+    from ..samplers.strategies import STRATEGIES, options_class
 
     return {name: config_rows(options_class(name), "strategy.") for name in STRATEGIES.names()}
 
@@ -98,7 +98,7 @@ def explain_config(section: str | None = None) -> int:
     """Print every field of the run configuration (or of one section / key) as a table."""
     from rich.console import Console
 
-    from .config import RunConfig
+    from .schema import RunConfig
 
     hints = typing.get_type_hints(RunConfig)
     sections = [f.name for f in dataclasses.fields(RunConfig)]
@@ -128,7 +128,7 @@ def explain_config(section: str | None = None) -> int:
         tables = [(t, [r for r in rows if r["key"] == section]) for t, rows in tables]
         tables = [(t, rows) for t, rows in tables if rows]
         if not tables:
-            from .config_renames import RENAMED_KEYS, new_keys, renamed_text
+            from .renames import RENAMED_KEYS, new_keys, renamed_text
 
             if section in RENAMED_KEYS:  # an old name users still write: say where it went
                 raise UserError(f"config key {section!r} is now {renamed_text(section)} (the old name still loads, "

@@ -1,7 +1,7 @@
 """Typed run configuration: dataclasses with a help string on every field, merging and validation.
 
 A run is configured by one :class:`RunConfig`, composed from a recipe (``flowgrpo/recipes``), a method
-preset (``flowgrpo/presets``), a config file and overrides by :mod:`flowgrpo.config_layers`.
+preset (``flowgrpo/presets``), a config file and overrides by :mod:`flowgrpo.config.layers`.
 Overrides ``key.sub=value`` are parsed as YAML scalars and checked against the field's type.
 """
 
@@ -13,19 +13,17 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .config_layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override  # noqa: F401 (re-exported)
-from .config_renames import RENAMED_KEYS, ConfigKeyRenamedWarning, move_renamed  # noqa: F401 (re-exported)
-from .disk import check_inside
-from .errors import ConfigError, UserError
-from .fields import as_number, check_choices, check_ranges, field_ranges, help_field as _f, merge_into
-from .monitors.config import MonitorConfig, check_monitor
-from .objectives import check_objective_keys, objective_help, with_objective_options
-from .objectives.options import check_objective_options
-from .policies.base import TrainMode
-from .policies.base.lora import DEFAULT_LORA_INIT, DEFAULT_TARGETS, check_lora_settings
-from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_dir, preset_names, read_preset  # noqa: F401 (re-exported)
-from .recipes import recipe_names, read_recipe  # noqa: F401 (re-exported)
-from .samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
+from ..disk import check_inside
+from ..errors import ConfigError, UserError
+from ..fields import as_number, check_choices, check_ranges, field_ranges, help_field as _f, merge_into
+from ..monitors.config import MonitorConfig, check_monitor
+from ..objectives import check_objective_keys, objective_help, with_objective_options
+from ..objectives.options import check_objective_options
+from ..policies.base import TrainMode
+from ..policies.base.lora import DEFAULT_LORA_INIT, DEFAULT_TARGETS, check_lora_settings
+from ..samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
+from .layers import RECIPE_METHOD, Composed, compose, deep_merge
+from .renames import RENAMED_KEYS, move_renamed
 
 
 @dataclass
@@ -243,7 +241,7 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
 def compose_config(preset: str | None = RECIPE_METHOD, config_file: str | None = None, overrides: list[str] = (),
                    recipe: str | None = None) -> Composed:
     """The layers composed into a :class:`RunConfig` (unvalidated) with each key's source:
-    :func:`flowgrpo.config_layers.compose` over this module's dataclasses and merge rules. A key that a
+    :func:`flowgrpo.config.layers.compose` over this module's dataclasses and merge rules. A key that a
     config file or an override sets and the objective would ignore is refused here, where the
     sources are known (:func:`~flowgrpo.objectives.check_objective_keys`)."""
     composed = compose(RunConfig, apply_dict, preset, config_file, overrides, recipe)
@@ -254,7 +252,7 @@ def compose_config(preset: str | None = RECIPE_METHOD, config_file: str | None =
 def load_config(preset: str | None = RECIPE_METHOD, config_file: str | None = None, overrides: list[str] = (),
                 recipe: str | None = None) -> RunConfig:
     """Build a validated :class:`RunConfig`: defaults <- recipe <- method preset <- the recipe's settings
-    for that preset <- config file <- overrides (:mod:`flowgrpo.config_layers`).
+    for that preset <- config file <- overrides (:mod:`flowgrpo.config.layers`).
 
     ``preset``: a method preset, None for none, or (the default) the recipe's own method
     (``DEFAULT_PRESET`` on the shapes world). ``recipe``: a recipe name; None picks the shapes world,
@@ -324,12 +322,12 @@ def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_tr
         if not isinstance(opts, dict):
             raise ConfigError(f"config key 'reward.options.{name}' must be a mapping of option -> value")
     # names are checked against the registries here, before any model is built (no heavy imports)
-    from .advantages import ESTIMATORS
-    from .objectives import OBJECTIVES
-    from .policies import POLICIES, resolve_adapter
-    from .rewards import REWARDS
-    from .samplers.strategies import STRATEGIES, options_class
-    from .samplers.strategy_base import parse_options
+    from ..advantages import ESTIMATORS
+    from ..objectives import OBJECTIVES
+    from ..policies import POLICIES, resolve_adapter
+    from ..rewards import REWARDS
+    from ..samplers.strategies import STRATEGIES, options_class
+    from ..samplers.strategy_base import parse_options
 
     if cfg.model.name not in POLICIES and not model_folder_may_be_absent:  # a folder or cached hub id picks its adapter
         try:
@@ -346,7 +344,7 @@ def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_tr
             except UserError as exc:
                 raise ConfigError(f"config key '{key}': {exc}") from None
     if cfg.eval.evaluator not in ("auto", "none"):
-        from .evaluators import EVALUATORS
+        from ..evaluators import EVALUATORS
 
         if cfg.eval.evaluator not in EVALUATORS:
             raise ConfigError(f"config key 'eval.evaluator': unknown evaluator {cfg.eval.evaluator!r}; valid choices: "
@@ -373,7 +371,7 @@ def _check_group_spread(cfg: RunConfig) -> None:
     Tree strategies (several leaves per tree) and plug-in estimators are left alone."""
     if cfg.data.trees_per_prompt > 1 or cfg.advantage.estimator not in _GROUP_ESTIMATORS:
         return
-    from .samplers.strategies import build_strategy
+    from ..samplers.strategies import build_strategy
 
     if build_strategy(cfg.sampler, cfg.strategy).plan(0).leaves_per_tree == 1:
         raise ConfigError(f"config key 'data.trees_per_prompt' = 1 trains nothing with sampler.strategy="

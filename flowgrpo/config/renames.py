@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: GRPO's options that sat flat in ``loss`` until each objective's options moved under ``loss.<objective>``
 _GRPO_MOVED = ("clip_range", "clip_adapt", "kl_beta", "kl_sigma", "batched_reference", "guard", "anchor_steps",

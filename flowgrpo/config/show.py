@@ -1,6 +1,6 @@
 """``flowgrpo config show``: the fully resolved configuration as YAML, each key annotated with the
 layer that set it (``default``, ``recipe:NAME``, ``preset:NAME``, ``recipe-method:RECIPE/PRESET``,
-``file:NAME``, ``override``; :mod:`flowgrpo.config_layers`).
+``file:NAME``, ``override``; :mod:`flowgrpo.config.layers`).
 
 The text is a valid config file: fed back with ``--config`` it gives the same configuration. The
 strategy options the run leaves unset are listed with their defaults (marked ``default``).
@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from .config_help import format_value
-from .errors import ConfigError
+from ..errors import ConfigError
+from .help import format_value
 
 #: a ``{section.key}`` placeholder of a description (``{strategy.window}``, ``{sampler.noise_level}``)
 PLACEHOLDER = re.compile(r"\{([a-z_]+(?:\.[a-z_0-9]+)+)\}")
@@ -29,8 +29,8 @@ _ALIGN = 56
 
 def resolved_strategy_options(cfg) -> dict:
     """Every option of ``cfg.sampler.strategy``: the config's values over the strategy's defaults."""
-    from .samplers.strategies import options_class
-    from .samplers.strategy_base import parse_options
+    from ..samplers.strategies import options_class
+    from ..samplers.strategy_base import parse_options
 
     return dataclasses.asdict(parse_options(options_class(cfg.sampler.strategy), cfg.strategy, cfg.sampler.num_steps))
 
@@ -78,7 +78,7 @@ def fill_description(text: str, cfg, owner: str = "description") -> str:
 
 def preset_description(name: str, recipe: str | None = None) -> str:
     """Preset ``name``'s description filled from its configuration on ``recipe`` (default: the shapes world)."""
-    from .config import compose_config
+    from .schema import compose_config
 
     cfg = compose_config(name, None, [], recipe).config
     return fill_description(cfg.description, cfg, f"the description of preset {name}")
@@ -86,16 +86,16 @@ def preset_description(name: str, recipe: str | None = None) -> str:
 
 def recipe_description(name: str) -> str:
     """Recipe ``name``'s description filled from its configuration with its own method."""
-    from .config import compose_config
-    from .config_layers import RECIPE_METHOD
-    from .recipes import recipe_meta
+    from .schema import compose_config
+    from .layers import RECIPE_METHOD
+    from ..recipes import recipe_meta
 
     cfg = compose_config(RECIPE_METHOD, None, [], name).config
     return fill_description(recipe_meta(name, "description", ""), cfg, f"the description of recipe {name}")
 
 
 def render(composed) -> str:
-    """``composed`` (a :class:`~flowgrpo.config_layers.Composed`) as annotated YAML lines."""
+    """``composed`` (a :class:`~flowgrpo.config.layers.Composed`) as annotated YAML lines."""
     cfg = composed.config
     lines: list[str] = []
     rows: list[tuple[str, str | None]] = []  # (text, source or None for a section header)
@@ -123,7 +123,7 @@ def render(composed) -> str:
 
 def show_config(preset, recipe, config_file, overrides) -> int:
     """Print the resolved, validated configuration of these layers with each key's source."""
-    from .config import compose_config, validate
+    from .schema import compose_config, validate
 
     composed = compose_config(preset, config_file, overrides, recipe)
     missing = absent_model_folder(composed.config.model)
@@ -144,8 +144,8 @@ def absent_model_folder(model_cfg) -> str | None:
     id, in the local hub cache): a folder the user has yet to download to. None otherwise."""
     from pathlib import Path
 
-    from .policies import POLICIES, resolve_adapter
-    from .errors import UserError
+    from ..policies import POLICIES, resolve_adapter
+    from ..errors import UserError
 
     name = model_cfg.name
     if name in POLICIES or Path(name).expanduser().exists():

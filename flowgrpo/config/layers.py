@@ -28,10 +28,10 @@ from pathlib import Path
 
 import yaml
 
-from .config_renames import new_keys
-from .errors import ConfigError, UserError
-from .presets import DEFAULT_PRESET, load_yaml_mapping, preset_names, read_chain, read_preset
-from .recipes import META_KEYS, recipe_chain, recipe_for_model, recipe_meta, recipe_names, recipe_needs
+from ..errors import ConfigError, UserError
+from ..presets import DEFAULT_PRESET, load_yaml_mapping, preset_names, read_chain, read_preset
+from ..recipes import META_KEYS, recipe_chain, recipe_for_model, recipe_meta, recipe_names, recipe_needs
+from .renames import new_keys
 
 #: the keys (or whole sections) a method preset may set; ``strategy`` is sampler.strategy's options.
 #: ``reward.combine`` / ``reward.renormalize`` are how several rewards make one advantage (MixGRPO and
