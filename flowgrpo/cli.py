@@ -46,11 +46,20 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_presets(args) -> int:
+    """The papers' methods, then each world's presets under a line naming the world they were tuned on."""
     from .config import preset_names
     from .config.show import preset_description
+    from .presets import WORLDS, preset_world
 
+    groups: dict[str | None, list[str]] = {}
     for name in preset_names():
-        print(f"{name:24s} {preset_description(name)}")
+        groups.setdefault(preset_world(name), []).append(name)
+    for i, (world, names) in enumerate(groups.items()):
+        print(("\n" if i else "") + ("the papers' methods (flowgrpo/presets):" if world is None else
+                                     f"tuned for the {world} world (flowgrpo/presets/{WORLDS}/{world}; "
+                                     f"settings measured with --recipe {world}):"))
+        for name in names:
+            print(f"  {name:24s} {preset_description(name, world)}")
     return 0
 
 

@@ -94,8 +94,13 @@ def test_bad_input_in_a_real_process(shapes_model_dir, bad_files, tmp_path):
 def test_presets_lists_every_preset_with_its_description():
     proc = run_cli(["presets"])
     assert proc.returncode == 0, proc.stderr
-    listed = [ln.split(None, 1) for ln in proc.stdout.splitlines() if ln.strip()]
+    # a heading (not indented) opens each group: the papers' methods, then the presets tuned on a world
+    headings = [ln for ln in proc.stdout.splitlines() if ln.strip() and not ln[0].isspace()]
+    assert headings == ["the papers' methods (flowgrpo/presets):", "tuned for the shapes world "
+                        "(flowgrpo/presets/worlds/shapes; settings measured with --recipe shapes):"]
+    listed = [ln.split(None, 1) for ln in proc.stdout.splitlines() if ln.strip() and ln[0].isspace()]
     assert [x[0] for x in listed] == preset_names() and "shapes" in preset_names()
+    assert [x[0] for x in listed][-2:] == ["shapes", "shapes-nft"]  # under the second heading
     from flowgrpo.config.show import preset_description
 
     for name, desc in listed:

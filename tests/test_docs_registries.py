@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: kind -> where its names come from (in failure messages)
 SOURCES = {
     "adapters": "flowgrpo.policies.POLICIES",
-    "presets": "flowgrpo/presets/*.yaml",
+    "presets": "flowgrpo/presets/*.yaml and flowgrpo/presets/worlds/*/*.yaml",
     "recipes": "flowgrpo/recipes/*.yaml",
     "rewards": "flowgrpo.rewards.REWARDS",
     "objectives": "flowgrpo.objectives.OBJECTIVES",

@@ -61,7 +61,8 @@ def _expected_files() -> set[str]:
                 continue
             target = "/".join([*package.split("."), *pkg_dir.relative_to(base).parts])
             want |= {f"{target}/{m.name}" for m in pkg_dir.glob("*.py")}
-    want |= {f"flowgrpo/presets/{p.name}" for p in (ROOT / "flowgrpo/presets").glob("*.yaml")}
+    presets = ROOT / "flowgrpo/presets"  # the papers' methods and, in worlds/<recipe>/, the world presets
+    want |= {f"flowgrpo/presets/{p.relative_to(presets).as_posix()}" for p in presets.rglob("*.yaml")}
     want |= {f"flowgrpo/csrc/{p.name}" for p in (ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".cu", ".h", ".cuh")}
     want |= {f"flowgrpo/shapes/weights/{p.name}" for p in (ROOT / "flowgrpo/shapes/weights").iterdir()}
     want |= {f"flowgrpo/benches/data/{p.name}" for p in (ROOT / "flowgrpo/benches/data").iterdir()}
@@ -75,8 +76,8 @@ def test_wheel_holds_packages_benchmarks_and_data(wheel):
                          f"package (setup.py)): {missing}")
     for b in BENCHES:
         assert f"flowgrpo/benchmarks/{b}" in names
-    assert {"flowgrpo/csrc/grpo_loss.cpp", "flowgrpo/presets/shapes.yaml",
-            "flowgrpo/shapes/weights/model.safetensors"} <= names
+    assert {"flowgrpo/csrc/grpo_loss.cpp", "flowgrpo/presets/flow-grpo.yaml",
+            "flowgrpo/presets/worlds/shapes/shapes-nft.yaml", "flowgrpo/shapes/weights/model.safetensors"} <= names
     # the reference results, the tests and the repository layout stay out of the installation
     assert not [n for n in names if "results/" in n or n.startswith(("benchmarks/", "tests/", "samplers/"))]
 

@@ -6,9 +6,10 @@ A run's configuration is built, each layer over the one before:
     defaults <- recipe (with its bases) <- method preset (with its bases)
              <- the recipe's settings for that method <- config file <- key=value overrides
 
-* A **method preset** (``flowgrpo/presets``) sets only :data:`METHOD_KEYS`: the sampling strategy and
-  its options, advantages, the loss, and the training keys that define a method. Nothing about the
-  model, data, reward models, evaluation or budget.
+* A **method preset** (``flowgrpo/presets``: the papers' methods, and in ``worlds/<recipe>/`` the
+  methods tuned on one world) sets only :data:`METHOD_KEYS`: the sampling strategy and its options,
+  advantages, the loss, and the training keys that define a method. Nothing about the model, data,
+  reward models, evaluation or budget.
 * A **recipe** (``flowgrpo/recipes``) sets everything else: the world or one model family. It may
   not set method keys at its top level; what a reference used for one method on its model goes under
   its ``methods: {preset: {...}}``, the layer after the preset.
