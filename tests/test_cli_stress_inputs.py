@@ -101,7 +101,7 @@ def test_a_group_of_one_is_refused_only_where_it_trains_nothing(shapes_model_dir
 def test_yaml_file_floats_written_as_users_write_them(tmp_path):
     """YAML 1.1 reads ``1e-4`` (no dot) as a string; a config file's float keys and reward weights take it."""
     path = tmp_path / "run.yaml"
-    path.write_text("train:\n  lr: 1e-4\n  max_minutes: 5\nloss:\n  clip_range: 2E-4\n"
+    path.write_text("train:\n  lr: 1e-4\n  max_minutes: 5\nloss:\n  grpo:\n    clip_range: 2E-4\n"
                     "reward:\n  weights: {shapes: 1, jpeg_compressibility: 1e-2}\n")
     cfg = load_config("shapes", str(path))
     assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)

@@ -99,6 +99,7 @@ def _clustered_stderr(value: np.ndarray, prompt_ids: list[int]) -> float:
     """Standard error of the mean of ``value`` with the images of one prompt as one cluster (their
     scores are not independent draws: they share the prompt)."""
     ids = np.asarray(prompt_ids)
-    means = np.array([np.nanmean(value[ids == p]) for p in np.unique(ids)])
-    means = means[np.isfinite(means)]
+    # a prompt whose images all failed to score has no mean (not numpy's "mean of empty slice" warning)
+    groups = [value[ids == p] for p in np.unique(ids)]
+    means = np.array([np.nanmean(g) for g in groups if np.isfinite(g).any()])
     return float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else math.nan

@@ -3,7 +3,7 @@
 RUN_DIR/
   config.yaml          the full resolved config (resume reads it back)
   .lock                held (flock) by the process writing the folder (flowgrpo.trainer.run_lock)
-  base_weights.json    shapes runs: path and sha256 of the base weights (flowgrpo.trainer.base_weights)
+  base_weights.json    path and sha256 of a fingerprinted base (the shapes world's; flowgrpo.trainer.base_weights)
   metrics.jsonl        one line per iteration
   tensorboard/         TensorBoard events (log.trackers; mlruns/ and wandb/ for those trackers)
   checkpoints/ckpt_N/  atomic checkpoints (trainable weights, optimizer, EMA, iteration, clock)
