@@ -80,6 +80,52 @@ def test_online_pairs():
     assert online_pairs(adv, group, "all").tolist() == [[0, 1], [2, 0], [2, 1], [3, 4], [3, 5], [7, 8]]
     flat = torch.tensor([0.3, 0.3, 0.3])
     assert online_pairs(flat, torch.zeros(3, dtype=torch.long), "all").shape == (0, 2)
+    # with ties (Flow-Factory's argmax / argmin of a flat group): a flat group of >= 2 finite leaves pairs its
+    # first leaf with itself, in either mode; a group of one finite leaf still gives none
+    assert online_pairs(flat, torch.zeros(3, dtype=torch.long), "all", ties=True).tolist() == [[0, 0]]
+    adv2 = torch.tensor([1.0, 0.0, 0.4, 0.4, float("nan"), 0.2, 0.7, 0.7])
+    group2 = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    assert online_pairs(adv2, group2, "best_worst", ties=True).tolist() == [[0, 1], [2, 2], [6, 6]]
+    assert online_pairs(adv2, group2, "all", ties=True).tolist() == [[0, 1], [2, 2], [6, 6]]
+    assert online_pairs(adv2, group2, "best_worst").tolist() == [[0, 1]]
+
+
+def test_tie_pairs_add_log_2_to_the_mean_and_halve_the_gradient_with_half_the_groups_flat():
+    """4 groups of 3, 2 of them without reward spread: with ties (the authors', Flow-Factory) the mean runs over
+    4 pairs, 2 of them chosen == rejected (z = 0: loss log 2, zero gradient), so the loss mean is
+    (sum of the 2 real pairs' losses + 2 log 2) / 4 and the gradient exactly 0.5x the one without ties."""
+    adv = torch.tensor([1.0, -0.5, -0.5, 0.2, 0.2, 0.2, -1.0, 0.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    group = torch.arange(4).repeat_interleave(3)
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(12, *D, generator=g, dtype=torch.float64)
+    a0, b0 = torch.randn(*D, generator=g, dtype=torch.float64), torch.randn(*D, generator=g, dtype=torch.float64)
+    a = (a0 + 0.05 * torch.randn(*D, generator=g, dtype=torch.float64)).requires_grad_(True)
+    b = (b0 + 0.05 * torch.randn(*D, generator=g, dtype=torch.float64)).requires_grad_(True)
+
+    def step(ties):
+        pairs = online_pairs(adv, group, "best_worst", ties=ties)
+        losses = []
+        for w, lo in pairs.tolist():
+            gen = torch.Generator().manual_seed(1000 * w + lo)  # a pair's own noise and time, as the objective
+            eps = torch.randn(*D, generator=gen, dtype=torch.float64)
+            t = torch.rand((), generator=gen, dtype=torch.float64)
+            err = lambda x, p, q: ((p * ((1 - t) * x + t * eps) + q - (eps - x)) ** 2).mean().view(1)  # noqa: E731
+            loss, _ = diffusion_dpo_loss(err(x0[w], a, b), err(x0[lo], a, b), err(x0[w], a0, b0), err(x0[lo], a0, b0),
+                                         5000.0)
+            losses.append(loss)
+        losses = torch.cat(losses)
+        return pairs, losses, torch.autograd.grad(losses.mean(), (a, b))
+
+    p_tie, l_tie, g_tie = step(True)
+    p_no, l_no, g_no = step(False)
+    assert p_tie.tolist() == [[0, 1], [3, 3], [8, 6], [9, 9]] and p_no.tolist() == [[0, 1], [8, 6]]
+    tie = p_tie[:, 0] == p_tie[:, 1]
+    assert torch.equal(l_tie[tie], torch.full((2,), math.log(2), dtype=torch.float64))
+    torch.testing.assert_close(l_tie[~tie], l_no, rtol=0, atol=0)
+    torch.testing.assert_close(l_tie.mean(), (l_no.sum() + 2 * math.log(2)) / 4, rtol=1e-15, atol=0)
+    for h_tie, h_no in zip(g_tie, g_no):
+        assert float(h_no.norm()) > 0
+        torch.testing.assert_close(h_tie, 0.5 * h_no, rtol=1e-12, atol=1e-300)
 
 
 def _png(path, value):
@@ -149,6 +195,9 @@ def test_online_pairs_train_from_the_first_step_at_log_2(tiny_config):
     adv, group = res.advantages.leaf_advantages.tolist(), res.rollout.leaf_groups.tolist()
     expected = sum(1 for i in range(len(adv)) for j in range(len(adv))
                    if group[i] == group[j] and adv[i] > adv[j])  # every strictly ordered pair of a group
+    flat = [gr for gr in set(group) if len({a for a, h in zip(adv, group) if h == gr}) == 1
+            and group.count(gr) >= 2]
+    expected += len(flat)  # pairs_with_ties (default): one tie pair per group without spread
     assert m["rows"] == expected > 0 and m["grad_norm"] > 0
     # at the reference (up to float32 rounding, see above)
     assert m["loss"] == pytest.approx(math.log(2), abs=3e-3) and m["dpo_logit"] == pytest.approx(0.0, abs=6e-3)

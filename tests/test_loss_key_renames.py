@@ -28,7 +28,9 @@ from flowgrpo.recipes import recipe_meta
 
 SNAPSHOT = json.loads((Path(__file__).parent / "data" / "loss_keys_snapshot.json").read_text())
 #: loss keys added since the snapshot, each with its reason: they are not compared
-ADDED_SINCE: set[str] = set()
+ADDED_SINCE: set[str] = {
+    "loss.diffusion_dpo.pairs_with_ties",  # issue 47 item 5: Flow-Factory's tie pairs, on by default
+}
 #: the old keys of the loss options, each with a value other than its new key's default
 OLD_LOSS_KEYS = {"loss.clip_range": 0.25, "loss.clip_adapt": 0.5, "loss.kl_beta": 0.04, "loss.beta": 0.03,
                  "loss.kl_sigma": "transition_std", "loss.batched_reference": False, "loss.guard": True,

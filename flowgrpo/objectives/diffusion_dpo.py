@@ -20,7 +20,10 @@ Pairs come from one of two sources:
 * **online** (default): within each group of the iteration's rollout (the samples of one prompt),
   ordered by their advantage (the combined reward, centred in the group): ``pairs=best_worst`` gives
   one pair, the best against the worst sample; ``pairs=all`` every pair with a strictly higher
-  advantage. A group without reward spread gives none. Each pair trains on the rank that holds its
+  advantage. A group of two or more samples without reward spread gives, with ``pairs_with_ties``
+  (default, as Flow-Factory's ``_form_pairs_from_advantages``), one tie pair, its first sample against
+  itself: d = 0, loss log 2 and zero gradient, but it counts in the mean over pairs (2 tie groups of 4
+  halve the step); ``pairs_with_ties=false`` gives none. Each pair trains on the rank that holds its
   chosen sample (its partner's latent is gathered), and its times and noise come from its own
   generator seeded by (train.seed, iteration, chosen id, rejected id): 2 processes make the 1-process
   update.
@@ -57,6 +60,7 @@ class DiffusionDPOOptions:
 
     beta: float = _f(5000.0, "beta of L = -log sigmoid(-beta / 2 * d), d the chosen-minus-rejected difference of the velocity errors' improvement over the base model, errors as means over latent elements (the authors: 5000, with T omega(lambda_t) absorbed in it); larger: closer to the base model", gt=0.0)
     pairs: Literal["best_worst", "all"] = _f("best_worst", "online pairs within each group, ordered by advantage: best_worst (one pair, the best against the worst sample) | all (every pair with a strictly higher advantage); ignored with pairs_file")
+    pairs_with_ties: bool = _f(True, "online pairs: a group of two or more samples without reward spread gives one tie pair, its first sample against itself (loss log 2, zero gradient, but counted in the mean over pairs: the authors' (Flow-Factory) argmax / argmin pairing); false: such a group gives no pair, so only groups with spread share the mean")
     pairs_file: str = _f("", "offline preference pairs: a .jsonl file of {\"prompt\", \"chosen\", \"rejected\"} (image paths relative to the file) ('' : online pairs from the rollout)")
     offline_pairs: int = _f(8, "pairs per iteration taken from pairs_file (in a fixed shuffle of the file, seeded by train.seed)", ge=1)
     timesteps: int = _f(1, "training times per pair, each with its own noise shared by the two images (the authors: 1)", ge=1)
@@ -104,14 +108,20 @@ def diffusion_dpo_loss(err_w: Tensor, err_l: Tensor, ref_w: Tensor, ref_l: Tenso
     return -F.logsigmoid(z), z
 
 
-def online_pairs(adv: Tensor, group: Tensor, mode: str) -> Tensor:
+def online_pairs(adv: Tensor, group: Tensor, mode: str, ties: bool = False) -> Tensor:
     """Preference pairs [P, 2] long (chosen, rejected leaf ids) within groups, from leaf advantages [L]
-    (NaN: the leaf is left out) and group ids [L]; groups in id order, leaves in id order within them."""
+    (NaN: the leaf is left out) and group ids [L]; groups in id order, leaves in id order within them.
+    ``ties``: a group of two or more (finite) leaves without spread gives one pair, its first leaf
+    against itself, in either mode (Flow-Factory's argmax / argmin of a flat group); else none."""
     out = []
     for g in torch.unique(group).tolist():
         ids = ((group == g) & torch.isfinite(adv)).nonzero(as_tuple=True)[0]
         a = adv[ids]
-        if len(ids) < 2 or not bool(a.max() > a.min()):
+        if len(ids) < 2:
+            continue
+        if not bool(a.max() > a.min()):
+            if ties:
+                out.append([int(ids[0]), int(ids[0])])
             continue
         if mode == "best_worst":
             out.append([int(ids[int(torch.argmax(a))]), int(ids[int(torch.argmin(a))])])
@@ -241,7 +251,7 @@ class DiffusionDPOObjective(Objective):
         leaf_tree = whole.leaf_tree.cpu()
         adv = ctx.credit.advantages.leaf_advantages.float().cpu().clone()
         adv[~ctx.credit.trained_leaves()] = float("nan")  # the credit stage's record: invalid or pruned leaves pair with none
-        pairs = online_pairs(adv, whole.tree_group.cpu()[leaf_tree], self.opt.pairs)
+        pairs = online_pairs(adv, whole.tree_group.cpu()[leaf_tree], self.opt.pairs, self.opt.pairs_with_ties)
         local = view.local_leaves.cpu()
         x = col.rollout.leaves.x
         if dp.world > 1:  # a pair's rejected sample may be on another rank: every leaf's latent, in whole order
