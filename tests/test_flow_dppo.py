@@ -132,6 +132,54 @@ def test_kl_coefficient_off_divides_by_one_and_the_reference_term_uses_the_trans
     assert float(with_ref.loss - base.loss) == pytest.approx(0.5 * float(kl_ref.mean()), rel=1e-12)
 
 
+@pytest.mark.parametrize("shift, factor", [(1.0, 10.0), (3.0, 100 / 28)])
+def test_the_authors_normaliser_differs_from_the_exact_kl_only_at_sigma_1(shift, factor):
+    """The authors' trust region divides by a sqrt(sigma / (1 - min(sigma, 0.99))) sqrt(sigma - sigma'), the
+    exact KL by the transition's own std, whose sigma / (1 - sigma) takes the grid's second point sigma_1 at
+    sigma = 1 (samplers/sde.py, as the authors' SDE). So on sigma = 1 rows the exact KL is
+    s_A^2 / s^2 = (1 / 0.01) / (1 / (1 - sigma_1)) = 100 (1 - sigma_1) times the authors': 10 at shift 1
+    (sigma_1 = 0.9), 100 / 28 = 3.57 at shift 3 (sigma_1 = 2.7 / 2.8); on every other grid row (sigma <= 0.99)
+    the two are equal; on (0.99, 1) the clamp makes the exact KL (1 - sigma) / 0.01 times the authors'."""
+    from flowgrpo.objectives.flow_dppo import authors_kl_std
+    from flowgrpo.samplers.sde import sde_kind
+
+    t = torch.linspace(1, 0, 11, dtype=torch.float64)
+    grid = shift * t / (1 + (shift - 1) * t)
+    sigma, sigma_next, a = grid[:-1], grid[1:], 0.7
+    assert float(grid[1]) == pytest.approx(1 - factor / 100, rel=1e-14)
+    exact_std = sde_kind("flow_grpo").std(sigma, sigma_next, a, grid[1].expand(10))
+    authors_std = authors_kl_std(sigma, sigma_next, a)
+    x, mu, mu_old, _, logp_old, adv = _rows(n=10, seed=7)
+    ones = torch.ones(10, dtype=torch.float64)
+    exact = flow_dppo_loss(x, mu, mu_old, exact_std, exact_std, logp_old, adv, ones, kl_threshold=1.0)
+    authors = flow_dppo_loss(x, mu, mu_old, exact_std, exact_std, logp_old, adv, ones, kl_threshold=1.0,
+                             region_std=authors_std)
+    ratio = exact.kl_old / authors.kl_old
+    assert float(ratio[0]) == pytest.approx(factor, rel=1e-12)
+    torch.testing.assert_close(ratio[1:], torch.ones(9, dtype=torch.float64), rtol=1e-13, atol=0)
+    torch.testing.assert_close(exact.loss, authors.loss, rtol=0, atol=0)  # tau = 1: nothing dropped in either
+    # inside (0.99, 1) the clamp acts, the other way round
+    s, sn = torch.tensor([0.995], dtype=torch.float64), torch.tensor([0.9], dtype=torch.float64)
+    r = (authors_kl_std(s, sn, a) / sde_kind("flow_grpo").std(s, sn, a, torch.tensor([0.9], dtype=torch.float64))) ** 2
+    assert float(r) == pytest.approx((1 - 0.995) / 0.01, rel=1e-12)
+
+
+def test_region_std_is_the_authors_on_flow_grpo_steps_and_the_own_std_otherwise():
+    from types import SimpleNamespace
+
+    from flowgrpo.objectives.flow_dppo import authors_kl_std, region_std
+
+    plan = SimpleNamespace(steps=[SimpleNamespace(sde_kind="flow_grpo", noise_level=0.7),
+                                  SimpleNamespace(sde_kind="cps", noise_level=0.5)])
+    batch = SimpleNamespace(step=torch.tensor([0, 1, 0]), sigma=torch.tensor([1.0, 0.8, 0.5]),
+                            sigma_next=torch.tensor([0.9, 0.6, 0.4]), std=torch.tensor([0.5, 0.25, 0.125]))
+    torch.testing.assert_close(region_std(batch, plan, "exact"), batch.std, rtol=0, atol=0)
+    got = region_std(batch, plan, "authors")
+    want = authors_kl_std(batch.sigma.double(), batch.sigma_next.double(), 0.7).float()
+    torch.testing.assert_close(got[[0, 2]], want[[0, 2]], rtol=0, atol=0)
+    assert float(got[1]) == 0.25
+
+
 # --------------------------------------------------------------------------- in the trainer
 
 @pytest.mark.parametrize("sde_kind", ["flow_grpo", "cps"])

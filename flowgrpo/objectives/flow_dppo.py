@@ -19,10 +19,21 @@ A row that moved far but back toward the old policy (A > 0 with r < 1, or A < 0 
 gradient; rows inside the region keep the unclipped -A r whatever r is. The mean runs over every row,
 dropped ones included (they contribute 0). The old means and log-probs are the rollout's, fixed for
 every inner epoch and minibatch of the iteration. ``kl_coefficient=false`` divides by 1 instead of
-s^2 (the authors' ``add_kl_coefficient``). Per-row weights w are GRPO's terms under this objective's
+s^2 (the authors' ``add_kl_coefficient``).
+
+``kl_norm`` picks the s the trust region divides by. ``authors`` (default) is the authors' normaliser
+(UniRL ``FlowDPPO._compute_sigma_t``): s_A = a sqrt(sigma / (1 - min(sigma, 0.99))) sqrt(sigma - sigma'),
+on Flow-GRPO steps (other step kinds keep their own std). It equals the transition's std wherever
+sigma <= 0.99, but not at sigma = 1, where their SDE (and flowgrpo's, ``samplers/sde.py``) evaluates
+sigma / (1 - sigma) at the grid's second point sigma_1 while the normaliser clamps at 0.99: there the
+exact KL is 100 (1 - sigma_1) times the authors' (10x at shift 1, sigma_1 = 0.9; 3.57x at shift 3 on 10
+steps, sigma_1 = 27/28), and on (0.99, 1) it is (1 - sigma) / 0.01 times it. ``exact`` divides by the
+transition's own s^2, the KL of the two Gaussians the step draws from. Per-row weights w are GRPO's terms under this objective's
 own keys (``loss.flow_dppo.tempflow_weight``, ``loss.flow_dppo.guard_reweight``; 1 otherwise). GRPO's
-clip, KL (``loss.grpo.kl_beta``), SFT and anchor terms are not part of this objective; its own reference KL (``kl_beta``, the authors' beta, 0 by default) uses the
-same exact Gaussian KL with the transition std.
+clip, KL (``loss.grpo.kl_beta``), SFT and anchor terms are not part of this objective. Its own
+reference KL (``kl_beta``, 0 by default: none) is flowgrpo's addition, not the authors' (their
+Flow-DPPO has no reference model); it is the exact Gaussian KL with the transition std, whatever
+``kl_norm``.
 
 Works with every SDE kind (``flow_grpo``, ``dance``, ``cps``): the means come from the step kind's own
 math (:func:`~flowgrpo.samplers.recompute.transition_means`) and s is the transition's std.
@@ -31,6 +42,7 @@ math (:func:`~flowgrpo.samplers.recompute.transition_means`) and s is the transi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -54,7 +66,8 @@ class FlowDPPOOptions:
 
     kl_threshold: float = _f(1e-5, "tau: a row whose divergence from the rollout policy, mean_D((mu - mu_old)^2) / (2 s^2) (the exact Gaussian KL over the D latent elements, divided by D), reaches tau is dropped from the surrogate when it moved in its advantage's direction (r > 1 with A > 0, r < 1 with A < 0) (the authors: 1e-5)", gt=0.0)
     kl_coefficient: bool = _f(True, "divide the squared mean shift by the transition variance s^2 (the exact KL; the authors' add_kl_coefficient); false: by 1 (mean_D((mu - mu_old)^2) / 2)")
-    kl_beta: float = _f(0.0, "weight of a KL term to the frozen base model, mean_D((mu - mu_ref)^2) / (2 s^2) with the transition std s (the authors' beta: 0; note loss.grpo.kl_beta's KL divides by sigma_t^2 instead, about T times weaker)", ge=0.0)
+    kl_norm: Literal["authors", "exact"] = _f("authors", "the std s the trust region's KL divides by: authors (UniRL's a sqrt(sigma / (1 - min(sigma, 0.99))) sqrt(sigma - sigma') on Flow-GRPO steps: the transition's std except at sigma = 1, where the exact KL is 100 (1 - sigma_1) times it, and on (0.99, 1)) | exact (the transition's own std: the exact Gaussian KL)")
+    kl_beta: float = _f(0.0, "weight of a KL term to the frozen base model, mean_D((mu - mu_ref)^2) / (2 s^2) with the transition std s; flowgrpo's addition: the authors' Flow-DPPO has no reference-model KL, and the default 0 means none (note loss.grpo.kl_beta's KL divides by sigma_t^2 instead, about T times weaker)", ge=0.0)
     guard_reweight: bool = term_field(StepWeightOptions, "guard_reweight")
     tempflow_weight: bool = term_field(StepWeightOptions, "tempflow_weight")
 
@@ -73,10 +86,38 @@ class FlowDPPOLossOutput(GRPOLossOutput):
     outside: Tensor = None
 
 
+#: sigma's clamp in the authors' KL normaliser (UniRL ``FlowDPPO._compute_sigma_t``)
+AUTHORS_SIGMA_CLAMP = 0.99
+
+
+def authors_kl_std(sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+    """The authors' trust-region normaliser a sqrt(sigma / (1 - min(sigma, 0.99))) sqrt(sigma - sigma') [N],
+    in ``sigma``'s dtype: Flow-GRPO's transition std, but with sigma clamped at 0.99 where the SDE step
+    itself uses the grid's second point at sigma = 1."""
+    return noise_level * torch.sqrt(sigma / (1 - sigma.clamp(max=AUTHORS_SIGMA_CLAMP))) * torch.sqrt(sigma - sigma_next)
+
+
+def region_std(batch, plan, kl_norm: str) -> Tensor:
+    """The std [M] the trust region divides by for a :class:`~flowgrpo.samplers.forest.TransitionBatch`:
+    ``exact``: the transitions' own; ``authors``: :func:`authors_kl_std` on Flow-GRPO steps (the step's
+    noise level), the own std on other step kinds."""
+    out = batch.std.clone()
+    if kl_norm == "exact":
+        return out
+    for s in batch.step.unique().tolist():
+        spec = plan.steps[s]
+        if spec.sde_kind != "flow_grpo":
+            continue
+        rows = (batch.step == s).nonzero(as_tuple=True)[0]
+        std = authors_kl_std(batch.sigma[rows].double(), batch.sigma_next[rows].double(), float(spec.noise_level))
+        out[rows.to(out.device)] = std.to(out.device, out.dtype)
+    return out
+
+
 def flow_dppo_loss(prev_sample: Tensor, mean: Tensor, mean_old: Tensor, std: Tensor, logp_std: Tensor,
                    logp_old: Tensor, advantages: Tensor, weights: Tensor, *, kl_threshold: float,
                    kl_coefficient: bool = True, mean_ref: Tensor | None = None,
-                   kl_beta: float = 0.0) -> FlowDPPOLossOutput:
+                   kl_beta: float = 0.0, region_std: Tensor | None = None) -> FlowDPPOLossOutput:
     """Flow-DPPO's loss over N SDE transitions (see the module docstring).
 
     Args:
@@ -88,6 +129,8 @@ def flow_dppo_loss(prev_sample: Tensor, mean: Tensor, mean_old: Tensor, std: Ten
         advantages: A [N]; weights: w [N].
         kl_threshold: tau; kl_coefficient: divide by s^2 (else by 1).
         mean_ref: mu_ref [N, ...] of the base model for the ``kl_beta`` term (None: no term).
+        region_std: [N] the std the trust region's KL divides by (None: ``std``; ``kl_norm=authors``
+            passes :func:`region_std`'s); the reference term always divides by ``std``.
     Returns: :class:`FlowDPPOLossOutput`, computed in float64 for float64 ``mean``, else float32.
     """
     acc = torch.float64 if mean.dtype == torch.float64 else torch.float32
@@ -98,7 +141,8 @@ def flow_dppo_loss(prev_sample: Tensor, mean: Tensor, mean_old: Tensor, std: Ten
     ratio = torch.exp(logp - logp_old.to(acc))
     adv = advantages.to(acc)
     with torch.no_grad():
-        kl_old = mean_kl(mu, mean_old, s if kl_coefficient else torch.ones_like(s))
+        s_region = s if region_std is None else region_std.to(acc).reshape(n)
+        kl_old = mean_kl(mu, mean_old, s_region if kl_coefficient else torch.ones_like(s))
         outside = kl_old >= kl_threshold
         drop_high = outside & (ratio > 1) & (adv > 0)
         drop_low = outside & (ratio < 1) & (adv < 0)
@@ -167,7 +211,8 @@ class FlowDPPOObjective(GRPOObjective):
         out = flow_dppo_loss(mb.prev_sample.to(dev), mean, mb.mean_old.to(dev), mb.std.to(dev),
                              it["logp_std"][mb.row].to(dev), mb.log_prob_old.to(dev), mb.advantages.to(dev),
                              it["weights"][mb.row].to(dev), kl_threshold=self.opt.kl_threshold,
-                             kl_coefficient=self.opt.kl_coefficient, mean_ref=mean_ref, kl_beta=self.opt.kl_beta)
+                             kl_coefficient=self.opt.kl_coefficient, mean_ref=mean_ref, kl_beta=self.opt.kl_beta,
+                             region_std=region_std(mb, plan, self.opt.kl_norm).to(dev))
         return MicroLoss(loss=out.loss, record=out)
 
     def begin_minibatch(self, ctx: UpdateContext, rows, passes: int) -> int:
