@@ -241,6 +241,46 @@ def test_awm_step_equals_the_authors_on_rows_with_a_zero_spread_group():
     _assert_step(grads[0], _grad(_awm_authors(d, theta, sets[2], base, opt.kl_beta, opt.ema_kl_beta), theta))
 
 
+def _awm_off_policy_step(micro, opt, split_samples=False):
+    """One AWM step after an earlier one (the old policy is another weight set), micro-batches of ``micro``;
+    returns (gradient, the leaf ids of each micro-batch)."""
+    base, sets, forest = _world(2)
+    policy = LinearPolicy(*sets[0], *base)
+    cfg = _cfg(micro=micro, awm=opt)
+    objective = AWMObjective(cfg)
+    ctx = _ctx(policy, forest, cfg)
+    objective.setup(policy)
+    rows = objective.rows(ctx)
+    objective.old.weights = {"W": sets[1][0].clone(), "b": sets[1][1].clone()}
+    objective._steps = 1  # as after a first optimizer step: l_old comes from the old weights
+    objective.rows = lambda _ctx, _r=rows: _r
+    if split_samples:  # the loop before issue 47: rows ordered by step, split at train.micro_batch
+        objective.micro_batch_key = lambda: None
+    seen, micro_loss = [], objective.micro_loss
+    objective.micro_loss = lambda c, r: (seen.append(r.leaf.tolist()), micro_loss(c, r))[1]
+    engine = GradEngine(policy.trainable_parameters())
+    run_update(ctx, objective, engine)
+    return engine.grads[0], seen
+
+
+def test_awm_mean_ratio_does_not_depend_on_the_micro_batch():
+    """ratio_mode=mean clips the ratio of a sample's mean surrogate over its K times: micro-batches hold whole
+    samples (K = 6 rows, more than a micro-batch of 5), so off-policy the step is the same at micro-batch 5,
+    64 and 1000 (float64); split by step, as before, it was not."""
+    opt = AWMOptions(timesteps=6, time_sampler="uniform", ratio_mode="mean", clip_range=0.05, kl_beta=0.0,
+                     ema_kl_beta=0.0)
+    g5, seen5 = _awm_off_policy_step(5, opt)
+    g64, seen64 = _awm_off_policy_step(64, opt)
+    g1000, _ = _awm_off_policy_step(1000, opt)
+    assert all(len(m) == 6 and len(set(m)) == 1 for m in seen5)  # one whole sample per micro-batch of 5
+    assert [len(m) for m in seen64] == [60, 12]  # 10 whole samples fit in 64 rows
+    leaves = [leaf for m in seen64 for leaf in m]
+    assert all(leaves.count(leaf) == 6 for leaf in set(leaves))
+    assert _rel(g5, g64) < 1e-10 and _rel(g1000, g64) < 1e-10, (_rel(g5, g64), _rel(g1000, g64))
+    split5, _ = _awm_off_policy_step(5, opt, split_samples=True)
+    assert _rel(split5, g64) > 1e-3  # what the whole-sample micro-batches remove
+
+
 # --------------------------------------------------------------------------- DGPO
 
 

@@ -13,7 +13,10 @@ enters a PPO objective with the old policy (the weights that drew the rollout):
 with KL = mean((v_theta - v_ref)^2) to the frozen base model, optionally divided by 2 sigma_t^2,
 sigma_t = a sqrt(t / (1 - t)) (the Flow-GRPO SDE's noise scale at t; a = ``kl_noise_level``, the
 authors' 0.7). Both KL terms are :class:`~.terms.kl.VelocityKL`. ``ratio_mode=mean`` clips
-the ratio of the sample's mean surrogate over its times instead of each (sample, t) ratio.
+the ratio of the sample's mean surrogate over its times instead of each (sample, t) ratio; the
+update loop then keeps each sample's rows in one micro-batch (:meth:`AWMObjective.micro_batch_key`),
+so the mean is over all of its times whatever ``train.micro_batch`` (a micro-batch holds whole
+samples: K rows where K > ``train.micro_batch``).
 
 Authors' defaults (SD3.5, GenEval): K = 6 times per sample, one from each of 6 strata of the
 rollout's grid indices [1, 0.9 T) (t = 1 and the nearly clean end are never trained); the generalised
@@ -113,6 +116,10 @@ class AWMObjective(Objective):
         return build_sample_rows(ctx.collected, ctx.credit, self.seed, sampler, self.opt.timesteps,
                                  only_signal=self.opt.rows == "signal")
 
+    def micro_batch_key(self) -> str | None:
+        # ratio_mode=mean: a sample's ratio is the mean over its rows in the micro-batch, so all of them must be there
+        return "leaf" if self.opt.ratio_mode == "mean" else None
+
     def micro_loss(self, ctx: UpdateContext, rows: SampleRows) -> MicroLoss:
         o, policy = self.opt, ctx.policy
         cond = ctx.collected.cond.index(rows.prompt)
@@ -129,7 +136,7 @@ class AWMObjective(Objective):
         ll_old = ll.detach() if v_old is None else fm_log_likelihood(v_old, target, t, o.weighting, o.ghuber_power)
         adv = rows.advantage.to(ll.device).clamp(-o.adv_clip, o.adv_clip) / o.adv_clip
         log_ratio = ll - ll_old
-        if o.ratio_mode == "mean":  # one ratio per sample: the mean of its rows' surrogates
+        if o.ratio_mode == "mean":  # one ratio per sample: the mean of its rows' surrogates (all in this micro-batch)
             leaf, inv = torch.unique(rows.leaf, return_inverse=True)
             inv = inv.to(ll.device)
             n = torch.zeros(len(leaf), device=ll.device).index_add_(0, inv, torch.ones_like(ll))

@@ -240,6 +240,12 @@ class Objective(ABC):
         (lock-step engines pad the others). Default: nothing."""
         return 0
 
+    def micro_batch_key(self) -> str | None:
+        """The name of a rows attribute (e.g. ``"leaf"``) whose equal values the update loop keeps in
+        one micro-batch: rows are ordered by it and micro-batches hold whole runs of it (more than
+        ``train.micro_batch`` rows where one run is longer). Default None: rows split freely, ordered by step."""
+        return None
+
     @abstractmethod
     def micro_loss(self, ctx: UpdateContext, rows: Rows) -> MicroLoss:
         """The loss of one micro-batch (a mean over its rows), with gradients."""

@@ -88,7 +88,7 @@ class AWMOptions:
     time_shift: float = _f(3.0, "logit-normal time sampler: shift s, t -> s t / (1 + (s - 1) t)")
     weighting: Literal["ghuber", "uniform", "t", "t2"] = _f("ghuber", "surrogate l = -w(t) f(err), err = mean((v - u)^2): ghuber (w = t, f = ((err + 1e-10)^p - 1e-10^p) / p, the authors' default) | uniform | t | t2 (f = err)")
     ghuber_power: float = _f(0.25, "p of the ghuber weighting")
-    ratio_mode: Literal["per_timestep", "mean"] = _f("per_timestep", "clip each (sample, t) ratio (per_timestep) or the ratio of the mean surrogate over a sample's times within the micro-batch (mean; depends on the micro-batching once the update is off-policy)")
+    ratio_mode: Literal["per_timestep", "mean"] = _f("per_timestep", "clip each (sample, t) ratio (per_timestep) or the ratio of the mean surrogate over a sample's times (mean: micro-batches then hold whole samples, so it does not depend on train.micro_batch; a sample of more rows than train.micro_batch makes a larger micro-batch)")
     rows: Literal["all", "signal"] = _rows_field()
     adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip and divided by it (the authors: 5)")
     train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free)")

@@ -3,7 +3,9 @@
 Minibatches are drawn over the trees of every rank (a permutation from the update's generator, the
 same on every rank); each rank back-propagates its own rows of a minibatch, each micro-batch's loss
 (a mean over its rows, :meth:`~flowgrpo.objectives.base.Objective.micro_loss`) weighted by
-``rows in the micro-batch / rows of the minibatch on all ranks``; the engine sums gradients over
+``rows in the micro-batch / rows of the minibatch on all ranks`` (an objective may name a key,
+:meth:`~flowgrpo.objectives.base.Objective.micro_batch_key`, whose rows a micro-batch never splits);
+the engine sums gradients over
 ranks and steps once per minibatch, which therefore equals the 1-process step. Lock-step engines
 (FSDP) pad a rank's micro-batches with zero-gradient passes up to the busiest rank's count.
 
@@ -63,6 +65,8 @@ def run_update(ctx: UpdateContext, objective: Objective, engine, idle_pass=None)
     if len(trees) == 0:  # no row carries signal on any rank: no update, no training metrics
         return {}
     params = ctx.policy.trainable_parameters()
+    key_name = getattr(objective, "micro_batch_key", lambda: None)()  # the same on every rank
+    key = getattr(rows, key_name).cpu() if key_name is not None and rows is not None else None
 
     def pad():
         if idle_pass is not None:
@@ -76,12 +80,16 @@ def run_update(ctx: UpdateContext, objective: Objective, engine, idle_pass=None)
             mb_rows = int(tree_rows[mb_trees].sum())  # on every rank
             if mb_rows == 0:
                 continue
-            micro = (rank_rows[:, mb_trees].sum(1) + tc.micro_batch - 1) // tc.micro_batch
+            mb, mb_key = _minibatch_rows(rows, tree, mb_trees, key)
+            parts = _micro_parts(len(mb), tc.micro_batch, mb_key) if mb is not None else []
+            if key_name is None:
+                micro = (rank_rows[:, mb_trees].sum(1) + tc.micro_batch - 1) // tc.micro_batch
+            else:  # whole runs of the key: each rank counts its own micro-batches
+                micro = torch.tensor([int(c) for c in dp.gather(len(parts))]) if dp.world > 1 else torch.tensor([len(parts)])
             idle = engine.idle_passes(micro)
-            mb = _minibatch_rows(rows, tree, mb_trees)
             objective.begin_minibatch(ctx, mb, int(micro.max()))
             with engine.accumulate():  # one gradient reduction per step (DeepSpeed)
-                for part in torch.split(torch.arange(len(mb)), tc.micro_batch) if mb is not None else ():
+                for part in parts:
                     m = mb.select(part)
                     out = objective.micro_loss(ctx, m)
                     _check_finite(float(out.loss.detach()), "loss", ctx)
@@ -100,15 +108,36 @@ def run_update(ctx: UpdateContext, objective: Objective, engine, idle_pass=None)
     return _finish(objective, ctx, collect)
 
 
-def _minibatch_rows(rows, tree: torch.Tensor, mb_trees: torch.Tensor):
-    """This rank's rows of the minibatch over the global trees ``mb_trees``, ordered by step (as rolled
-    out); None when this rank holds none of them (or no rows at all)."""
+def _minibatch_rows(rows, tree: torch.Tensor, mb_trees: torch.Tensor, key: torch.Tensor | None = None):
+    """(this rank's rows of the minibatch over the global trees ``mb_trees``, their keys): ordered by
+    step (as rolled out), or with a ``key`` [R] by key and by step within it (its keys, else None);
+    (None, None) when this rank holds none of them (or no rows at all)."""
     if rows is None:
-        return None
+        return None, None
     idx = torch.isin(tree, mb_trees).nonzero(as_tuple=True)[0]
     if len(idx) == 0:
-        return None
-    return rows.select(idx[torch.argsort(rows.step.cpu()[idx], stable=True)])
+        return None, None
+    idx = idx[torch.argsort(rows.step.cpu()[idx], stable=True)]
+    if key is None:
+        return rows.select(idx), None
+    idx = idx[torch.argsort(key[idx], stable=True)]
+    return rows.select(idx), key[idx]
+
+
+def _micro_parts(n: int, size: int, key: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Row positions [0, n) in micro-batches of ``size`` rows; with ``key`` [n] (runs of equal values)
+    each micro-batch holds whole runs, as many as fit in ``size``, at least one."""
+    if key is None:
+        return list(torch.split(torch.arange(n), size))
+    parts, start, cur = [], 0, 0
+    for c in torch.unique_consecutive(key, return_counts=True)[1].tolist():
+        if cur and cur + c > size:
+            parts.append(torch.arange(start, start + cur))
+            start, cur = start + cur, 0
+        cur += c
+    if cur:
+        parts.append(torch.arange(start, start + cur))
+    return parts
 
 
 def _finish(objective: Objective, ctx: UpdateContext, collect: StatsCollector) -> dict[str, float]:
