@@ -185,22 +185,25 @@ def test_compile_transformer_matches_eager(model, compile_backend):
     assert list(compiled.trainable_state_dict()) == list(plain.trainable_state_dict())
 
 
-def test_xformers_backend_is_refused_here_and_uses_diffusers_api_on_cuda(model, monkeypatch):
-    if torch.cuda.is_available() and switches_mod.importlib.util.find_spec("xformers") is not None:
+def test_xformers_backend_is_refused_here_and_uses_diffusers_dispatcher_on_cuda(model, monkeypatch):
+    from flowgrpo.policies.diffusers import attention
+    from flowgrpo.policies.diffusers.attention import processor_backends
+
+    if attention.backend_problem("xformers") is None:
         pytest.skip("xformers and CUDA are available: the switch applies")
     with pytest.raises(ConfigError, match=rf"model\.attention_backend=xformers cannot apply to {model} .*"
-                                          r"needs .*(xformers package|CUDA GPU).*model\.attention_backend=sdpa"):
+                                          r"needs .*(xformers package|CUDA GPU).*usable here: sdpa, native"):
         make(model, attention_backend="xformers")
-    with pytest.raises(ConfigError, match="unknown model.attention_backend 'flash'"):
-        make(model, attention_backend="flash")
+    with pytest.raises(ConfigError, match="unknown model.attention_backend 'xformer'"):
+        make(model, attention_backend="xformer")
 
-    # with xformers and CUDA present, the switch is diffusers' own enable_xformers_memory_efficient_attention
-    policy, calls = make(model), []
-    monkeypatch.setattr(switches_mod.importlib.util, "find_spec", lambda name, *a: object())
+    # with xformers and CUDA present (mocked), every attention processor is set to diffusers' xformers backend
+    from diffusers.models import attention_dispatch
+
+    monkeypatch.setattr(attention_dispatch, "_check_attention_backend_requirements", lambda backend: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(policy.transformer, "enable_xformers_memory_efficient_attention", lambda: calls.append(1))
-    policy._set_attention_backend("xformers")
-    assert calls == [1]
+    policy = make(model, attention_backend="xformers")
+    assert processor_backends(policy.transformer) and set(processor_backends(policy.transformer)) == {"xformers"}
 
 
 @pytest.mark.parametrize("dtype, rel", [("bfloat16", 0.08), ("float16", 0.01)])

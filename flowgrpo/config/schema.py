@@ -53,7 +53,7 @@ class ModelConfig:
     vae_tiling: bool = _f(False, "decode large images in overlapping VAE tiles (less memory at high resolution; not bit-identical once the image exceeds one tile)")
     offload_text_encoders: bool = _f(False, "keep the text encoders on the CPU between encodings; encodings are cached per prompt (LRU)")
     compile_transformer: bool = _f(False, "torch.compile the transformer's forward (slow first iterations; backend inductor, or $FLOWGRPO_COMPILE_BACKEND)")
-    attention_backend: Literal["sdpa", "xformers"] = _f("sdpa", "attention kernels: sdpa (PyTorch) | xformers (needs xformers and CUDA)")
+    attention_backend: Literal["sdpa", "native", "flex", "flash", "flash-3", "sage", "xformers"] = _f("sdpa", "attention kernels: sdpa (diffusers' default processors, unchanged) | native (PyTorch SDPA through diffusers' attention dispatcher) | flex (PyTorch FlexAttention; slow unless compiled) | flash (flash-attn 2) | flash-3 (FlashAttention 3, Hopper) | sage (sageattention) | xformers; flash, flash-3, sage and xformers need their package and a CUDA GPU, else the run stops naming the backends usable here")
 
 
 @dataclass

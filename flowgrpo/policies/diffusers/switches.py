@@ -15,14 +15,17 @@ vae_slicing / vae_tiling   ``vae.enable_slicing()`` / ``vae.enable_tiling()``
 offload_text_encoders      the ``text_encoder*`` modules live on the CPU and visit the transformer's
                            device only to encode prompts not yet seen; encodings are kept per prompt
                            in an LRU dict of ``prompt_cache_size`` entries
-attention_backend          ``sdpa`` (diffusers' default processors) or ``xformers`` (diffusers'
-                           ``enable_xformers_memory_efficient_attention``; needs xformers and CUDA)
+attention_backend          ``sdpa``: diffusers' default processors, unchanged; ``native``, ``flex``,
+                           ``flash``, ``flash-3``, ``sage``, ``xformers``: diffusers' attention
+                           dispatcher, ``transformer.set_attention_backend(...)``
+                           (:mod:`~flowgrpo.policies.diffusers.attention`)
 compile_transformer        ``transformer.compile()`` (``torch.compile`` of its forward in place)
 =========================  =====================================================================
 
 A switch that cannot apply to a model (its VAE class lacks the method in the installed diffusers,
-its transformer does not support checkpointing, xformers or CUDA is missing) raises a
-:class:`~flowgrpo.errors.ConfigError` naming the key, the model and the reason; none is ignored.
+its transformer does not support checkpointing, an attention backend's package or CUDA is missing)
+raises a :class:`~flowgrpo.errors.ConfigError` naming the key, the model and the reason (for an
+attention backend also the backends usable on this machine); none is ignored.
 
 ``torch.compile`` uses its default backend (inductor) unless the environment variable
 ``FLOWGRPO_COMPILE_BACKEND`` names another one; the tests set ``aot_eager`` there, because a cold
@@ -31,7 +34,6 @@ inductor build of the tiny transformers takes about a minute on two CPU cores.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from abc import abstractmethod
 from collections import OrderedDict
@@ -41,11 +43,11 @@ from torch import Tensor, nn
 
 from ...errors import ConfigError, UserError
 from ..base.trained import TrainedPolicy
+from .attention import ATTENTION_BACKENDS, backend_problem, set_attention_backend, usable_backends
 
 #: the ``ModelConfig`` fields every diffusers adapter takes as keyword arguments (:func:`runtime_options`)
 SWITCHES = ("gradient_checkpointing", "vae_slicing", "vae_tiling", "offload_text_encoders", "attention_backend",
             "compile_transformer")
-ATTENTION_BACKENDS = ("sdpa", "xformers")
 #: environment variable naming the ``torch.compile`` backend (unset: torch's default, inductor)
 COMPILE_BACKEND_ENV = "FLOWGRPO_COMPILE_BACKEND"
 
@@ -127,19 +129,21 @@ class SwitchedPolicy(TrainedPolicy):
         return ConfigError(f"model.{key}={str(value).lower()} cannot apply to {self.model_name} "
                            f"({type(self.transformer).__name__}): {why}")
 
-    def _set_attention_backend(self, backend: str) -> None:
+    def _set_attention_backend(self, backend: str, networks: list[nn.Module] | None = None) -> None:
+        """``model.attention_backend`` on ``networks`` (default: the transformer): ConfigError (one line)
+        for an unknown backend, one this machine cannot run (naming the usable ones), or a transformer
+        whose attention does not go through diffusers' dispatcher."""
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"unknown model.attention_backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
-        if backend == "sdpa":  # diffusers' default processors already call scaled_dot_product_attention
-            return
-        missing = [what for what, ok in (("the xformers package", importlib.util.find_spec("xformers") is not None),
-                                         ("a CUDA GPU", torch.cuda.is_available())) if not ok]
-        if missing:
-            raise self._cannot("attention_backend", backend, f"xformers attention needs {' and '.join(missing)}, "
-                               "which this machine lacks; use model.attention_backend=sdpa")
-        # diffusers' own switch: XFormers* processors on classic Attention modules (SD3), the "xformers"
-        # dispatch backend on AttentionModuleMixin ones (FLUX, Wan)
-        self.transformer.enable_xformers_memory_efficient_attention()
+        problem = backend_problem(backend)
+        if problem:
+            raise self._cannot("attention_backend", backend, f"{problem}; usable here: {', '.join(usable_backends())}")
+        for network in networks or [self.transformer]:
+            try:
+                set_attention_backend(network, backend)
+            except (ValueError, RuntimeError) as exc:
+                why = " ".join(str(exc).split())
+                raise self._cannot("attention_backend", backend, f"{why}; use model.attention_backend=sdpa") from None
 
     # ------------------------------------------------------------------ devices
     @property

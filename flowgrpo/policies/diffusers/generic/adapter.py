@@ -239,13 +239,12 @@ class PipelinePolicy(DiffusersPolicy):
 
     def apply_switches(self, **switches) -> None:
         """:meth:`SwitchedPolicy.apply_switches`, whose per-network switches (gradient checkpointing,
-        xformers attention, ``torch.compile``) act on ``transformer``, and the same on every further expert."""
+        attention backend, ``torch.compile``) act on ``transformer``, and the same on every further expert."""
         super().apply_switches(**switches)
         for module in self._experts()[1:]:
             if switches.get("gradient_checkpointing"):
                 module.enable_gradient_checkpointing()
-            if switches.get("attention_backend", "sdpa") != "sdpa":
-                module.enable_xformers_memory_efficient_attention()
+            self._set_attention_backend(switches.get("attention_backend", "sdpa"), [module])
             if switches.get("compile_transformer"):
                 module.compile(backend=os.environ.get(COMPILE_BACKEND_ENV) or "inductor")
 
