@@ -52,7 +52,7 @@ class ModelConfig:
     vae_slicing: bool = _f(False, "decode one image at a time through the VAE (less memory; same images)")
     vae_tiling: bool = _f(False, "decode large images in overlapping VAE tiles (less memory at high resolution; not bit-identical once the image exceeds one tile)")
     offload_text_encoders: bool = _f(False, "keep the text encoders on the CPU between encodings; encodings are cached per prompt (LRU)")
-    compile_transformer: bool = _f(False, "torch.compile the transformer's forward (slow first iterations; backend inductor, or $FLOWGRPO_COMPILE_BACKEND)")
+    compile_transformer: Literal[False, True, "whole", "regional"] = _f(False, "torch.compile the transformer, in place, for rollouts and updates: false | true or whole (its whole forward: slow first iterations) | regional (each repeated transformer block, e.g. FLUX's double- and single-stream blocks, compiled once for all blocks of its kind: a much shorter compile for PyTorch's and diffusers' reported near-whole speed-up, not yet measured here); backend inductor, or $FLOWGRPO_COMPILE_BACKEND; the compile_s metric is each iteration's compile seconds (the first one's build, then any recompilation), part of iter_s")
     attention_backend: Literal["sdpa", "native", "flex", "flash", "flash-3", "sage", "xformers"] = _f("sdpa", "attention kernels: sdpa (diffusers' default processors, unchanged) | native (PyTorch SDPA through diffusers' attention dispatcher) | flex (PyTorch FlexAttention; slow unless compiled) | flash (flash-attn 2) | flash-3 (FlashAttention 3, Hopper) | sage (sageattention) | xformers; flash, flash-3, sage and xformers need their package and a CUDA GPU, else the run stops naming the backends usable here")
 
 

@@ -323,6 +323,8 @@ class Trainer:
     def iteration_step(self) -> IterationResult:
         """Run outer iteration ``self.iteration`` (collect, credit, update, EMA) and advance it."""
         cfg, it = self.cfg, self.iteration
+        compiling = bool(getattr(self.policy, "compile_transformer", False))
+        c0 = compile_seconds() if compiling else 0.0
         t0 = time.perf_counter()
         col = self.collect(it)
         cr = self.credit(col)
@@ -354,11 +356,24 @@ class Trainer:
         metrics.update({"nfe_rollout": col.view.whole.nfe, "rollout_s": col.seconds,
                         "collect_s": col.collect_seconds, "train_s": t_train,
                         "iter_s": time.perf_counter() - t0, "trained_steps": len(cr.steps)})
+        if compiling:  # torch.compile's share of iter_s: the first iteration's build, then recompilations
+            metrics["compile_s"] = compile_seconds() - c0
         self.iteration += 1
         w = cfg.reward.weights
         local = col.view.local_leaves
         leaf_rewards = sum(wt * col.rewards[k].float()[local] for k, wt in w.items())
         return IterationResult(metrics, col.rollout, col.images, adv, leaf_rewards)
+
+
+def compile_seconds() -> float:
+    """Wall seconds ``torch.compile`` has spent compiling in this process (dynamo's frame and backward
+    compiles, cumulative; 0.0 where this torch does not count them)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # a private torch API: its absence costs the metric, not the run
+        return 0.0
 
 
 def __getattr__(name: str):

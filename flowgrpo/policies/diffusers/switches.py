@@ -19,7 +19,10 @@ attention_backend          ``sdpa``: diffusers' default processors, unchanged; `
                            ``flash``, ``flash-3``, ``sage``, ``xformers``: diffusers' attention
                            dispatcher, ``transformer.set_attention_backend(...)``
                            (:mod:`~flowgrpo.policies.diffusers.attention`)
-compile_transformer        ``transformer.compile()`` (``torch.compile`` of its forward in place)
+compile_transformer        ``true`` / ``whole``: ``transformer.compile()`` (``torch.compile`` of its
+                           forward in place); ``regional``: each repeated block compiled in place
+                           instead (diffusers' ``compile_repeated_blocks()`` where the class names
+                           its ``_repeated_blocks``, else every entry of its block lists)
 =========================  =====================================================================
 
 A switch that cannot apply to a model (its VAE class lacks the method in the installed diffusers,
@@ -48,6 +51,8 @@ from .attention import ATTENTION_BACKENDS, backend_problem, set_attention_backen
 #: the ``ModelConfig`` fields every diffusers adapter takes as keyword arguments (:func:`runtime_options`)
 SWITCHES = ("gradient_checkpointing", "vae_slicing", "vae_tiling", "offload_text_encoders", "attention_backend",
             "compile_transformer")
+#: ``model.compile_transformer`` values: False (off), True / "whole" (the forward), "regional" (each block)
+COMPILE_MODES = (False, True, "whole", "regional")
 #: environment variable naming the ``torch.compile`` backend (unset: torch's default, inductor)
 COMPILE_BACKEND_ENV = "FLOWGRPO_COMPILE_BACKEND"
 
@@ -63,6 +68,16 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
         return _DTYPES[str(name).lower()]
     except KeyError:
         raise UserError(f"unknown model dtype {name!r}; valid: float32, bfloat16, float16") from None
+
+
+def repeated_blocks(network: nn.Module) -> list[nn.Module]:
+    """The blocks regional compilation compiles: the modules whose class ``network._repeated_blocks``
+    names (diffusers' ``compile_repeated_blocks()`` rule), else every entry of each ``nn.ModuleList``
+    child of ``network`` (``transformer_blocks``, ``single_transformer_blocks``, ``layers``, ...)."""
+    names = set(getattr(network, "_repeated_blocks", None) or ())
+    if names:
+        return [m for m in network.modules() if type(m).__name__ in names]
+    return [block for child in network.children() if isinstance(child, nn.ModuleList) for block in child]
 
 
 def runtime_options(cfg) -> dict:
@@ -82,8 +97,9 @@ class SwitchedPolicy(TrainedPolicy):
 
     def apply_switches(self, *, gradient_checkpointing: bool = False, vae_slicing: bool = False,
                        vae_tiling: bool = False, offload_text_encoders: bool = False, attention_backend: str = "sdpa",
-                       compile_transformer: bool = False, prompt_cache_size: int = 1024) -> None:
+                       compile_transformer: bool | str = False, prompt_cache_size: int = 1024) -> None:
         """Turn the switches on (see the module docstring); ConfigError for one that cannot apply."""
+        self._check_compile_mode(compile_transformer)
         if gradient_checkpointing:
             if not getattr(self.transformer, "_supports_gradient_checkpointing", False):
                 raise self._cannot("gradient_checkpointing", True, f"{type(self.transformer).__name__} does not "
@@ -106,10 +122,9 @@ class SwitchedPolicy(TrainedPolicy):
         if self.offload_text_encoders:
             self._text_encoders_to("cpu")
 
-        self.compile_transformer = bool(compile_transformer)
-        if self.compile_transformer:
-            # in place (nn.Module.compile): parameter names, peft adapters and state dicts are unchanged
-            self.transformer.compile(backend=os.environ.get(COMPILE_BACKEND_ENV) or "inductor")
+        #: the compile mode: False, "whole" or "regional" (truthy when compiled)
+        self.compile_transformer = {True: "whole"}.get(compile_transformer, compile_transformer)
+        self._compile(self.transformer)
 
     def _enable_vae(self, key: str, method: str) -> None:
         """``vae.<method>()``; ConfigError where the VAE class lacks it (older diffusers, other VAEs) or
@@ -144,6 +159,27 @@ class SwitchedPolicy(TrainedPolicy):
             except (ValueError, RuntimeError) as exc:
                 why = " ".join(str(exc).split())
                 raise self._cannot("attention_backend", backend, f"{why}; use model.attention_backend=sdpa") from None
+
+    def _check_compile_mode(self, mode) -> None:
+        if not any(mode == m and type(mode) is type(m) for m in COMPILE_MODES):
+            raise ConfigError(f"unknown model.compile_transformer {mode!r}; valid: false, true, whole, regional")
+
+    def _compile(self, network: nn.Module) -> None:
+        """``torch.compile`` ``network`` in place as :attr:`compile_transformer` says (parameter names, peft
+        adapters and state dicts are unchanged either way)."""
+        backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+        if self.compile_transformer == "whole":
+            network.compile(backend=backend)
+        elif self.compile_transformer == "regional":
+            if getattr(network, "_repeated_blocks", None) and callable(getattr(network, "compile_repeated_blocks", None)):
+                network.compile_repeated_blocks(backend=backend)  # diffusers' own: each _repeated_blocks module
+                return
+            blocks = repeated_blocks(network)
+            if not blocks:
+                raise self._cannot("compile_transformer", "regional", f"{type(network).__name__} names no "
+                                   "_repeated_blocks and has no block list (an nn.ModuleList child) to compile")
+            for block in blocks:
+                block.compile(backend=backend)
 
     # ------------------------------------------------------------------ devices
     @property

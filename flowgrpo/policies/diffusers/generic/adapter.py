@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
 from pathlib import Path
 
 import torch
@@ -46,7 +45,6 @@ from ...base import Conditioning
 from ...base.lora import DEFAULT_LORA_INIT, lora_disabled
 from ..common import make_trainable
 from ..policy import DiffusersPolicy
-from ..switches import COMPILE_BACKEND_ENV
 from ..wan import is_flow_solver, wan_euler_scheduler
 from .experts import ExpertSwitch, route_rows
 from .families import PipelineFamily
@@ -239,14 +237,14 @@ class PipelinePolicy(DiffusersPolicy):
 
     def apply_switches(self, **switches) -> None:
         """:meth:`SwitchedPolicy.apply_switches`, whose per-network switches (gradient checkpointing,
-        attention backend, ``torch.compile``) act on ``transformer``, and the same on every further expert."""
+        attention backend, ``torch.compile`` whole or regional) act on ``transformer``, and the same on
+        every further expert."""
         super().apply_switches(**switches)
         for module in self._experts()[1:]:
             if switches.get("gradient_checkpointing"):
                 module.enable_gradient_checkpointing()
             self._set_attention_backend(switches.get("attention_backend", "sdpa"), [module])
-            if switches.get("compile_transformer"):
-                module.compile(backend=os.environ.get(COMPILE_BACKEND_ENV) or "inductor")
+            self._compile(module)
 
     def save_lora(self, directory: str | Path, weights: dict[str, Tensor] | None = None) -> Path:
         """The first expert's LoRA as :meth:`DiffusersPolicy.save_lora`; each further expert's in
