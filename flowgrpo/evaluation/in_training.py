@@ -71,12 +71,11 @@ class InTrainingEvaluation(Callback):
         path = run_dir / "eval_before.json"
         if not self.has_evaluator:
             run.say(f"note: {self.note}")
-        elif self.evaluator is None:
-            pass
-        elif run.dp.broadcast(path.exists()) if run.lockstep else path.exists():
+        # a process that does not evaluate (not main, not lock-step) has self.evaluator None: it skips both
+        elif self.evaluator is not None and (run.dp.broadcast(path.exists()) if run.lockstep else path.exists()):
             if run.main:
                 self.before = json.loads(path.read_text())
-        else:
+        elif self.evaluator is not None:
             res = self._evaluate(keep_images=True, use_ema=False)  # the base model
             seen = self._evaluate(split="seen", use_ema=False).to_json() if cfg.eval.seen else None
             if run.main:
