@@ -52,6 +52,8 @@ class ModelConfig:
     vae_slicing: bool = _f(False, "decode one image at a time through the VAE (less memory; same images)")
     vae_tiling: bool = _f(False, "decode large images in overlapping VAE tiles (less memory at high resolution; not bit-identical once the image exceeds one tile)")
     offload_text_encoders: bool = _f(False, "keep the text encoders on the CPU between encodings; encodings are cached per prompt (LRU)")
+    precompute_prompts: bool = _f(False, "encode every prompt the run uses (the data.prompts file, the evaluator's prompts, the empty prompt) once before training, keep the encodings in CPU memory keyed by prompt, and free the text encoders (no device or host memory for them afterwards); needs a finite prompt file (not a procedural source); a prompt outside the set is refused by name")
+    reference_device: Literal["auto", "cpu"] = _f("auto", "model.train_mode=full: where the frozen reference copy of the denoiser (KL, anchor, base-velocity terms) lives: auto (beside the trained one, on the run's device) | cpu (in CPU memory; each reference call streams one transformer block at a time to the device: no resident copy, one host-to-device copy of the blocks per reference call)")
     compile_transformer: Literal[False, True, "whole", "regional"] = _f(False, "torch.compile the transformer, in place, for rollouts and updates: false | true or whole (its whole forward: slow first iterations) | regional (each repeated transformer block, e.g. FLUX's double- and single-stream blocks, compiled once for all blocks of its kind: a much shorter compile for PyTorch's and diffusers' reported near-whole speed-up, not yet measured here); backend inductor, or $FLOWGRPO_COMPILE_BACKEND; the compile_s metric is each iteration's compile seconds (the first one's build, then any recompilation), part of iter_s")
     attention_backend: Literal["sdpa", "native", "flex", "flash", "flash-3", "sage", "xformers"] = _f("sdpa", "attention kernels: sdpa (diffusers' default processors, unchanged) | native (PyTorch SDPA through diffusers' attention dispatcher) | flex (PyTorch FlexAttention; slow unless compiled) | flash (flash-attn 2) | flash-3 (FlashAttention 3, Hopper) | sage (sageattention) | xformers; flash, flash-3, sage and xformers need their package and a CUDA GPU, else the run stops naming the backends usable here")
 
@@ -148,6 +150,7 @@ class TrainConfig:
     timestep_order: Literal["ordered", "random"] = _f("ordered", "ordered (the first fraction of steps) | random (a fresh random subset each iteration)")
     ema: bool = _f(True, "keep an EMA of the trainable weights (used for evaluation)")
     ema_decay: float = _f(0.9, "EMA decay per iteration", ge=0.0, lt=1.0)
+    ema_device: Literal["auto", "cpu"] = _f("auto", "where the EMA of the trainable weights lives: auto (beside them, on the run's device) | cpu (in CPU memory: one device-to-host copy of the trainable weights per iteration; useful for full fine-tuning, where the EMA is a whole weight copy); one process or DDP only (FSDP shards it with the weights)")
     seed: int = _f(0, "seed of every random choice (prompts, noise, subsets); runs are reproducible")
     threads: int = _f(0, "torch CPU threads (0 = torch default)")
     deterministic: bool = _f(True, "torch deterministic algorithms (resume reproduces an uninterrupted run)")
