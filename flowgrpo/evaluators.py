@@ -45,6 +45,9 @@ class EvalResult:
         prompts, images: the evaluated prompts and images [N, 3, H, W] in [0, 1], when kept.
         monitors: the reward-hacking monitors measured on the held-out samples (name -> value, e.g.
             ``dark_share``, ``reward.pickscore``, ``velocity_norm``; :mod:`flowgrpo.monitors`), or empty.
+        accuracy_se: standard error of ``accuracy`` over the evaluation's noise seeds, the prompts held
+            fixed (:func:`seed_standard_error`): how far another seed set would move it; None where the
+            evaluator does not estimate it.
     """
 
     accuracy: float
@@ -58,11 +61,12 @@ class EvalResult:
     images: Tensor | None = None
     fidelity: float | None = None  # last, so that positional construction keeps its meaning
     monitors: dict[str, float] = field(default_factory=dict)
+    accuracy_se: float | None = None
 
     def to_json(self, with_correct: bool = False) -> dict:
         """The JSON record of ``summary.json`` / ``eval_*.json`` (no images, no prompts)."""
         out = {"accuracy": self.accuracy, "accuracy_unseen": self.accuracy_unseen, "num_unseen": self.num_unseen,
-               "score": self.score, "fidelity": self.fidelity, "per_tag": dict(self.per_tag),
+               "accuracy_se": self.accuracy_se, "score": self.score, "fidelity": self.fidelity, "per_tag": dict(self.per_tag),
                "num_samples": self.num_samples, "monitors": dict(self.monitors)}
         if with_correct:
             out["correct"] = list(self.correct)
@@ -70,8 +74,9 @@ class EvalResult:
 
     def metrics(self) -> dict:
         """The entries of an evaluation during training in its ``metrics.jsonl`` line: ``eval_accuracy``,
-        ``eval_accuracy_unseen``, ``eval_fidelity`` and each monitor as ``monitor.<name>``."""
-        return {"eval_accuracy": self.accuracy, "eval_accuracy_unseen": self.accuracy_unseen,
+        ``eval_accuracy_se``, ``eval_accuracy_unseen``, ``eval_fidelity`` and each monitor as ``monitor.<name>``."""
+        return {"eval_accuracy": self.accuracy, "eval_accuracy_se": self.accuracy_se,
+                "eval_accuracy_unseen": self.accuracy_unseen,
                 "eval_fidelity": self.fidelity, **{f"monitor.{k}": v for k, v in self.monitors.items()}}
 
 
@@ -106,3 +111,30 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
     if len(d) < 2:
         return float(d.mean()) if len(d) else 0.0, float("nan")
     return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
+
+
+def seed_standard_error(correct: list[float], groups: list[str]) -> float:
+    """Standard error of ``mean(correct)`` when the prompts are held fixed and only the noise seeds
+    would change: ``sqrt(s_w^2 / N)``, with ``s_w^2`` the within-prompt variance of the verdicts,
+    pooled over prompts (``groups``: each sample's prompt, samples of one prompt pooled wherever they
+    stand). Between-prompt differences are left out on purpose: every evaluation uses the same
+    prompts, so only the seeds move it. Where no prompt has two samples the within-prompt variance
+    cannot be told apart, and the variance over all samples (ddof 1) stands in. NaN below 2 samples.
+
+    Args:
+        correct: [N] per-sample scores (1.0 / 0.0 verdicts, or partial scores).
+        groups: [N] the prompt (or any grouping key) of each sample.
+    """
+    x = np.asarray(correct, dtype=np.float64)
+    if len(x) != len(groups):
+        raise ValueError(f"{len(x)} verdicts but {len(groups)} group keys")
+    if len(x) < 2:
+        return float("nan")
+    index: dict = {}
+    codes = np.array([index.setdefault(g, len(index)) for g in groups])
+    counts = np.bincount(codes)
+    if counts.max() < 2:
+        return float(x.std(ddof=1) / np.sqrt(len(x)))
+    means = np.bincount(codes, weights=x) / counts
+    within = float(((x - means[codes]) ** 2).sum() / (len(x) - len(counts)))
+    return float(np.sqrt(within / len(x)))

@@ -21,9 +21,10 @@ one before, during and after a training run.
 
 from __future__ import annotations
 
-from ..evaluators import EVALUATORS, EvalResult, Evaluator, evaluator_options, paired_gain
+from ..evaluators import EVALUATORS, EvalResult, Evaluator, evaluator_options, paired_gain, seed_standard_error
 
-__all__ = ["EVALUATORS", "EvalResult", "Evaluator", "build_evaluator", "evaluator_options", "paired_gain"]
+__all__ = ["EVALUATORS", "EvalResult", "Evaluator", "build_evaluator", "evaluator_options", "paired_gain",
+           "seed_standard_error"]
 
 
 

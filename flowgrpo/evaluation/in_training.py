@@ -28,13 +28,19 @@ from . import EvalResult, paired_gain
 #: prompts in the before/after grid (each with its first seed)
 GRID_PROMPTS = 16
 #: what a curve point holds of an evaluation (its ``to_json`` keys; ``eval_<key>`` in ``metrics.jsonl``)
-CURVE_KEYS = ("accuracy", "accuracy_unseen", "fidelity")
+CURVE_KEYS = ("accuracy", "accuracy_se", "accuracy_unseen", "fidelity")
 
 
 def _point(iteration: int, train_seconds: float, record: dict, prefix: str = "") -> dict:
     """A curve point from an evaluation's JSON record (``prefix`` "eval_": from a metrics line)."""
     return {"iteration": iteration, "train_seconds": train_seconds,
             **{key: record.get(prefix + key) for key in CURVE_KEYS}}
+
+
+def _se_text(record: dict) -> str:
+    """`` +- 0.014 s.e. (seeds)`` from an evaluation record that has the seed standard error, else ``""``."""
+    se = record.get("accuracy_se")
+    return f" +- {se:.3f} s.e. (seeds)" if se is not None and se == se else ""
 
 
 def _grid_subset(res: EvalResult, seeds_per_prompt: int) -> tuple[torch.Tensor, list[str], list[float]]:
@@ -81,7 +87,7 @@ class InTrainingEvaluation(Callback):
             if run.main:
                 self._record_before(res, seen, run_dir)
         if self.before is not None:
-            run.say(f"held-out accuracy before: {self.before['accuracy']:.3f}")
+            run.say(f"held-out accuracy before: {self.before['accuracy']:.3f}{_se_text(self.before)}")
             self.curve = [_point(0, 0.0, self.before)] + [
                 _point(r["iteration"] + 1, r["train_seconds"], r, "eval_")
                 for r in run.metrics_so_far() if "eval_accuracy" in r]
@@ -144,7 +150,8 @@ class InTrainingEvaluation(Callback):
         after = res.to_json()
         gain, gain_se = paired_gain(before["correct"], res.correct) if "correct" in before else (
             after["accuracy"] - before["accuracy"], float("nan"))
-        print(f"held-out accuracy after:  {after['accuracy']:.3f}  (gain {gain:+.3f} +- {gain_se:.3f} s.e., paired)")
+        print(f"held-out accuracy after:  {after['accuracy']:.3f}{_se_text(after)}  "
+              f"(gain {gain:+.3f} +- {gain_se:.3f} s.e., paired)")
         self.curve.append(_point(run.trainer.iteration, run.train_seconds, after))
         save_accuracy_curve(run.run_dir / "accuracy_curve.png", self.curve, after["num_samples"])
         save_reward_curve(run.run_dir / "reward_curve.png", records, [(c["iteration"], c["accuracy"]) for c in self.curve])

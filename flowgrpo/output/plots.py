@@ -92,8 +92,8 @@ def save_reward_curve(path: Path, records: list[dict], eval_points: list[tuple[i
 
 
 def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
-    """Held-out accuracy against training minutes, with a +-1 standard-error band (binomial, of an
-    ``n_samples``-sample accuracy), the never-trained-prompts accuracy where measured, and the image
+    """Held-out accuracy against training minutes, with a +-1 standard-error band (each point's
+    ``accuracy_se`` where recorded, else binomial of an ``n_samples``-sample accuracy), the never-trained-prompts accuracy where measured, and the image
     fidelity (``fidelity`` of the curve's entries, on the same 0-1 scale) where measured."""
     import matplotlib
 
@@ -102,7 +102,9 @@ def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
 
     t = np.array([c["train_seconds"] for c in curve]) / 60.0
     acc = np.array([c["accuracy"] for c in curve])
-    se = np.sqrt(np.clip(acc * (1 - acc), 0, None) / max(1, n_samples))
+    binomial = np.sqrt(np.clip(acc * (1 - acc), 0, None) / max(1, n_samples))
+    # the evaluator's own seed standard error where it gave one (runs before it was recorded: binomial)
+    se = np.array([c["accuracy_se"] if c.get("accuracy_se") is not None else b for c, b in zip(curve, binomial)])
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.fill_between(t, acc - se, acc + se, color="tab:blue", alpha=0.2, label="+-1 s.e.")
     ax.plot(t, acc, "o-", color="tab:blue", label=f"held-out accuracy ({n_samples} samples)")

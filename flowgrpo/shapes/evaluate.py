@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..evaluators import EvalResult
+from ..evaluators import EvalResult, seed_standard_error
 from ..images import to_uint8
 from ..samplers import euler_step, sigma_grid
 from .fidelity import fidelity_parts
@@ -83,6 +83,7 @@ def score_shapes(prompts: list[str], images: Tensor) -> EvalResult:
         per_tag={t: float(np.mean(v)) for t, v in sorted(per_tag.items())},
         num_samples=len(prompts),
         correct=[float(c) for c in correct],
+        accuracy_se=seed_standard_error(correct, prompts),
     )
 
 
