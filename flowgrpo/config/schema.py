@@ -138,6 +138,8 @@ class TrainConfig:
     max_minutes: float = _f(0.0, "stop after this many minutes of training wall-clock (0 = no limit)", ge=0.0)
     clock: Literal["wall", "cpu"] = _f("wall", "what train.max_minutes and eval.every_minutes count: wall (wall-clock) | cpu (the process's CPU time: on a shared machine a one-thread run then gets the budget it would get on a quiet one; for comparing recipes on a busy machine)")
     lr: float = _f(3e-4, "AdamW learning rate", gt=0.0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = _f("constant", "learning rate over the run, as a fraction of train.lr: constant | cosine | linear (from 1 down to train.lr_final, over the run's progress: the larger of the iterations and the train.max_minutes done; flowgrpo.trainer.lr_schedule)")
+    lr_final: float = _f(0.1, "the learning rate at the run's end as a fraction of train.lr, for train.lr_schedule cosine | linear", ge=0.0, le=1.0)
     weight_decay: float = _f(1e-4, "AdamW weight decay", ge=0.0)
     adam_betas: list = _f([0.9, 0.999], "AdamW betas")
     adam_eps: float = _f(1e-8, "AdamW epsilon", gt=0.0)

@@ -37,6 +37,7 @@ from ..config import RunConfig
 from ..evaluation.in_training import InTrainingEvaluation
 from .monitor import monitored_evaluator
 from .progress import bar_fields, progress_bar
+from .lr_schedule import LearningRateSchedule
 from .run_parts import Checkpoints, DivergenceGuard, LoraExport, SampleGrids, TimeBudget
 from .run_state import RunState, open_run
 from .trainer import Trainer
@@ -44,10 +45,11 @@ from .trainer import Trainer
 
 def run_parts(run: RunState, evaluator, eval_note: str) -> list:
     """The loop's parts, in the order each event runs them: at the start the evaluation before training,
-    then the budget check; after an iteration grids, then an evaluation, then the divergence guard, the
-    checkpoint and the budget; at the end the last checkpoint, the export, then the evaluation after."""
+    then the budget check and the first learning rate; after an iteration grids, then an evaluation, then
+    the divergence guard, the checkpoint, the budget and the next learning rate; at the end the last
+    checkpoint, the export, then the evaluation after."""
     return [SampleGrids(run), DivergenceGuard(run), Checkpoints(run), LoraExport(run),
-            InTrainingEvaluation(run, evaluator, eval_note), TimeBudget(run)]
+            InTrainingEvaluation(run, evaluator, eval_note), TimeBudget(run), LearningRateSchedule(run)]
 
 
 def _fire(parts: list, event: str, *args) -> None:
