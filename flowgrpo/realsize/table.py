@@ -2,7 +2,8 @@
 
 A row is one recipe: :func:`~flowgrpo.realsize.memory.training_state` (weights and LoRA training
 state per layout) plus :func:`~flowgrpo.realsize.activations.activation_bytes` (one training
-forward of the recipe's micro-batch). The sample size comes from the recipe YAML
+forward of the recipe's micro-batch), and the whole run's per-GPU budget of every loaded module by
+phase and layout (:mod:`flowgrpo.realsize.recipe_budget`, :mod:`flowgrpo.realsize.budget`). The sample size comes from the recipe YAML
 (``flowgrpo/recipes/<name>.yaml`` through ``flowgrpo.config.load_config(recipe=...)``) where it
 exists, else from the adapter's defaults (:func:`recipe_geometry`); explicit values override both.
 All sizes are GiB (2**30 bytes).
@@ -68,15 +69,22 @@ def _cfg_in_update(entry, guidance_scale: float, cfg) -> bool:
 
 
 def memory_row(recipe: str, gpus: int = 8, resolution: int | None = None, frames: int | None = None,
-               micro_batch: int | None = None, rank: int = 0) -> dict:
+               micro_batch: int | None = None, rank: int = 0, **switches) -> dict:
     """One recipe's row: counts, per-layout bytes and activations (see the module docstring).
 
     Keys: ``recipe``, ``class_name``, ``experts``, ``transformer_params``, ``lora_params``,
     ``lora_rank``, ``wrapped_layers``, ``wrapped_by_block``, ``geometry`` (resolution, frames, text
     tokens, batch), ``image_tokens``, ``activations`` (``checkpointing`` / ``no_checkpointing`` bytes
     of one expert's forward), ``checkpointing`` (the recipe's setting), ``per_gpu`` ({layout: bytes
-    by kind, ``activations`` and ``total`` included}) and ``source``.
+    by kind, ``activations`` and ``total`` included: the transformer alone, 1 and ``gpus`` GPUs}),
+    ``source``, and the whole run: ``components`` (every other module the pipeline loads: params,
+    bytes), ``budget`` ({layout of :data:`~flowgrpo.realsize.budget.LAYOUTS`: bytes by kind and by
+    phase, ``total``}) with ``fits_80`` / ``fits_24`` (:func:`~flowgrpo.realsize.recipe_budget.budgets`).
+    ``switches`` (``offload_text_encoders``, ``precompute_prompts``, ``reference_device``,
+    ``ema_device``, ``train_mode``) replace the recipe's settings in the whole-run figures.
     """
+    from .recipe_budget import budgets, recipe_inputs
+
     geo, info = recipe_geometry(recipe, resolution, frames, micro_batch)
     rank = rank or info["rank"]
     state = training_state(recipe, gpus_list=sorted({1, gpus}), rank=rank)
@@ -91,6 +99,10 @@ def memory_row(recipe: str, gpus: int = 8, resolution: int | None = None, frames
                activations={"checkpointing": act.checkpointing, "no_checkpointing": act.no_checkpointing,
                             "outside": act.outside, "block_inputs": act.block_inputs,
                             "largest_block": max(act.blocks, default=0), "blocks": len(act.blocks)})
+    inputs, parts = recipe_inputs(recipe, geo, info, state, act, **switches)
+    whole = budgets(inputs)
+    row.update(components=parts, budget=whole["layouts"], fits_80=whole["fits_80"], fits_24=whole["fits_24"],
+               text_encoders=inputs.text_encoders, trainable="full" if inputs.full_finetune else "lora")
     return row
 
 
@@ -104,27 +116,29 @@ def _gib(b: int) -> str:
 
 
 def table_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells shared by the rich and markdown renderings."""
-    head = ["recipe", "params", "LoRA (rank)", "wrapped", "sample", "layout", "weights", "LoRA+grad+Adam+EMA",
-            "activations", "total GiB"]
+    """Header and cells shared by the rich and markdown renderings: one line per recipe and layout of
+    the whole-run budget (``row["budget"]``), the fitting layouts on the recipe's first line."""
+    head = ["recipe", "params", "LoRA (rank)", "sample", "layout", "transformer", "text enc.", "VAE",
+            "LoRA/Adam/EMA/ref", "rollout", "update", "peak GiB (phase)", "fits 80 GB", "fits 24 GB"]
     cells = []
     for r in rows:
         g = r["geometry"]
         sample = f"{g['resolution']}px" + (f" x{g['frames']}f" if g["frames"] > 1 else "") + f" b{g['batch']}"
-        for i, (layout, b) in enumerate(r["per_gpu"].items()):
-            lora_state = b["lora_weights"] + b["gradients"] + b["adamw"] + b["ema"]
-            act = _gib(b["activations"]) + (" (ckpt)" if r["checkpointing"] else "")
+        enc_note = {"resident": "", "visiting": " (off)", "precomputed": " (freed)"}[r["text_encoders"]]
+        for i, (layout, b) in enumerate(r["budget"].items()):
+            state = b["lora_weights"] + b["adamw"] + b["ema"] + b["reference"]
             first = i == 0
-            cells.append([r["recipe"] if first else "",
-                          f"{r['transformer_params'] / 1e9:.2f}B" + (f" ({r['experts']} experts)" if r["experts"] > 1
-                                                                      else "") if first else "",
-                          f"{r['lora_params'] / 1e6:.1f}M (r{r['lora_rank']})" if first else "",
-                          str(r["wrapped_layers"]) if first else "", sample if first else "", layout,
-                          _gib(b["base_weights"] + b["fsdp_gathered"]), _gib(lora_state), act, _gib(b["total"])])
+            params = f"{r['transformer_params'] / 1e9:.2f}B" + (f" ({r['experts']} experts)" if r["experts"] > 1 else "")
+            lora = f"{r['lora_params'] / 1e6:.1f}M (r{r['lora_rank']})" if r["trainable"] == "lora" else "full"
+            cells.append([r["recipe"] if first else "", params if first else "", lora if first else "",
+                          sample if first else "", layout, _gib(b["transformer"]), _gib(b["text_encoders"]) + enc_note,
+                          _gib(b["vae"]), _gib(state), _gib(b["phases"]["rollout"]), _gib(b["phases"]["update"]),
+                          f"{_gib(b['total'])} ({b['peak_phase']})",
+                          (r["fits_80"] or "none") if first else "", (r["fits_24"] or "none") if first else ""])
     return head, cells
 
 
-def print_table(rows: list[dict], title: str = "per-GPU training memory (transformer only)") -> None:
+def print_table(rows: list[dict], title: str = "per-GPU training memory (every loaded module, peak phase)") -> None:
     """The rows as a rich table on stdout."""
     from rich.console import Console
     from rich.table import Table
@@ -132,7 +146,7 @@ def print_table(rows: list[dict], title: str = "per-GPU training memory (transfo
     head, cells = table_cells(rows)
     table = Table(title=title)
     for i, h in enumerate(head):
-        table.add_column(h, justify="left" if i in (0, 4, 5) else "right")
+        table.add_column(h, justify="left" if i in (0, 3, 4, 11, 12, 13) else "right")
     for c in cells:
         table.add_row(*c)
     Console(width=200).print(table)
@@ -141,12 +155,20 @@ def print_table(rows: list[dict], title: str = "per-GPU training memory (transfo
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a GitHub markdown table (one line per recipe and layout)."""
     head, cells = table_cells(rows)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i in (0, 4, 5) else "---:" for i in range(len(head))) + "|"]
+    left = (0, 3, 4, 11, 12, 13)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i in left else "---:" for i in range(len(head))) + "|"]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
-    lines += ["", "GiB per GPU for the transformer only (text encoders and VAE not included): frozen weights in "
-              "bf16 (FSDP: 1/N plus two gathered blocks), float32 LoRA + gradients + AdamW moments + EMA, and the "
-              "activations of one training micro-batch (`b`: samples per forward; `(ckpt)`: gradient "
-              "checkpointing, the recipe's setting). Method and laws: [results/real_models.md](results/real_models.md#real-size-without-weights)."]
+    lines += ["", "GiB per GPU (2^30 bytes) of every module the recipe's pipeline loads, built at its published size "
+              "without weights: the transformer (every expert; FSDP: 1/8 plus two gathered blocks; FSDP+offload: "
+              "the gathered blocks only), the text encoders (`(off)`: `model.offload_text_encoders`, on the GPU "
+              "only while prompts are encoded; `(freed)`: `model.precompute_prompts`), the VAE, float32 LoRA "
+              "weights + AdamW moments + EMA (+ a full fine-tune's reference copy). `rollout`: the iteration's "
+              "rollout phase (those, the stored trajectory and one no-grad forward of the rollout micro-batch with "
+              "its CFG half); `update`: the training phase (gradients and the activations of one micro-batch, `b` "
+              "samples, with the recipe's gradient checkpointing). The peak is the largest phase (encode, rollout, "
+              "decode, update, step: the DDP step adds the flat float32 gradient sum); `fits`: the first layout "
+              "whose peak is under 90 % of the GPU's memory (GB = 10^9 bytes), the rest left for the CUDA context "
+              "and the allocator. Method: [results/real_models.md](results/real_models.md#real-size-without-weights)."]
     return "\n".join(lines) + "\n"
 
 
