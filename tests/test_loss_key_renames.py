@@ -31,6 +31,8 @@ SNAPSHOT = json.loads((Path(__file__).parent / "data" / "loss_keys_snapshot.json
 ADDED_SINCE: set[str] = {
     "loss.diffusion_dpo.pairs_with_ties",  # issue 47 item 5: Flow-Factory's tie pairs, on by default
     "loss.flow_dppo.kl_norm",  # issue 47 item 5: the authors' trust-region normaliser, the default
+    # issue 47 item 3: the NormGuard hinge of the forward-process objectives, off by default
+    *(f"loss.{obj}.norm_guard_{k}" for obj in ("nft", "awm", "dgpo") for k in ("beta", "margin")),
 }
 #: the old keys of the loss options, each with a value other than its new key's default
 OLD_LOSS_KEYS = {"loss.clip_range": 0.25, "loss.clip_adapt": 0.5, "loss.kl_beta": 0.04, "loss.beta": 0.03,

@@ -2,7 +2,8 @@
 
 Each test runs the objective through the shared update loop (:func:`run_update`) on a tiny linear
 velocity model and a forest of 3 groups x 4 samples whose middle group has no reward spread, and
-compares the gradient the engine receives with a float64 derivation written here, sample by sample,
+compares the gradient the engine receives with a float64 derivation written here, sample by sample
+(the model, forest and update are tests/forward_harness.py's),
 from the authors' training scripts (NVlabs/DiffusionNFT train_nft_sd3.py, scxue/advantage_weighted_matching
 train_sd3_awm.py, Luo-Yihong/DGPO train_sd3_dgpo.py): every sample with a finite reward trains (a
 zero-spread group has advantage 0, counts in the mean and carries the regularisers), DGPO's sigmoid
@@ -12,160 +13,19 @@ min(0.3, 0.001 n). Only the rows' data (times, noise) are taken from flowgrpo.
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
+from forward_harness import (GROUPS, SIZE, GradEngine, LinearPolicy, each_row, grad, make_cfg, make_ctx, rel, rows_data,
+                             train_step, world, assert_step)
 
 from flowgrpo.errors import ConfigError
 from flowgrpo.objectives.awm import AWMObjective
-from flowgrpo.objectives.base import Credit
 from flowgrpo.objectives.dgpo import DGPOObjective
 from flowgrpo.objectives.nft import NFTObjective
 from flowgrpo.objectives.options import AWMOptions, DGPOOptions, NFTOptions, check_objective_options
 from flowgrpo.trainer.update_loop import run_update
-
-DIM, GROUPS, SIZE, T = 6, 3, 4, 5
-
-
-class LinearPolicy:
-    """v = (x W) (1 + t) + b + c(prompt), float64; the base model is a separate frozen (W0, b0)."""
-
-    latent_shape = (DIM,)
-
-    def __init__(self, w, b, w0, b0):
-        self.W, self.b = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
-        self.base = (w0.clone(), b0.clone())
-
-    def named_trainable_parameters(self):
-        return [("W", self.W), ("b", self.b)]
-
-    def trainable_parameters(self):
-        return [self.W, self.b]
-
-    def trainable_state_dict(self):
-        return {"W": self.W.detach().clone(), "b": self.b.detach().clone()}
-
-    @torch.no_grad()
-    def load_trainable_state_dict(self, sd):
-        self.W.copy_(sd["W"])
-        self.b.copy_(sd["b"])
-
-    @staticmethod
-    def apply(x, t, cond, w, b):
-        return (x.double() @ w) * (1 + t.double().view(-1, 1)) + b + cond
-
-    def velocity(self, x, t, cond, guidance_scale=None):
-        return self.apply(x, t, cond, self.W, self.b)
-
-    @torch.no_grad()
-    def reference_velocity(self, x, t, cond, guidance_scale=None):
-        return self.apply(x, t, cond, *self.base)
-
-
-class GradEngine:
-    """Records each step's gradient instead of stepping (the weights stay put)."""
-
-    def __init__(self, params):
-        self.params, self.grads = params, []
-
-    def backward(self, loss):
-        loss.backward()
-
-    def accumulate(self):
-        return contextlib.nullcontext()
-
-    def idle_passes(self, micro):
-        return 0
-
-    def step(self, params, max_norm):
-        self.grads.append([p.grad.detach().clone() for p in self.params])
-        for p in self.params:
-            p.grad = None
-        return 1.0
-
-
-def _world(seed=0):
-    """Weights (theta, base, and a third and fourth set for old / EMA copies) and a forest whose
-    group 1 has no reward spread; advantages group-centred over the global std."""
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    w0, b0 = rnd(DIM, DIM) * 0.3, rnd(DIM) * 0.1
-    sets = [(w0 + 0.2 * rnd(DIM, DIM), b0 + 0.2 * rnd(DIM)) for _ in range(3)]
-    n = GROUPS * SIZE
-    group = torch.arange(GROUPS).repeat_interleave(SIZE)
-    reward = rnd(n)
-    reward[group == 1] = 0.7  # no spread
-    mean = torch.stack([reward[group == k].mean() for k in range(GROUPS)])[group]
-    adv = (reward - mean) / reward.std()
-    adv[group == 1] = 0.0
-    spread = torch.stack([reward[group == k].std() > 0 for k in range(GROUPS)])[group]
-    forest = dict(x0=rnd(n, DIM), cond=rnd(GROUPS, DIM) * 0.5, group=group, reward=reward, adv=adv, mask=spread)
-    return (w0, b0), sets, forest
-
-
-def _ctx(policy, forest, cfg):
-    ro = SimpleNamespace(leaves=SimpleNamespace(x=forest["x0"]), leaf_tree=torch.arange(len(forest["x0"])),
-                         tree_prompt=forest["group"], tree_group=forest["group"])
-    cond = SimpleNamespace(index=lambda rows: forest["cond"][rows])
-    collected = SimpleNamespace(iteration=0, plan=SimpleNamespace(sigmas=torch.linspace(1, 0, T + 1), num_steps=T),
-                                cond=cond, rollout=ro, view=SimpleNamespace(local_leaves=torch.arange(len(ro.leaf_tree))),
-                                rewards={"r": forest["reward"].float()})
-    credit = Credit(advantages=SimpleNamespace(leaf_mask=forest["mask"], leaf_advantages=forest["adv"].float()),
-                    edge_masks=[None], pruned_edges=None, steps=[], leaf_valid=torch.isfinite(forest["reward"]))
-    return SimpleNamespace(cfg=cfg, policy=policy, collected=collected, credit=credit, device=torch.device("cpu"),
-                           dtype=torch.float64, dp=SimpleNamespace(world=1), rng=np.random.default_rng(0),
-                           autocast=contextlib.nullcontext, lockstep=False)
-
-
-def _cfg(micro=5, minibatches=1, **opts):
-    return SimpleNamespace(train=SimpleNamespace(seed=0, micro_batch=micro, minibatches=minibatches, inner_epochs=1,
-                                                 max_grad_norm=1e9), loss=SimpleNamespace(**opts))
-
-
-def _step(objective, policy, forest, cfg, weights=None):
-    """(the step's gradient [dW, db], the rows the objective trained, the recorded ctx)."""
-    ctx = _ctx(policy, forest, cfg)
-    objective.setup(policy)
-    for copy in ("old", "ema"):  # the lagging copies start away from theta, so their terms have gradients
-        if weights and copy in weights and getattr(objective, copy, None) is not None:
-            getattr(objective, copy).weights = {"W": weights[copy][0].clone(), "b": weights[copy][1].clone()}
-    rows = objective.rows(ctx)
-    engine = GradEngine(policy.trainable_parameters())
-    objective.rows = lambda _ctx, _r=rows: _r  # the loop asks again; the same rows
-    run_update(ctx, objective, engine)
-    return engine.grads, rows
-
-
-def _rows_data(rows, forest):
-    """The rows' inputs in float64: x0 [R, D], eps, t [R], A [R], leaf, group, slot."""
-    leaf = rows.leaf
-    return dict(x0=forest["x0"][leaf], eps=rows.noise.double(), t=rows.t.double(), adv=forest["adv"][leaf],
-                leaf=leaf, group=forest["group"][leaf], slot=rows.step, cond=forest["cond"][forest["group"][leaf]])
-
-
-def _grad(loss, policy_w):
-    return torch.autograd.grad(loss, policy_w)
-
-
-def _assert_step(got, want, tol=1e-5):
-    """Equal up to the objectives' float32 loss arithmetic (relative to each gradient's norm)."""
-    assert _rel(got, want) < tol, _rel(got, want)
-
-
-def _rel(a, b):
-    return max(float((x - y).norm() / y.norm()) for x, y in zip(a, b))
-
-
-def _each_row(d, *weights):
-    """Per row i: (t, x0, eps, x_t, [v under each weight set]) with x_t = (1 - t) x0 + t eps."""
-    for i in range(len(d["t"])):
-        t, x0, eps, c = d["t"][i], d["x0"][i], d["eps"][i], d["cond"][i]
-        xt = (1 - t) * x0 + t * eps
-        yield i, t, x0, eps, xt, [(xt @ w) * (1 + t) + b + c for w, b in weights]
-
 
 # --------------------------------------------------------------------------- DiffusionNFT
 
@@ -173,7 +33,7 @@ def _each_row(d, *weights):
 def _nft_authors(d, theta, old, base, beta, a_max, kl_beta):
     """train_nft_sd3.py's loss, one (sample, timestep) row at a time, mean over every row."""
     total = 0.0
-    for i, t, x0, _eps, xt, (v, v_old, v_ref) in _each_row(d, theta, old, base):
+    for i, t, x0, _eps, xt, (v, v_old, v_ref) in each_row(d, theta, old, base):
         v_old = v_old.detach()
         a = min(max(float(d["adv"][i]), -a_max), a_max)
         r = min(max(a / a_max / 2 + 0.5, 0.0), 1.0)
@@ -188,22 +48,22 @@ def _nft_authors(d, theta, old, base, beta, a_max, kl_beta):
 
 @pytest.mark.parametrize("rows_opt", ["all", "signal"])
 def test_nft_step_equals_the_authors_on_rows_with_a_zero_spread_group(rows_opt):
-    base, sets, forest = _world(0)
+    base, sets, forest = world(0)
     policy = LinearPolicy(*sets[0], *base)
     opt = NFTOptions(timesteps=3, kl_beta=0.05, rows=rows_opt)
-    grads, rows = _step(NFTObjective(_cfg(nft=opt)), policy, forest, _cfg(nft=opt), {"old": sets[1]})
+    grads, rows = train_step(NFTObjective(make_cfg(nft=opt)), policy, forest, make_cfg(nft=opt), {"old": sets[1]})
     assert len(grads) == 1
-    d = _rows_data(rows, forest)
+    d = rows_data(rows, forest)
     expected = set(range(GROUPS * SIZE)) if rows_opt == "all" else set(forest["mask"].nonzero().flatten().tolist())
     assert set(d["leaf"].tolist()) == expected and len(rows) == 3 * len(expected)
     theta = tuple(p.detach().clone().requires_grad_(True) for p in sets[0])
-    want = _grad(_nft_authors(d, theta, sets[1], base, opt.beta, opt.adv_clip, opt.kl_beta), theta)
-    _assert_step(grads[0], want)
+    want = grad(_nft_authors(d, theta, sets[1], base, opt.beta, opt.adv_clip, opt.kl_beta), theta)
+    assert_step(grads[0], want)
     if rows_opt == "all":  # the zero-spread group pulls v toward v_old (r = 1/2) and carries the KL
         keep = forest["mask"][d["leaf"]]
         signal_only = {k: v[keep] for k, v in d.items()}
-        without = _grad(_nft_authors(signal_only, theta, sets[1], base, opt.beta, opt.adv_clip, opt.kl_beta), theta)
-        assert _rel([w * keep.sum() / len(keep) for w in without], want) > 1e-3
+        without = grad(_nft_authors(signal_only, theta, sets[1], base, opt.beta, opt.adv_clip, opt.kl_beta), theta)
+        assert rel([w * keep.sum() / len(keep) for w in without], want) > 1e-3
 
 
 def test_nft_binary_mode_is_the_authors_sign():
@@ -219,7 +79,7 @@ def test_nft_binary_mode_is_the_authors_sign():
 def _awm_authors(d, theta, ema, base, kl_beta, ema_kl_beta, adv_clip=5.0, clip=1.0, p=0.25):
     """train_sd3_awm.py's first (on-policy) step: ghuber surrogate, PPO clip, KL to the base and to the EMA."""
     total = 0.0
-    for i, t, x0, eps, _xt, (v, v_ref, v_ema) in _each_row(d, theta, base, ema):
+    for i, t, x0, eps, _xt, (v, v_ref, v_ema) in each_row(d, theta, base, ema):
         err = ((v - (eps - x0)) ** 2).mean()
         ll = -t * ((err + 1e-10) ** p - 1e-10**p) / p
         ratio = torch.exp(ll - ll.detach())
@@ -230,25 +90,25 @@ def _awm_authors(d, theta, ema, base, kl_beta, ema_kl_beta, adv_clip=5.0, clip=1
 
 
 def test_awm_step_equals_the_authors_on_rows_with_a_zero_spread_group():
-    base, sets, forest = _world(1)
+    base, sets, forest = world(1)
     policy = LinearPolicy(*sets[0], *base)
     opt = AWMOptions(timesteps=3, kl_beta=0.05, ema_kl_beta=1.0)
     assert opt.rows == "all"
-    grads, rows = _step(AWMObjective(_cfg(awm=opt)), policy, forest, _cfg(awm=opt), {"ema": sets[2]})
-    d = _rows_data(rows, forest)
+    grads, rows = train_step(AWMObjective(make_cfg(awm=opt)), policy, forest, make_cfg(awm=opt), {"ema": sets[2]})
+    d = rows_data(rows, forest)
     assert set(d["leaf"].tolist()) == set(range(GROUPS * SIZE))
     theta = tuple(p.detach().clone().requires_grad_(True) for p in sets[0])
-    _assert_step(grads[0], _grad(_awm_authors(d, theta, sets[2], base, opt.kl_beta, opt.ema_kl_beta), theta))
+    assert_step(grads[0], grad(_awm_authors(d, theta, sets[2], base, opt.kl_beta, opt.ema_kl_beta), theta))
 
 
 def _awm_off_policy_step(micro, opt, split_samples=False):
     """One AWM step after an earlier one (the old policy is another weight set), micro-batches of ``micro``;
     returns (gradient, the leaf ids of each micro-batch)."""
-    base, sets, forest = _world(2)
+    base, sets, forest = world(2)
     policy = LinearPolicy(*sets[0], *base)
-    cfg = _cfg(micro=micro, awm=opt)
+    cfg = make_cfg(micro=micro, awm=opt)
     objective = AWMObjective(cfg)
-    ctx = _ctx(policy, forest, cfg)
+    ctx = make_ctx(policy, forest, cfg)
     objective.setup(policy)
     rows = objective.rows(ctx)
     objective.old.weights = {"W": sets[1][0].clone(), "b": sets[1][1].clone()}
@@ -276,9 +136,9 @@ def test_awm_mean_ratio_does_not_depend_on_the_micro_batch():
     assert [len(m) for m in seen64] == [60, 12]  # 10 whole samples fit in 64 rows
     leaves = [leaf for m in seen64 for leaf in m]
     assert all(leaves.count(leaf) == 6 for leaf in set(leaves))
-    assert _rel(g5, g64) < 1e-10 and _rel(g1000, g64) < 1e-10, (_rel(g5, g64), _rel(g1000, g64))
+    assert rel(g5, g64) < 1e-10 and rel(g1000, g64) < 1e-10, (rel(g5, g64), rel(g1000, g64))
     split5, _ = _awm_off_policy_step(5, opt, split_samples=True)
-    assert _rel(split5, g64) > 1e-3  # what the whole-sample micro-batches remove
+    assert rel(split5, g64) > 1e-3  # what the whole-sample micro-batches remove
 
 
 # --------------------------------------------------------------------------- DGPO
@@ -313,38 +173,38 @@ def _dgpo_authors(d, theta, ref, base, beta, kl_beta, group_size=SIZE, sigma_per
 
 @pytest.mark.parametrize("beta", [100.0, 2000.0])
 def test_dgpo_step_equals_the_authors_per_timestep_sigmoid(beta):
-    base, sets, forest = _world(2)
+    base, sets, forest = world(2)
     policy = LinearPolicy(*sets[0], *base)
     opt = DGPOOptions(beta_dpo=beta, kl_beta=0.05, timesteps=3)
-    grads, rows = _step(DGPOObjective(_cfg(dgpo=opt)), policy, forest, _cfg(dgpo=opt))
-    d = _rows_data(rows, forest)
+    grads, rows = train_step(DGPOObjective(make_cfg(dgpo=opt)), policy, forest, make_cfg(dgpo=opt))
+    d = rows_data(rows, forest)
     assert set(d["leaf"].tolist()) == set(range(GROUPS * SIZE)) and int(d["slot"].max()) == 2
     theta = tuple(p.detach().clone().requires_grad_(True) for p in sets[0])
-    want = _grad(_dgpo_authors(d, theta, base, base, beta, opt.kl_beta), theta)
-    _assert_step(grads[0], want)
-    averaged = _grad(_dgpo_authors(d, theta, base, base, beta, opt.kl_beta, sigma_per_timestep=False), theta)
-    assert _rel(averaged, want) > 1e-2  # the test tells the two apart
+    want = grad(_dgpo_authors(d, theta, base, base, beta, opt.kl_beta), theta)
+    assert_step(grads[0], want)
+    averaged = grad(_dgpo_authors(d, theta, base, base, beta, opt.kl_beta, sigma_per_timestep=False), theta)
+    assert rel(averaged, want) > 1e-2  # the test tells the two apart
 
 
 def test_dgpo_ema_reference_keeps_the_kl_on_the_base_model():
-    base, sets, forest = _world(3)
+    base, sets, forest = world(3)
     policy = LinearPolicy(*sets[0], *base)
     opt = DGPOOptions(beta_dpo=100.0, kl_beta=0.05, timesteps=2, reference="ema")
-    objective = DGPOObjective(_cfg(dgpo=opt))
+    objective = DGPOObjective(make_cfg(dgpo=opt))
     assert objective.needs_reference  # the KL needs the base model even with an EMA reference
-    grads, rows = _step(objective, policy, forest, _cfg(dgpo=opt), {"ema": sets[2]})
-    d = _rows_data(rows, forest)
+    grads, rows = train_step(objective, policy, forest, make_cfg(dgpo=opt), {"ema": sets[2]})
+    d = rows_data(rows, forest)
     theta = tuple(p.detach().clone().requires_grad_(True) for p in sets[0])
-    _assert_step(grads[0], _grad(_dgpo_authors(d, theta, sets[2], base, 100.0, opt.kl_beta), theta))
-    kl_to_ema = _grad(_dgpo_authors(d, theta, sets[2], sets[2], 100.0, opt.kl_beta), theta)
-    assert _rel(kl_to_ema, grads[0]) > 1e-3
+    assert_step(grads[0], grad(_dgpo_authors(d, theta, sets[2], base, 100.0, opt.kl_beta), theta))
+    kl_to_ema = grad(_dgpo_authors(d, theta, sets[2], sets[2], 100.0, opt.kl_beta), theta)
+    assert rel(kl_to_ema, grads[0]) > 1e-3
 
 
 def test_dgpo_ema_decay_schedule_and_rollout_switch():
-    base, sets, _ = _world(4)
+    base, sets, _ = world(4)
     policy = LinearPolicy(*sets[0], *base)
     opt = DGPOOptions(reference="ema", ema_decay=0.3, ema_decay_rate=0.1, ema_rollouts_after=2)
-    objective = DGPOObjective(_cfg(dgpo=opt))
+    objective = DGPOObjective(make_cfg(dgpo=opt))
     objective.setup(policy)
     ema = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
     g = torch.Generator().manual_seed(9)
@@ -362,20 +222,20 @@ def test_dgpo_ema_decay_schedule_and_rollout_switch():
         ema = {k: decay * ema[k] + (1 - decay) * live[k] for k in ema}
         for k in ema:
             torch.testing.assert_close(objective.ema.weights[k], ema[k], rtol=1e-12, atol=1e-12)
-    frozen = DGPOObjective(_cfg(dgpo=DGPOOptions(ema_rollouts_after=-1)))
+    frozen = DGPOObjective(make_cfg(dgpo=DGPOOptions(ema_rollouts_after=-1)))
     frozen.setup(policy)
     assert frozen.ema is None  # no EMA kept when neither the reference nor the rollouts use it
 
 
 def test_dgpo_minibatches_keep_groups_whole():
-    base, sets, forest = _world(5)
+    base, sets, forest = world(5)
     policy = LinearPolicy(*sets[0], *base)
     opt = DGPOOptions(beta_dpo=100.0, kl_beta=0.0, timesteps=2)
-    objective = DGPOObjective(_cfg(dgpo=opt))
+    objective = DGPOObjective(make_cfg(dgpo=opt))
     seen = []
     begin = objective.begin_minibatch
     objective.begin_minibatch = lambda ctx, rows, passes: (seen.append(rows.leaf.clone()), begin(ctx, rows, passes))[1]
-    grads, _ = _step(objective, policy, forest, _cfg(minibatches=3, dgpo=opt))
+    grads, _ = train_step(objective, policy, forest, make_cfg(minibatches=3, dgpo=opt))
     assert len(grads) == len(seen) == 3
     groups = [set(forest["group"][leaf].tolist()) for leaf in seen]
     assert all(len(gs) == 1 for gs in groups) and len(set().union(*groups)) == 3

@@ -14,7 +14,7 @@ runs it. A config may name an objective of user code by import path,
 A shipped objective is its module plus one :func:`register_objective` line below, which names its
 factory, its options dataclass (held in ``LossConfig`` as ``loss.<name>``, see
 :func:`with_objective_options`), its progress-bar label and the summary in ``loss.objective``'s help.
-The loss terms objectives share (KL, anchors, SFT, per-step weights, clip schedule) are in :mod:`.terms`.
+The loss terms objectives share (KL, anchors, SFT, per-step weights, clip schedule, NormGuard) are in :mod:`.terms`.
 """
 
 from __future__ import annotations

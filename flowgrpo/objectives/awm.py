@@ -43,6 +43,7 @@ from .forward_rows import (SampleRows, build_sample_rows, grid_strata_times, log
                            rollout_times, uniform_times)
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.kl import KLOptions, VelocityKL
+from .terms.norm_guard import NormGuard
 
 
 def time_sampler(opt, sigmas: torch.Tensor):
@@ -96,7 +97,8 @@ class AWMObjective(Objective):
         self.kl = VelocityKL.from_config(self.opt)
         # the lagging copy's KL: no sigma weighting (the authors' ema KL is a plain mean square)
         self.ema_kl = VelocityKL(KLOptions(kl_beta=self.opt.ema_kl_beta), reference="ema")
-        self.needs_reference = "base" in self.kl.references
+        self.norm_guard = NormGuard.from_config(self.opt)
+        self.needs_reference = "base" in self.kl.references | self.norm_guard.references
         self.old: OldPolicy | None = None
         self.ema: OldPolicy | None = None
         self.schedule = DecaySchedule(0, self.opt.ema_decay_rate, self.opt.ema_decay_cap)
@@ -144,11 +146,15 @@ class AWMObjective(Objective):
             log_ratio = mean_lr[inv]
         loss, clipped = ppo_clip_loss(log_ratio, adv, o.clip_range)
         stats = {"ratio": torch.exp(log_ratio).detach(), "clipfrac": clipped.float(), "fm_loss": -ll.detach()}
-        if self.kl.active:
+        if self.needs_reference:
             v_ref = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
-            term, kl = self.kl.value(v, v_ref, t)
-            loss = loss + term
-            stats["kl"] = kl.detach()
+            if self.kl.active:
+                term, kl = self.kl.value(v, v_ref, t)
+                loss = loss + term
+                stats["kl"] = kl.detach()
+            if self.norm_guard.active:
+                term, stats["norm_ratio"] = self.norm_guard.value(v, v_ref)
+                loss = loss + term
         if v_ema is not None:
             term, ema_kl = self.ema_kl.value(v, v_ema, t)
             loss = loss + term

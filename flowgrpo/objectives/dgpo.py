@@ -42,6 +42,7 @@ from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import SampleRows, build_sample_rows, per_row_mean
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.kl import VelocityKL
+from .terms.norm_guard import NormGuard
 
 
 def _set_weights(adv: torch.Tensor, group: torch.Tensor):
@@ -80,7 +81,9 @@ class DGPOObjective(Objective):
         self.micro = cfg.train.micro_batch
         # the base model serves the KL, and the DPO reference unless that is the EMA
         self.kl = VelocityKL.from_config(self.opt)  # always to the base model, as the authors
-        self.needs_reference = "base" in self.kl.references or self.opt.reference == "frozen"
+        self.norm_guard = NormGuard.from_config(self.opt)  # to the base model, as the KL
+        self.needs_reference = ("base" in self.kl.references | self.norm_guard.references
+                                or self.opt.reference == "frozen")
         self.keeps_ema = self.opt.reference == "ema" or self.opt.ema_rollouts_after >= 0
         self.schedule = DecaySchedule(0, self.opt.ema_decay_rate, self.opt.ema_decay)
         self.ema: OldPolicy | None = None
@@ -171,12 +174,16 @@ class DGPOObjective(Objective):
         loss = coef * err  # its gradient is the group loss's (see the module docstring)
         losses, margin = self._group_stats
         stats = {"fm_loss": err.detach()}
-        if self.kl.active:  # always to the base model, as the authors (the EMA is only the DPO reference)
+        if self.kl.active or self.norm_guard.active:  # the base model (the EMA is only the DPO reference)
             with torch.no_grad():
                 v_base = policy.reference_velocity(x_in, rows.t, cond, o.train_guidance).float()
-            term, kl = self.kl.value(v, v_base, rows.t)
-            loss = loss + term
-            stats["kl"] = kl.detach()
+            if self.kl.active:  # always to the base model, as the authors
+                term, kl = self.kl.value(v, v_base, rows.t)
+                loss = loss + term
+                stats["kl"] = kl.detach()
+            if self.norm_guard.active:
+                term, stats["norm_ratio"] = self.norm_guard.value(v, v_base)
+                loss = loss + term
         stats["dgpo_group_loss"] = losses.float().mean().expand(len(rows))
         stats["dgpo_margin"] = margin.float().mean().expand(len(rows))
         return MicroLoss(loss=loss.mean(), stats=stats)
@@ -188,7 +195,7 @@ class DGPOObjective(Objective):
         c = ctx.collected.cond.index(torch.zeros(1, dtype=torch.long))
         with ctx.autocast():
             v = policy.velocity(x, t, c, self.opt.train_guidance).float()
-            if self.kl.active:
+            if self.kl.active or self.norm_guard.active:
                 with torch.no_grad():
                     policy.reference_velocity(x, t, c, self.opt.train_guidance)
         return v.sum() * 0.0

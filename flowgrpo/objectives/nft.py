@@ -43,6 +43,7 @@ from .forward_rows import SampleRows, build_sample_rows, per_row_mean, rollout_t
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.anchor import LowNoiseAnchor
 from .terms.kl import VelocityKL
+from .terms.norm_guard import NormGuard
 from .terms.self_guidance import SelfGuidance
 
 
@@ -94,9 +95,11 @@ class NFTObjective(Objective):
         self.opt = cfg.loss.nft
         self.seed = cfg.train.seed
         self.kl, self.anchor = VelocityKL.from_config(self.opt), LowNoiseAnchor.from_config(self.opt)
+        self.norm_guard = NormGuard.from_config(self.opt)
         self.self_guidance = SelfGuidance.from_config(self.opt, min_t=self.opt.policy_min_t)
         self._uncond = None  # the empty prompt's encoding, for the self-guidance term's unconditional pass
-        self.needs_reference = "base" in self.kl.references | self.anchor.references | self.self_guidance.references
+        self.needs_reference = "base" in (self.kl.references | self.anchor.references | self.self_guidance.references
+                                          | self.norm_guard.references)
         self.schedule = DecaySchedule(self.opt.decay_flat, self.opt.decay_rate, self.opt.decay_cap)
         self.old: OldPolicy | None = None
         self._policy = None
@@ -156,6 +159,9 @@ class NFTObjective(Objective):
             if self.anchor.active:  # low-noise rows: the anchor to the base model replaces the NFT loss
                 loss, stats["anchor_rows"] = self.anchor.value(loss, kl, t)
             loss = loss + kl_term
+            if self.norm_guard.active:
+                ng_term, stats["norm_ratio"] = self.norm_guard.value(v, v_ref)
+                loss = loss + ng_term
         return MicroLoss(loss=loss.mean(), stats=stats)
 
     def idle_pass(self, ctx: UpdateContext) -> torch.Tensor:

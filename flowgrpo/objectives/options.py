@@ -1,5 +1,5 @@
 """Typed options of GRPO and the forward-process objectives: ``loss.grpo.*``, ``loss.nft.*``,
-``loss.awm.*``, ``loss.dgpo.*`` (Flow-DPPO's and Diffusion-DPO's sit in their modules).
+``loss.awm.*``, ``loss.dgpo.*`` (CRD's, Flow-DPPO's and Diffusion-DPO's sit in their modules).
 
 Defaults are the authors' SD3.5 settings where they carry over to any model; the shapes-world
 presets (``diffusion-nft``, ``awm``, ``dgpo``) override what the small world needs. Every field's
@@ -17,6 +17,7 @@ from .terms.anchor import AnchorOptions, LowNoiseAnchorOptions
 from .terms.base import term_field
 from .terms.clip_schedule import ClipOptions
 from .terms.kl import KLOptions
+from .terms.norm_guard import NormGuardOptions
 from .terms.self_guidance import SelfGuidanceOptions
 from .terms.sft import SFTOptions
 from .terms.step_weights import StepWeightOptions
@@ -70,6 +71,8 @@ class NFTOptions:
     decay_cap: float = _f(0.5, "old-policy EMA schedule: cap (0 with rate 0: the old policy is the previous update's weights)")
     train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free, as the authors train)")
     weight_floor: float = _f(1e-5, "floor of the adaptive x0-space weights mean|x0_hat - x0| (detached)")
+    norm_guard_beta: float = term_field(NormGuardOptions, "norm_guard_beta")
+    norm_guard_margin: float = term_field(NormGuardOptions, "norm_guard_margin")
 
 
 @dataclass
@@ -92,6 +95,8 @@ class AWMOptions:
     rows: Literal["all", "signal"] = _rows_field()
     adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip and divided by it (the authors: 5)")
     train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free)")
+    norm_guard_beta: float = term_field(NormGuardOptions, "norm_guard_beta")
+    norm_guard_margin: float = term_field(NormGuardOptions, "norm_guard_margin")
 
 
 @dataclass
@@ -110,6 +115,8 @@ class DGPOOptions:
     logit_std: float = _f(1.0, "logit-normal time sampler: std")
     time_shift: float = _f(1.0, "logit-normal time sampler: shift s")
     train_guidance: float = _f(1.0, "guidance scale of the training forward passes (1: CFG-free, as the authors train)")
+    norm_guard_beta: float = term_field(NormGuardOptions, "norm_guard_beta")
+    norm_guard_margin: float = term_field(NormGuardOptions, "norm_guard_margin")
 
 
 def check_objective_options(loss_cfg) -> None:
