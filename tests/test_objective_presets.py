@@ -1,4 +1,4 @@
-"""The presets of the objectives beside GRPO (diffusion-nft, awm, dgpo, flow-dppo, diffusion-dpo) train on
+"""The presets of the objectives beside GRPO (diffusion-nft, awm, dgpo, crd, flow-dppo, diffusion-dpo) train on
 every test model: the shapes world (full fine-tuning), and tiny random SD3, FLUX and Wan pipelines with
 LoRA, where the base weights must not move. Each runs 2 iterations shrunk to seconds (2 prompts x 2
 samples, 3 steps). Flow-DPPO trains SDE transitions; the others train on the forward process."""
@@ -13,12 +13,12 @@ import torch
 from flowgrpo.config import load_config
 from flowgrpo.trainer.trainer import Trainer
 
-PRESETS = ["diffusion-nft", "awm", "dgpo", "shapes-nft", "flow-dppo", "diffusion-dpo"]
+PRESETS = ["diffusion-nft", "awm", "dgpo", "crd", "shapes-nft", "flow-dppo", "diffusion-dpo"]
 #: presets whose rows are the rollout's SDE transitions (the others train no transition)
 SDE_PRESETS = ("flow-dppo",)
 SMALL = ["data.prompts_per_iteration=2", "data.trees_per_prompt=2", "sampler.num_steps=3", "train.iterations=2",
          "train.threads=1", "train.lr=1e-3", "log.progress=false", "eval.evaluator=none",
-         "loss.nft.timesteps=2", "loss.awm.timesteps=2", "loss.dgpo.timesteps=2",
+         "loss.nft.timesteps=2", "loss.awm.timesteps=2", "loss.dgpo.timesteps=2", "loss.crd.timesteps=2",
          # every group gets signal on random models
          "reward.weights={jpeg_compressibility: 1.0}"]
 

@@ -4,6 +4,7 @@
 * ``nft`` -- DiffusionNFT, negative-aware fine-tuning on the forward process (:mod:`.nft`);
 * ``awm`` -- Advantage Weighted Matching, a PPO clip on the flow-matching loss (:mod:`.awm`);
 * ``dgpo`` -- Direct Group Preference Optimization, a group-level DPO (:mod:`.dgpo`);
+* ``crd`` -- Centered Reward Distillation, implicit rewards matched to group-centred rewards (:mod:`.crd`);
 * ``flow_dppo`` -- Flow-DPPO, GRPO's rows with an exact-KL trust region instead of the clip (:mod:`.flow_dppo`);
 * ``diffusion_dpo`` -- Diffusion-DPO on preference pairs, online from the rollout or from a file (:mod:`.diffusion_dpo`).
 
@@ -118,6 +119,8 @@ register_objective("awm", "flowgrpo.objectives.awm:build_awm", "flowgrpo.objecti
                    "AWM", "Advantage Weighted Matching")
 register_objective("dgpo", "flowgrpo.objectives.dgpo:build_dgpo", "flowgrpo.objectives.options:DGPOOptions",
                    "DGPO", "Direct Group Preference Optimization")
+register_objective("crd", "flowgrpo.objectives.crd:build_crd", "flowgrpo.objectives.crd:CRDOptions", "CRD",
+                   "Centered Reward Distillation: implicit rewards matched to group-centred rewards")
 register_objective("flow_dppo", "flowgrpo.objectives.flow_dppo:build_flow_dppo",
                    "flowgrpo.objectives.flow_dppo:FlowDPPOOptions", "Flow-DPPO",
                    "Flow-DPPO: grpo's rows, an exact-KL trust region instead of the clip",

@@ -1,5 +1,5 @@
 """A second set of the trainable weights that lags the trained ones: DiffusionNFT's "old" policy,
-AWM's and DGPO's snapshot or EMA reference.
+AWM's and DGPO's snapshot or EMA reference, CRD's old and sampling policies.
 
 The copy holds exactly the trainable tensors (the LoRA adapter under LoRA, so it is a second
 adapter's weights; every transformer weight under full fine-tuning, a weight copy). Its velocity is
@@ -25,16 +25,19 @@ from ..sharded_tensors import full_tensors, like_param
 
 @dataclass(frozen=True)
 class DecaySchedule:
-    """d(step) = min(max(step - flat, 0) * rate, cap): 0 (copy the trained weights) for ``flat``
-    updates, then growing by ``rate`` per update up to ``cap``. (0, 0, 0) makes the old policy the
-    weights of the previous update."""
+    """d(step) = start for step < flat, else min(start + (step - flat) * rate, cap): ``start`` (0: copy
+    the trained weights) for ``flat`` updates, then growing by ``rate`` per update up to ``cap``.
+    (0, 0, 0) makes the old policy the weights of the previous update; CRD's old policy starts at 0.25."""
 
     flat: int = 0
     rate: float = 0.0
     cap: float = 0.0
+    start: float = 0.0
 
     def __call__(self, step: int) -> float:
-        return min(max(step - self.flat, 0) * self.rate, self.cap)
+        if step < self.flat:
+            return self.start
+        return min(self.start + (step - self.flat) * self.rate, self.cap)
 
 
 class OldPolicy:
