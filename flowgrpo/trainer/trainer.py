@@ -47,6 +47,7 @@ from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
 from ..sharded_tensors import like_param
 from ..callbacks import CallbackList
 from .data_parallel import DataParallel
+from .prompt_set import precompute_run_prompts
 from .parts import build_prompts, build_rewards, check_references, model_grid, reward_parts
 from .update_loop import run_update, update_rng
 from .waves import collect_in_waves, wave_ranges
@@ -113,6 +114,11 @@ class Trainer:
                 raise ConfigError(f"loss.cfg_uncond_grad=false is not supported by {type(self.policy).__name__} "
                                   "(it replays the pipeline's guidance calls as recorded); use loss.cfg_uncond_grad=true")
             self.policy.uncond_grad = False
+        if cfg.model.reference_device != "auto":
+            if not callable(getattr(self.policy, "set_reference_device", None)):
+                raise ConfigError(f"model.reference_device={cfg.model.reference_device} needs a policy that keeps "
+                                  f"a frozen reference copy; {type(self.policy).__name__} has none")
+            self.policy.set_reference_device(cfg.model.reference_device)
         self.objective = objective if objective is not None else build_objective(cfg, self.accelerator.device)
         if self.objective.needs_reference:
             self.policy.snapshot_reference()
@@ -134,8 +140,16 @@ class Trainer:
         self.curriculum = getattr(self.prompts, "curriculum", None)
         check_references(cfg, self.prompts, self.policy, self.rewards)
         check_metadata(self.rewards, cfg.data.prompts, self.prompts.has_metadata)
-        self.ema = {n: p.detach().clone() for n, p in self.policy.named_trainable_parameters()} if tc.ema else None
+        if tc.ema and tc.ema_device == "cpu" and self.engine.name == "fsdp":
+            raise ConfigError("train.ema_device=cpu keeps whole weights, and FSDP shards the EMA with them: use "
+                              "train.ema_device=auto (fsdp_offload_params: true puts the shards on the CPU)")
+        #: where the EMA lives: None (beside the weights) or "cpu" (train.ema_device)
+        self.ema_home = "cpu" if tc.ema_device == "cpu" else None
+        self.ema = {n: p.detach().to(self.ema_home, copy=True) for n, p in self.policy.named_trainable_parameters()} \
+            if tc.ema else None
         self.objective.setup(self.policy)
+        if cfg.model.precompute_prompts:  # after the objective's setup, which may encode the empty prompt
+            precompute_run_prompts(cfg, self.prompts, self.policy, self.dp.is_main)
         self.callbacks = CallbackList(callbacks)
         self.iteration = 0
 
@@ -171,7 +185,7 @@ class Trainer:
             self.ema = None
         else:
             live = dict(self.policy.named_trainable_parameters())
-            self.ema = {n: like_param(t, live[n]) for n, t in state["ema"].items()}
+            self.ema = {n: like_param(t, live[n]).to(self.ema_home) for n, t in state["ema"].items()}
         self.objective.load_state_dict(state.get("objective") or {})
         if self.curriculum is not None:
             self.curriculum.load_state_dict(state.get("curriculum") or {})
@@ -337,7 +351,7 @@ class Trainer:
             d = cfg.train.ema_decay
             with torch.no_grad():
                 for n, p in self.policy.named_trainable_parameters():
-                    self.ema[n].lerp_(p.detach(), 1 - d)
+                    self.ema[n].lerp_(p.detach().to(self.ema_home), 1 - d)  # a host copy with ema_device=cpu
         metrics = {"iteration": it}
         for name, r in col.rewards.items():
             fin = torch.isfinite(r)

@@ -15,7 +15,10 @@ frozen     none                        the policy itself (it is the base model)
 =========  ==========================  ===========================================================
 
 The frozen copy is held outside the module tree (``object.__setattr__``): it is neither trained
-nor checkpointed nor moved by ``.to``-style calls made before it exists.
+nor checkpointed nor moved by ``.to``-style calls made before it exists. Where it lives is
+:attr:`TrainedPolicy.reference_device` (``model.reference_device``): "auto", beside the trained
+denoiser; "cpu", in CPU memory with its blocks streamed to the device per forward
+(:mod:`.streamed`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import copy
 
 from torch import nn
 
+from ...errors import ConfigError
 from . import Policy, check_train_mode
 from .lora import lora_disabled
+from .streamed import block_list_entries, streamed_copy
 
 
 class TrainedPolicy(Policy):
@@ -40,6 +45,8 @@ class TrainedPolicy(Policy):
     denoiser_path: str = "transformer"
     #: "lora", "full" or "frozen" (:data:`~flowgrpo.policies.base.TRAIN_MODES`)
     train_mode: str = "frozen"
+    #: where full fine-tuning's frozen reference copy lives: "auto" (the denoiser's device) | "cpu" (streamed)
+    reference_device: str = "auto"
 
     def set_train_mode(self, train_mode: str) -> None:
         """Check and set ``train_mode``; no reference copy is held yet."""
@@ -89,8 +96,26 @@ class TrainedPolicy(Policy):
         finally:
             self._set_denoiser(live)
 
+    def set_reference_device(self, where: str) -> None:
+        """``model.reference_device``: "auto" or "cpu" (before :meth:`snapshot_reference`); ConfigError for
+        "cpu" outside full fine-tuning (LoRA's reference is the same weights with the adapter off: there is
+        no copy to move) or a denoiser without block lists."""
+        if where not in ("auto", "cpu"):
+            raise ConfigError(f"unknown model.reference_device {where!r}; valid: auto, cpu")
+        if where == "cpu" and self.train_mode != "full":
+            raise ConfigError(f"model.reference_device=cpu applies to model.train_mode=full (a frozen copy of the "
+                              f"denoiser); train_mode={self.train_mode} keeps no copy to move")
+        if where == "cpu" and not block_list_entries(self.denoiser):
+            raise ConfigError(f"model.reference_device=cpu streams the denoiser's blocks, and "
+                              f"{type(self.denoiser).__name__} has no block list (an nn.ModuleList child)")
+        self.reference_device = where
+
     def snapshot_reference(self) -> None:
-        """Keep a frozen copy of the current denoiser as the reference (full fine-tuning only; once)."""
+        """Keep a frozen copy of the current denoiser as the reference (full fine-tuning only; once), on
+        :attr:`reference_device`."""
         if self.train_mode == "full" and getattr(self, "_frozen", None) is None:
-            frozen = copy.deepcopy(self.denoiser).requires_grad_(False)
+            if self.reference_device == "cpu":
+                frozen = streamed_copy(self.denoiser)
+            else:
+                frozen = copy.deepcopy(self.denoiser).requires_grad_(False)
             object.__setattr__(self, "_frozen", frozen)  # not a submodule: not trained, not checkpointed

@@ -15,6 +15,10 @@ vae_slicing / vae_tiling   ``vae.enable_slicing()`` / ``vae.enable_tiling()``
 offload_text_encoders      the ``text_encoder*`` modules live on the CPU and visit the transformer's
                            device only to encode prompts not yet seen; encodings are kept per prompt
                            in an LRU dict of ``prompt_cache_size`` entries
+precompute_prompts         (called by the trainer with the run's prompts, not a constructor switch)
+                           :meth:`SwitchedPolicy.precompute_prompts` encodes a fixed prompt set once
+                           into CPU memory and moves the text encoders to the meta device (their
+                           memory is freed); a prompt outside the set is refused by name
 attention_backend          ``sdpa``: diffusers' default processors, unchanged; ``native``, ``flex``,
                            ``flash``, ``flash-3``, ``sage``, ``xformers``: diffusers' attention
                            dispatcher, ``transformer.set_attention_backend(...)``
@@ -121,6 +125,8 @@ class SwitchedPolicy(TrainedPolicy):
         self.offload_text_encoders = bool(offload_text_encoders)
         if self.offload_text_encoders:
             self._text_encoders_to("cpu")
+        #: prompt -> CPU encoding rows once :meth:`precompute_prompts` ran (the text encoders are then freed)
+        self._precomputed: dict[str, dict[str, Tensor]] | None = None
 
         #: the compile mode: False, "whole" or "regional" (truthy when compiled)
         self.compile_transformer = {True: "whole"}.get(compile_transformer, compile_transformer)
@@ -198,8 +204,9 @@ class SwitchedPolicy(TrainedPolicy):
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (behind ``.to``, ``.cuda``, ``.half``, ...); with offloaded text encoders a move
         off the CPU skips them, so ``policy.to("cuda")`` never puts them on the GPU (casts that stay on the
-        CPU still reach them)."""
-        if not getattr(self, "offload_text_encoders", False) or fn(torch.zeros(())).device.type == "cpu":
+        CPU still reach them); freed text encoders (:meth:`precompute_prompts`) are skipped by every call."""
+        freed = getattr(self, "_precomputed", None) is not None
+        if not freed and (not getattr(self, "offload_text_encoders", False) or fn(torch.zeros(())).device.type == "cpu"):
             return super()._apply(fn, recurse)
         held = {name: m for name, m in self._modules.items() if name.startswith("text_encoder") and m is not None}
         self._modules.update(dict.fromkeys(held))
@@ -214,10 +221,49 @@ class SwitchedPolicy(TrainedPolicy):
         """Prompts -> batch-first encodings through the text encoders (on :attr:`device`)."""
 
     @torch.no_grad()
+    def precompute_prompts(self, prompts: list[str], batch_size: int = 16) -> tuple[int, int]:
+        """Encode ``prompts`` and the empty prompt once, in batches of ``batch_size``, keep the rows in CPU
+        memory keyed by prompt text, and free the text encoders (moved to the meta device: no storage
+        left, whoever else holds them); afterwards :meth:`_encode` reads only these rows and refuses a
+        prompt outside them. Returns (bytes of the stored encodings, bytes of the freed encoder weights).
+        ConfigError for an image-editing model (its encodings depend on the reference image too) or a
+        model without text encoders; calling it a second time is refused (the encoders are gone)."""
+        if self.takes_references:
+            raise self._cannot("precompute_prompts", True, "an edit model's encodings depend on each reference "
+                               "image, not on the prompt alone; use model.offload_text_encoders=true")
+        if not self.text_encoders():
+            raise self._cannot("precompute_prompts", True, "it has no text encoder")
+        if self._precomputed is not None:
+            raise RuntimeError("precompute_prompts() ran already: the text encoders are freed")
+        store: dict[str, dict[str, Tensor]] = {}
+        unique = list(dict.fromkeys(["", *prompts]))
+        for start in range(0, len(unique), batch_size):
+            chunk = unique[start:start + batch_size]
+            enc = self._encode(chunk)  # through the LRU path when offloaded: the encoders visit the device
+            for i, p in enumerate(chunk):
+                store[p] = {k: v[i].to("cpu", copy=True) for k, v in enc.items()}  # own storage, not a view
+        freed = sum(t.numel() * t.element_size() for m in self.text_encoders() for t in (*m.parameters(), *m.buffers()))
+        for module in self.text_encoders():
+            module.to("meta")
+        self._prompt_cache.clear()
+        self._precomputed = store
+        return sum(t.numel() * t.element_size() for row in store.values() for t in row.values()), freed
+
+    @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
         """:meth:`_encode_now`, or with ``offload_text_encoders`` rows of the per-prompt LRU cache (only
-        prompts not in it reach the encoders, moved to :attr:`device` for that call and back after)."""
+        prompts not in it reach the encoders, moved to :attr:`device` for that call and back after), or
+        after :meth:`precompute_prompts` the stored rows (UserError naming a prompt outside them)."""
         prompts = list(prompts)
+        if self._precomputed is not None:
+            store = self._precomputed
+            missing = [p for p in prompts if p not in store]
+            if missing:
+                raise UserError(f"prompt {missing[0]!r} was not encoded before training: model.precompute_prompts="
+                                "true encodes the data.prompts file, the evaluator's prompts and the empty prompt "
+                                "once and frees the text encoders; add the prompt to data.prompts or set "
+                                "model.precompute_prompts=false")
+            return {k: torch.stack([store[p][k] for p in prompts]).to(self.device) for k in store[prompts[0]]}
         if not self.offload_text_encoders:
             return self._encode_now(prompts)
         cache = self._prompt_cache
