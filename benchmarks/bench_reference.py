@@ -160,15 +160,17 @@ def check_equal(flow: FlowgrpoSide, ref: ReferenceSide, prompts: list[str]) -> t
     return compare_chains(ref, prompts, rollout)
 
 
-def compare_chains(ref: ReferenceSide, prompts: list[str], rollout) -> tuple[float, float]:
+def compare_chains(ref: ReferenceSide, prompts: list[str], rollout, pack=None) -> tuple[float, float]:
     """The reference replays a flowgrpo ``rollout`` of ``prompts`` (its initial latents and step noise);
-    returns (max |latent difference| over every state, max |log-prob difference| over every step)."""
+    returns (max |latent difference| over every state, max |log-prob difference| over every step).
+    ``pack``: flowgrpo's state layout -> the reference's (FLUX's 2x2 token packing; None: the same)."""
+    pack = pack or (lambda x: x)
     levels = rollout.levels
-    noise = [(lv.x - lv.mean) / lv.std.view(-1, *([1] * (lv.x.ndim - 1))) for lv in levels[1:]]
+    noise = [pack((lv.x - lv.mean) / lv.std.view(-1, *([1] * (lv.x.ndim - 1)))) for lv in levels[1:]]
     with ReplayNoise(ref.code, noise):
-        out = ref.rollout(prompts, 0, latents=levels[0].x.clone())
-    lat = max(float((out["latents"][:, d] - levels[d].x).abs().max()) for d in range(len(levels) - 1))
-    lat = max(lat, float((out["next_latents"][:, -1] - levels[-1].x).abs().max()))
+        out = ref.rollout(prompts, 0, latents=pack(levels[0].x.clone()))
+    lat = max(float((out["latents"][:, d].float() - pack(levels[d].x)).abs().max()) for d in range(len(levels) - 1))
+    lat = max(lat, float((out["next_latents"][:, -1].float() - pack(levels[-1].x)).abs().max()))
     logp = max(float((out["log_probs"][:, d] - levels[d + 1].log_prob).abs().max()) for d in range(len(levels) - 1))
     return lat, logp
 

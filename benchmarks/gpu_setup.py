@@ -119,34 +119,49 @@ def parameter_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+#: the adapters :func:`registered_components` can build a bench policy with: name -> (module, class, model
+#: fields passed where set)
+BENCH_POLICIES = {"sd3": ("flowgrpo.policies.diffusers.sd3", "SD3Policy", ("resolution", "max_sequence_length")),
+                  "flux": ("flowgrpo.policies.diffusers.flux", "FluxPolicy", ("resolution", "max_sequence_length")),
+                  "wan": ("flowgrpo.policies.diffusers.wan", "WanPolicy",
+                          ("resolution", "max_sequence_length", "num_frames"))}
+
+
 def _build_bench_policy(cfg):
-    """The ``model.name=bench-gpu-sd3`` factory: an SD3Policy over the components last registered."""
+    """The ``model.name=bench-gpu-sd3`` factory: a policy of the registered adapter over the components
+    last registered."""
+    import importlib
+
     from flowgrpo.policies.diffusers.common import set_model_options
-    from flowgrpo.policies.diffusers.sd3 import SD3Policy
     from flowgrpo.policies.diffusers.switches import runtime_options, torch_dtype
 
     if "components" not in _PENDING:
         raise RuntimeError(f"model.name={BENCH_MODEL} is built by `flowgrpo bench gpu` only (no components registered)")
-    return SD3Policy.from_components(
+    module, cls, fields = BENCH_POLICIES[_PENDING.get("policy", "sd3")]
+    return getattr(importlib.import_module(module), cls).from_components(
         _PENDING.pop("components"), guidance_scale=cfg.guidance_scale, train_mode=cfg.train_mode,
-        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, dtype=torch_dtype(cfg.dtype), **set_model_options(cfg),
-        **runtime_options(cfg))
+        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, dtype=torch_dtype(cfg.dtype),
+        **set_model_options(cfg, fields), **runtime_options(cfg))
 
 
 @contextmanager
-def registered_components(components: dict):
-    """Within the block, ``model.name=bench-gpu-sd3`` builds a policy of ``components`` (yields that
-    model name). The registry entry is removed on leaving, so the process's ``POLICIES`` is as it was
-    (the test suite runs this in-process: a lasting entry changed other tests' lists of adapters)."""
+def registered_components(components: dict, policy: str = "sd3"):
+    """Within the block, ``model.name=bench-gpu-sd3`` builds a policy of ``components`` with the adapter
+    ``policy`` (a :data:`BENCH_POLICIES` key; yields that model name). The registry entry is removed
+    on leaving, so the process's ``POLICIES`` is as it was (the test suite runs this in-process: a
+    lasting entry changed other tests' lists of adapters)."""
     from flowgrpo.policies import POLICIES
 
+    if policy not in BENCH_POLICIES:
+        raise ValueError(f"unknown bench adapter {policy!r}; valid: {', '.join(BENCH_POLICIES)}")
     POLICIES.register(BENCH_MODEL)(_build_bench_policy)
-    _PENDING["components"] = components
+    _PENDING.update(components=components, policy=policy)
     try:
         yield BENCH_MODEL
     finally:
         POLICIES.unregister(BENCH_MODEL)
         _PENDING.pop("components", None)
+        _PENDING.pop("policy", None)
 
 
 # ---------------------------------------------------------------------------------------------- device

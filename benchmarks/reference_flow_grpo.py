@@ -62,25 +62,29 @@ class ReferenceCode:
     path: Path
 
 
-def load_reference(path: str | Path) -> ReferenceCode:
-    """Import the two reference functions from the Flow-GRPO checkout at ``path``.
+def load_reference(path: str | Path, pipeline_module: str = PIPELINE_MODULE) -> ReferenceCode:
+    """Import the reference's ``pipeline_with_logprob`` from ``pipeline_module`` (default SD3's) of the
+    Flow-GRPO checkout at ``path``, and the ``sde_step_with_logprob`` that pipeline steps with (SD3's
+    ``sd3_sde_with_logprob``; FLUX's pipeline imports the same one).
 
-    Raises FileNotFoundError when ``path`` has no ``flow_grpo/diffusers_patch`` folder."""
+    Raises FileNotFoundError when ``path`` has no such module file (an older checkout without FLUX)."""
     root = Path(path).expanduser().resolve()
-    if not (root / "flow_grpo" / "diffusers_patch" / "sd3_pipeline_with_logprob.py").is_file():
-        raise FileNotFoundError(f"{root} is not a Flow-GRPO checkout (no flow_grpo/diffusers_patch/"
-                                "sd3_pipeline_with_logprob.py); clone github.com/yifan123/flow_grpo and pass its folder")
+    file = Path(*pipeline_module.split(".")).with_suffix(".py")
+    if not (root / file).is_file():
+        raise FileNotFoundError(f"{root} is not a Flow-GRPO checkout with {file}; clone github.com/yifan123/flow_grpo "
+                                "(FLUX code since its 2025-07-28 release) and pass its folder")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     for _ in range(len(STUBBABLE) + 1):
         try:
-            pipe_mod = importlib.import_module(PIPELINE_MODULE)
-            sde_mod = importlib.import_module(SDE_MODULE)
+            pipe_mod = importlib.import_module(pipeline_module)
             break
         except ModuleNotFoundError as exc:
             if exc.name not in STUBBABLE or exc.name in sys.modules:
                 raise
             sys.modules[exc.name] = types.ModuleType(exc.name)  # the timed functions never use it
+    step = getattr(pipe_mod, "sde_step_with_logprob", None)
+    sde_mod = sys.modules[step.__module__] if step is not None else importlib.import_module(SDE_MODULE)
     return ReferenceCode(pipe_mod.pipeline_with_logprob, sde_mod.sde_step_with_logprob, sde_mod, root)
 
 
@@ -167,28 +171,35 @@ def _log_prob(code: ReferenceCode, pipe, sample: dict, j: int, embeds: Tensor, p
 
 
 def reference_update(code: ReferenceCode, pipe, optimizer, sample: dict, advantages: Tensor,
-                     neg: tuple[Tensor, Tensor], s: ReferenceSettings) -> dict[str, float]:
+                     neg: tuple[Tensor, Tensor] | None, s: ReferenceSettings,
+                     recompute: Callable[[int], tuple] | None = None) -> dict[str, float]:
     """One update over a rollout's transitions, as Flow-GRPO's training loop runs it (module docstring).
 
     ``sample``: :func:`reference_rollout`'s dict; ``advantages`` [B] (one per image, every timestep).
+    ``recompute(j)``: the model's ``sde_step_with_logprob`` tuple at timestep j (default: SD3's with
+    CFG over ``neg``; FLUX passes its own, :mod:`flowgrpo.benchmarks.reference_flux`).
     Returns the mean loss, policy loss, KL and approx-KL over the T timesteps and the first
     timestep's recomputed log-probs (``log_prob_0`` [B], equal to the rollout's before any step).
     """
     tr = pipe.transformer
     tr.train()
     b, steps = sample["latents"].shape[:2]
-    embeds = torch.cat([neg[0].expand(b, -1, -1), sample["embeds"]])
-    pooled = torch.cat([neg[1].expand(b, -1), sample["pooled"]])
+    if recompute is None:
+        embeds = torch.cat([neg[0].expand(b, -1, -1), sample["embeds"]])
+        pooled = torch.cat([neg[1].expand(b, -1), sample["pooled"]])
+
+        def recompute(j: int) -> tuple:
+            return _log_prob(code, pipe, sample, j, embeds, pooled, s)
     adv = advantages.reshape(b, 1).expand(b, steps)
     info: dict[str, list[Tensor]] = {"loss": [], "policy_loss": [], "kl_loss": [], "approx_kl": [], "clipfrac": []}
     first = None
     for j in range(steps):
-        _, log_prob, mean, std_dev_t = _log_prob(code, pipe, sample, j, embeds, pooled, s)
+        _, log_prob, mean, std_dev_t = recompute(j)
         if j == 0:
             first = log_prob.detach().clone()
         if s.beta > 0:
             with torch.no_grad(), tr.disable_adapter():
-                _, _, mean_ref, _ = _log_prob(code, pipe, sample, j, embeds, pooled, s)
+                _, _, mean_ref, _ = recompute(j)
         a = torch.clamp(adv[:, j], -s.adv_clip_max, s.adv_clip_max)
         ratio = torch.exp(log_prob - sample["log_probs"][:, j])
         unclipped = -a * ratio
@@ -196,7 +207,7 @@ def reference_update(code: ReferenceCode, pipe, optimizer, sample: dict, advanta
         policy_loss = torch.mean(torch.maximum(unclipped, clipped))
         loss = policy_loss
         if s.beta > 0:
-            kl = torch.mean(((mean - mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * std_dev_t ** 2))
+            kl = torch.mean(((mean - mean_ref) ** 2).mean(dim=tuple(range(1, mean.ndim)), keepdim=True) / (2 * std_dev_t ** 2))
             loss = policy_loss + s.beta * kl
             info["kl_loss"].append(kl.detach())
         info["approx_kl"].append(0.5 * torch.mean((log_prob - sample["log_probs"][:, j]) ** 2).detach())
