@@ -152,7 +152,7 @@ def test_old_and_sampling_copies_follow_the_authors_schedules():
         policy.W.add_(1.0)
     obj.steps = 100
     metrics = obj.after_update(SimpleNamespace(policy=policy))
-    assert metrics == pytest.approx({"crd_old_decay": 0.75, "crd_sampling_decay": 0.1875})
+    assert metrics == pytest.approx({"crd_old_decay": 0.75, "crd_rollout_decay": 0.1875})
     assert torch.allclose(obj.old.weights["W"], 0.75 * start["W"] + 0.25 * policy.W.detach())
     assert torch.allclose(obj.sampling.weights["W"], 0.1875 * start["W"] + 0.8125 * policy.W.detach())
     with obj.rollout_weights(policy):  # the rollouts are drawn by the sampling copy
@@ -172,6 +172,6 @@ def test_crd_preset_trains_the_shapes_world_from_the_cli(shapes_model_dir, tmp_p
     assert len(rows) == 2
     for r in rows:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["kl"] >= 0 and math.isfinite(r["crd_match"])
-        assert r["crd_sampling_decay"] == 0.0  # a copy of the trained weights for the first 75 steps
+        assert r["crd_rollout_decay"] == 0.0  # a copy of the trained weights for the first 75 steps
     # the old policy's decay grows 0.005 per optimizer step from 0.25
     assert 0.25 < rows[0]["crd_old_decay"] < rows[1]["crd_old_decay"] < 0.3

@@ -81,10 +81,10 @@ class CRDOptions:
     old_decay_start: float = _f(0.25, "old policy decay: start (the authors: 0.25)", ge=0.0, lt=1.0)
     old_decay_rate: float = _f(0.005, "old policy decay: rate per optimizer step (the authors: 0.005)", ge=0.0)
     old_decay_cap: float = _f(0.999, "old policy decay: cap (the authors: 0.999)", ge=0.0, lt=1.0)
-    sampling_decay_flat: int = _f(75, "sampling policy (draws the rollouts) decay, the same form: flat (the authors: 75)", ge=0)
-    sampling_decay_start: float = _f(0.0, "sampling policy decay: start (0: a copy of the trained weights)", ge=0.0, lt=1.0)
-    sampling_decay_rate: float = _f(0.0075, "sampling policy decay: rate per optimizer step (the authors: 0.0075)", ge=0.0)
-    sampling_decay_cap: float = _f(0.999, "sampling policy decay: cap (the authors: 0.999)", ge=0.0, lt=1.0)
+    rollout_decay_flat: int = _f(75, "rollout policy (the lagging copy that draws the rollouts) decay, the same form as old_decay_*: flat (the authors: 75)", ge=0)
+    rollout_decay_start: float = _f(0.0, "rollout policy decay: start (0: a copy of the trained weights)", ge=0.0, lt=1.0)
+    rollout_decay_rate: float = _f(0.0075, "rollout policy decay: rate per optimizer step (the authors: 0.0075)", ge=0.0)
+    rollout_decay_cap: float = _f(0.999, "rollout policy decay: cap (the authors: 0.999)", ge=0.0, lt=1.0)
     timesteps: int = _f(0, "training times per sample, one set for every sample of the iteration, drawn from the first time_fraction of the rollout's grid (0: all of them)", ge=0)
     time_fraction: float = _f(0.99, "the first fraction of the rollout's grid the training times come from (the authors: 0.99)", gt=0.0, le=1.0)
     rows: Literal["all", "signal"] = _f("all", "which samples train: all (the authors: a group without reward spread has a - a_centre = 0 and pulls its implicit rewards together) | signal (only groups with reward spread)")
@@ -152,8 +152,8 @@ class CRDObjective(Objective):
         self.kl, self.norm_guard = VelocityKL.from_config(o), NormGuard.from_config(o)
         self.needs_reference = bool(self.kl.references | self.norm_guard.references) or o.implicit_reference == "base"
         self.old_schedule = DecaySchedule(o.old_decay_flat, o.old_decay_rate, o.old_decay_cap, o.old_decay_start)
-        self.sampling_schedule = DecaySchedule(o.sampling_decay_flat, o.sampling_decay_rate, o.sampling_decay_cap,
-                                               o.sampling_decay_start)
+        self.sampling_schedule = DecaySchedule(o.rollout_decay_flat, o.rollout_decay_rate, o.rollout_decay_cap,
+                                               o.rollout_decay_start)
         self.old: OldPolicy | None = None
         self.sampling: OldPolicy | None = None
         self._policy, self._uncond = None, None
@@ -289,7 +289,7 @@ class CRDObjective(Objective):
         d_old, d_sampling = self.old_schedule(self.steps), self.sampling_schedule(self.steps)
         self.old.move_toward(ctx.policy, d_old)
         self.sampling.move_toward(ctx.policy, d_sampling)
-        return {"crd_old_decay": d_old, "crd_sampling_decay": d_sampling}
+        return {"crd_old_decay": d_old, "crd_rollout_decay": d_sampling}
 
     def state_dict(self) -> dict:
         if self.old is None:
