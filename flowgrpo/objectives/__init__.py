@@ -6,7 +6,8 @@
 * ``dgpo`` -- Direct Group Preference Optimization, a group-level DPO (:mod:`.dgpo`);
 * ``crd`` -- Centered Reward Distillation, implicit rewards matched to group-centred rewards (:mod:`.crd`);
 * ``flow_dppo`` -- Flow-DPPO, GRPO's rows with an exact-KL trust region instead of the clip (:mod:`.flow_dppo`);
-* ``diffusion_dpo`` -- Diffusion-DPO on preference pairs, online from the rollout or from a file (:mod:`.diffusion_dpo`).
+* ``diffusion_dpo`` -- Diffusion-DPO on preference pairs, online from the rollout or from a file (:mod:`.diffusion_dpo`);
+* ``flow_opd`` -- Flow-OPD, on-policy distillation of routed teachers with a manifold anchor (:mod:`.flow_opd`).
 
 :mod:`.base` defines the protocol every objective implements; :mod:`flowgrpo.trainer.update_loop`
 runs it. A config may name an objective of user code by import path,
@@ -128,6 +129,10 @@ register_objective("flow_dppo", "flowgrpo.objectives.flow_dppo:build_flow_dppo",
 register_objective("diffusion_dpo", "flowgrpo.objectives.diffusion_dpo:build_diffusion_dpo",
                    "flowgrpo.objectives.diffusion_dpo:DiffusionDPOOptions", "Diffusion-DPO",
                    "Diffusion-DPO on preference pairs, online or from a file")
+register_objective("flow_opd", "flowgrpo.objectives.flow_opd:build_flow_opd",
+                   "flowgrpo.objectives.flow_opd:FlowOPDOptions", "Flow-OPD",
+                   "Flow-OPD: on-policy distillation of routed single-task teachers, with a manifold anchor",
+                   reads=OBJECTIVE_DEPENDENT_KEYS)
 
 
 def _default(cfg, key: str):

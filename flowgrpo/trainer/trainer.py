@@ -140,6 +140,7 @@ class Trainer:
         self.curriculum = getattr(self.prompts, "curriculum", None)
         check_references(cfg, self.prompts, self.policy, self.rewards)
         check_metadata(self.rewards, cfg.data.prompts, self.prompts.has_metadata)
+        self.objective.setup(self.policy)  # before the EMA copies the weights, which setup may set (Flow-OPD's merge)
         if tc.ema and tc.ema_device == "cpu" and self.engine.name == "fsdp":
             raise ConfigError("train.ema_device=cpu keeps whole weights, and FSDP shards the EMA with them: use "
                               "train.ema_device=auto (fsdp_offload_params: true puts the shards on the CPU)")
@@ -147,7 +148,6 @@ class Trainer:
         self.ema_home = "cpu" if tc.ema_device == "cpu" else None
         self.ema = {n: p.detach().to(self.ema_home, copy=True) for n, p in self.policy.named_trainable_parameters()} \
             if tc.ema else None
-        self.objective.setup(self.policy)
         if cfg.model.precompute_prompts:  # after the objective's setup, which may encode the empty prompt
             precompute_run_prompts(cfg, self.prompts, self.policy, self.dp.is_main)
         self.callbacks = CallbackList(callbacks)
