@@ -19,6 +19,14 @@ from flowgrpo.trainer.launch import close_process_group  # noqa: E402
 from flowgrpo.trainer.trainer import Trainer  # noqa: E402
 
 
+def _offload_policy(module) -> str | None:
+    """The class name of FSDP2's offload policy on ``module`` (``OffloadPolicy`` or ``CPUOffloadPolicy``), or
+    None where it is not sharded."""
+    state = getattr(module, "_get_fsdp_state", None)
+    group = getattr(state(), "_fsdp_param_group", None) if state else None
+    return type(group.offload_policy).__name__ if group is not None else None
+
+
 def main() -> None:
     out, iterations, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     trainer = Trainer(load_config("shapes", None, overrides))
@@ -26,7 +34,11 @@ def main() -> None:
               "weights": [], "metrics": [], "local_trees": [],
               # elements of the trainable weights this rank holds (all of them unless sharded)
               "local_numel": sum(getattr(p, "_local_tensor", p).numel() for p in trainer.policy.trainable_parameters()),
-              "numel": sum(p.numel() for p in trainer.policy.trainable_parameters())}
+              "numel": sum(p.numel() for p in trainer.policy.trainable_parameters()),
+              # the offload policy FSDP2 holds for the denoiser (sharded runs; None elsewhere)
+              "offload": _offload_policy(trainer.policy.denoiser),
+              "param_devices": sorted({getattr(p, "_local_tensor", p).device.type
+                                       for p in trainer.policy.trainable_parameters()})}
     idle, run_idle = [0], trainer._idle_pass  # count the lock-step padding passes (sharded runs)
 
     def counted_idle_pass(cond):

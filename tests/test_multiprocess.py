@@ -468,6 +468,7 @@ def test_the_engine_lays_out_the_weights_and_keeps_ranks_in_step(sharded_referen
     assert r0["local_trees"][0] == list(range(6)) and r1["local_trees"][0] == list(range(6, 12))
     if engine == "fsdp":
         assert r0["idle_passes"] + r1["idle_passes"] > 0  # the lock-step padding ran
+        assert r0["offload"] == r1["offload"] == "OffloadPolicy"  # fsdp.yaml: fsdp_offload_params false
 
 
 def test_the_engine_gives_the_same_advantages_and_update_as_one_process(sharded_reference, engine_ranks):
@@ -486,6 +487,28 @@ def test_the_engine_gives_the_same_advantages_and_update_as_one_process(sharded_
     for name, w in one["ema"].items():
         assert (ranks[0]["ema"][name] - w).abs().max() <= 1e-6
     for key in ("grad_norm", "loss", "ratio_mean", "reward_mean", "transitions"):
+        for r in ranks:
+            assert math.isclose(r["metrics"][0][key], one["metrics"][0][key], rel_tol=1e-5, abs_tol=1e-7), key
+
+
+def test_fsdp_cpu_offload_reaches_torch_and_makes_the_one_process_update(sharded_reference, sharded_overrides, tmp_path):
+    """configs/accelerate/fsdp_offload.yaml (fsdp_offload_params: true) reaches fully_shard as torch's
+    CPUOffloadPolicy (unpinned here: pinning needs a CUDA driver). On the CPU the offload moves nothing, so
+    the update is the 1-process one, as the plain FSDP run's is."""
+    config = FSDP_CONFIG.parent / "fsdp_offload.yaml"
+    two = _launch(2, [str(tmp_path), "2", *sharded_overrides], config=config, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one, ranks = sharded_reference, [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in ranks:
+        assert r["engine"] == "fsdp" and r["offload"] == "CPUOffloadPolicy" and r["param_devices"] == ["cpu"]
+        assert r["local_numel"] <= one["numel"] // 2 + 4096
+    worst = 0.0
+    for it in range(2):
+        for name, w in one["weights"][it].items():
+            worst = max(worst, *(float((r["weights"][it][name] - w).abs().max()) for r in ranks))
+    print(f"fsdp_offload_params: max |weight difference| to 1 process {worst:.3g}")
+    assert worst <= 1e-6
+    for key in ("grad_norm", "loss", "reward_mean"):
         for r in ranks:
             assert math.isclose(r["metrics"][0][key], one["metrics"][0][key], rel_tol=1e-5, abs_tol=1e-7), key
 

@@ -7,7 +7,10 @@
   ``fsdp_version: 2``, e.g. ``configs/accelerate/fsdp.yaml``): torch's ``fully_shard`` on every
   transformer block (the wrap unit) and on the denoiser itself. Each rank keeps 1/world of every
   weight, gradient and Adam moment; a block's weights are gathered inside its forward and
-  backward, and gradients are reduce-scattered in backward.
+  backward, and gradients are reduce-scattered in backward. With ``fsdp_offload_params: true``
+  (``configs/accelerate/fsdp_offload.yaml``) the shards, their gradients and the Adam step live in
+  CPU memory (torch's ``CPUOffloadPolicy``): each block's shard is copied to the device for its
+  forward and backward, and the optimizer steps on the CPU.
 * :class:`~flowgrpo.trainer.deepspeed_zero.ZeroWeights` (``distributed_type: DEEPSPEED``, ZeRO
   stage 1 or 2, ``configs/accelerate/zero2.yaml``): whole weights on every rank, gradients and
   Adam moments partitioned by DeepSpeed.
@@ -128,7 +131,7 @@ class FullyShardedWeights(ReplicatedWeights):
         """Shard ``policy.denoiser``: every block whose class is in ``fsdp_transformer_layer_cls_to_wrap``
         (default: the model's ``_no_split_modules``, its transformer blocks), then the denoiser."""
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         denoiser = policy.denoiser
         wanted = list(self.plugin.transformer_cls_names_to_wrap or getattr(denoiser, "_no_split_modules", None) or [])
@@ -140,8 +143,12 @@ class FullyShardedWeights(ReplicatedWeights):
                               f"to its block classes (its module classes: {', '.join(present)})")
         mesh = init_device_mesh(self.dp.accelerator.device.type, (self.dp.world,))
         options = {"mesh": mesh, "reshard_after_forward": bool(self.plugin.reshard_after_forward)}
-        if isinstance(self.plugin.cpu_offload, OffloadPolicy):
-            options["offload_policy"] = self.plugin.cpu_offload
+        offload = self.plugin.cpu_offload  # fsdp_offload_params: true -> CPUOffloadPolicy (accelerate's plugin)
+        if isinstance(offload, CPUOffloadPolicy) and offload.pin_memory and self.dp.accelerator.device.type == "cpu":
+            # pinning needs a CUDA driver, and only speeds copies to a device: a CPU run keeps pageable shards
+            offload = CPUOffloadPolicy(pin_memory=False)
+        if isinstance(offload, OffloadPolicy):
+            options["offload_policy"] = offload
         for block in blocks:
             fully_shard(block, **options)
         fully_shard(denoiser, **options)
