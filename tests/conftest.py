@@ -222,6 +222,26 @@ def tiny_policy() -> TinyPolicy:
     return TinyPolicy()
 
 
+# --------------------------------------------------------------------------- tiny adapters over shared modules
+
+_TINY_COMPONENTS: dict = {}
+
+
+def tiny_components(build) -> dict:
+    """Fresh copies of ``build(0)``'s tiny modules (a ``tiny_*_components`` builder), built once per
+    builder, so every policy made from them starts from the same random weights."""
+    import copy
+
+    if build not in _TINY_COMPONENTS:
+        _TINY_COMPONENTS[build] = build(0)
+    return {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in _TINY_COMPONENTS[build].items()}
+
+
+def fresh_tiny_policy(cls, build, **options):
+    """An adapter ``cls`` over :func:`tiny_components` of ``build`` (``cls.from_components(..., **options)``)."""
+    return cls.from_components(tiny_components(build), **options)
+
+
 # --------------------------------------------------------------------------- a trained tiny SD3 LoRA run
 
 

@@ -18,7 +18,6 @@ tests/test_model_switches.py).
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import os
@@ -26,6 +25,7 @@ import os
 import pytest
 import torch
 
+from conftest import fresh_tiny_policy, tiny_components
 from flowgrpo.config import ModelConfig, load_config
 from flowgrpo.errors import ConfigError
 from flowgrpo.policies import build_policy
@@ -48,16 +48,10 @@ MODELS = {  # adapter, component builder, policy options
 TIMING = {"rollout_s", "collect_s", "train_s", "iter_s", "compile_s"}
 
 
-@functools.lru_cache(maxsize=None)
-def _components(model: str) -> dict:
-    return MODELS[model][1](0)
-
-
 def make(model: str, **options):
     """A fresh policy over copies of the model's tiny modules."""
-    cls, _, defaults = MODELS[model]
-    comps = {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in _components(model).items()}
-    return cls.from_components(comps, lora_rank=4, lora_alpha=8.0, **{**defaults, **options})
+    cls, build, defaults = MODELS[model]
+    return fresh_tiny_policy(cls, build, lora_rank=4, lora_alpha=8.0, **{**defaults, **options})
 
 
 @pytest.fixture(scope="module")
@@ -207,13 +201,13 @@ def test_attention_backend_errors_name_the_class_and_the_processor(monkeypatch):
         make("FLUX", attention_backend="bogus")
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    comps = {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in _components("SD3").items()}
+    comps = tiny_components(tiny_sd3_components)
     comps["transformer"].transformer_blocks[0].attn.set_processor(AttnProcessor2_0())  # a processor of its own
     with pytest.raises(ConfigError, match=r"model\.attention_backend=native cannot apply to SD3 \(SD3Transformer2DModel\)"
                                           r": SD3Transformer2DModel's attention processor AttnProcessor2_0 calls its "
                                           r"kernel itself.*; use model.attention_backend=sdpa"):
         SD3Policy.from_components(comps, **MODELS["SD3"][2], attention_backend="native")
-    comps = {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in _components("FLUX").items()}
+    comps = tiny_components(tiny_flux_components)
     comps["transformer"].set_attention_backend = None  # a class without diffusers' dispatcher switch
     with pytest.raises(ConfigError, match=r"FluxTransformer2DModel has no set_attention_backend\(\)"):
         FluxPolicy.from_components(comps, **MODELS["FLUX"][2], attention_backend="native")

@@ -17,8 +17,6 @@ call), and the memory those switches save on a GPU is not measured here.
 
 from __future__ import annotations
 
-import copy
-import functools
 import math
 
 import pytest
@@ -34,6 +32,7 @@ from flowgrpo.policies.tiny.flux import tiny_flux_components
 from flowgrpo.policies.tiny.sd3 import tiny_sd3_components
 from flowgrpo.policies.tiny.wan import tiny_wan_components
 from flowgrpo.trainer.trainer import Trainer
+from conftest import fresh_tiny_policy
 from test_engine_levers import PROMPTS, TIMING, perturb_lora, write_prompts
 
 MODELS = {  # adapter, component builder, policy options (guidance on: the empty prompt is encoded too)
@@ -44,16 +43,10 @@ MODELS = {  # adapter, component builder, policy options (guidance on: the empty
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _components(model: str) -> dict:
-    return MODELS[model][1](0)
-
-
 def make(model: str, **options):
     """A fresh LoRA policy over copies of the model's tiny modules."""
-    cls, _, defaults = MODELS[model]
-    comps = {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in _components(model).items()}
-    return cls.from_components(comps, lora_rank=4, lora_alpha=8.0, **{**defaults, **options})
+    cls, build, defaults = MODELS[model]
+    return fresh_tiny_policy(cls, build, lora_rank=4, lora_alpha=8.0, **{**defaults, **options})
 
 
 def velocity(policy, prompts=PROMPTS):
