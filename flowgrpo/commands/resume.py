@@ -24,8 +24,9 @@ from ..errors import UserError
 #: what it computes, so the run stays the recorded one continued: its budgets (``flowgrpo train --resume
 #: RUN train.max_minutes=60 eval.every_minutes=5`` extends a run, docs/shapes_world.md), when it
 #: evaluates (evaluation does not train; the clock pauses for it), how often it writes checkpoints and
-#: sample grids, its trackers and progress bar, how long ranks wait for one another, its CPU threads,
-#: and ``model.path``: where the same base weights lie now (docs/cli.md: pointing a shapes run back
+#: sample grids, its trackers and progress bar, how long ranks wait for one another, how many of them
+#: split each video's tokens (``dist.context_parallel``: the same update, on another number of processes),
+#: its CPU threads, and ``model.path``: where the same base weights lie now (docs/cli.md: pointing a shapes run back
 #: at its original weights; its base_weights.json checks they are the same). Everything else (the
 #: model, sampler, method, rewards, prompts, learning rate, seeds, evaluation sets) is what the
 #: checkpoint was made with: a new value would make a run that is neither the recorded one nor a new
@@ -34,7 +35,7 @@ CONTINUE_KEYS = (
     "train.iterations", "train.max_minutes",
     "eval.every", "eval.every_minutes",
     "log.checkpoint_every", "log.grid_every", "log.trackers", "log.project", "log.progress",
-    "dist.timeout_s", "train.threads", "model.path",
+    "dist.timeout_s", "dist.context_parallel", "train.threads", "model.path",
 )
 
 

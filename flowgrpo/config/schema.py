@@ -184,6 +184,7 @@ class LogConfig:
 @dataclass
 class DistConfig:
     timeout_s: float = _f(600.0, "multi-process runs: seconds a collective waits for the other processes; a rank that died or hangs longer stops the run with an error naming it (the last checkpoint resumes). The other ranks wait while the main process evaluates and writes checkpoints, so keep it above the longest of those", gt=0.0)
+    context_parallel: int = _f(1, "processes that split one video's tokens (context parallelism, diffusers' Ulysses attention): groups of this many consecutive ranks hold the same samples and each runs the transformer on 1/N of every sample's tokens; data parallelism runs over the groups. Must divide the number of processes, the attention heads and a sample's tokens; adapters: wan (docs/distributed.md)", ge=1)
 
 
 @dataclass

@@ -101,7 +101,7 @@ def weight_engine(accelerator, dp) -> ReplicatedWeights:
     so and the run has several processes, else whole weights on every rank."""
     kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     use = lambda what: kind == what or os.environ.get(f"ACCELERATE_USE_{what}", "false").lower() == "true"  # noqa: E731
-    if dp.world == 1:
+    if dp.processes == 1:
         return ReplicatedWeights(dp)
     if use("FSDP"):
         plugin = getattr(accelerator.state, "fsdp_plugin", None)

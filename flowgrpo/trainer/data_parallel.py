@@ -17,6 +17,14 @@ rank to run the same number of backward passes. One all-reduce of the flat gradi
 DDP's arithmetic without that constraint (and, for LoRA-sized gradients, without a measurable
 cost). A sharded denoiser (FSDP) reduces its gradients inside backward instead, with ranks kept in
 lock-step (:mod:`flowgrpo.trainer.engines`).
+
+With context parallelism (``dist.context_parallel=N``, :mod:`flowgrpo.trainer.context_parallel`)
+the processes form groups of N consecutive ranks that hold the same trees and split each video's
+tokens inside the transformer. Data parallelism then runs over the groups: :attr:`DataParallel.world`
+is the number of groups and :attr:`DataParallel.rank` this process's group, every collective of this
+class keeps one copy per group (its first rank's, the group's *leader*), and only the leaders score
+rewards. Gradients are the exception: each rank's backward holds its tokens' share of the gradient,
+so :meth:`DataParallel.sum_gradients` sums over every process.
 """
 
 from __future__ import annotations
@@ -35,22 +43,32 @@ class DataParallel:
 
     Args:
         accelerator: the run's :class:`accelerate.Accelerator`.
+        context_parallel: processes per context-parallel group (``dist.context_parallel``; 1: none);
+            it divides the number of processes (:func:`~flowgrpo.trainer.context_parallel.check_degree`).
     """
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, context_parallel: int = 1):
         self.accelerator = accelerator
-        self.world = accelerator.num_processes
-        self.rank = accelerator.process_index
+        self.processes = accelerator.num_processes
+        self.context_parallel = int(context_parallel)
+        #: data-parallel groups, and this process's group (each group: context_parallel consecutive ranks)
+        self.world = self.processes // self.context_parallel
+        self.rank = accelerator.process_index // self.context_parallel
+        #: the first rank of its group: the one that scores rewards, and whose values collectives keep
+        self.is_leader = accelerator.process_index % self.context_parallel == 0
         self.is_main = accelerator.is_main_process
         #: every rank must roll out the same number of trees (a sharded model runs in lock-step)
         self.equal_shards = False
 
     # ------------------------------------------------------------------ sharding
     def tree_shard(self, num_trees: int) -> range:
-        """The contiguous global tree ids this rank rolls out (balanced to within one tree)."""
+        """The contiguous global tree ids this rank (its context-parallel group) rolls out (balanced to
+        within one tree)."""
         if num_trees < self.world:
+            who = "processes" if self.context_parallel == 1 else \
+                f"context-parallel groups (dist.context_parallel={self.context_parallel})"
             raise ConfigError(f"an iteration has {num_trees} trees (data.prompts_per_iteration x "
-                              f"data.trees_per_prompt) but the run has {self.world} processes: "
+                              f"data.trees_per_prompt) but the run has {self.world} {who}: "
                               "every process needs at least one tree")
         if self.equal_shards and num_trees % self.world:
             raise ConfigError(f"a sharded model (FSDP) needs the same number of trees on every process: an iteration "
@@ -60,16 +78,17 @@ class DataParallel:
 
     # ------------------------------------------------------------------ collectives
     def gather(self, obj) -> list:
-        """``obj`` of every rank, in rank order (picklable objects; CPU tensors)."""
-        if self.world == 1:
+        """``obj`` of every data-parallel rank (each group's leader), in rank order (picklable objects;
+        CPU tensors)."""
+        if self.processes == 1:
             return [obj]
         from accelerate.utils import gather_object
 
-        return gather_object([obj])
+        return gather_object([obj])[::self.context_parallel]
 
     def broadcast(self, obj):
         """The main process's ``obj`` on every rank."""
-        if self.world == 1:
+        if self.processes == 1:
             return obj
         from accelerate.utils import broadcast_object_list
 
@@ -77,21 +96,23 @@ class DataParallel:
 
     def cat(self, t: Tensor) -> Tensor:
         """Rows of ``t`` [n_r, ...] of every rank, concatenated in rank order (on the CPU)."""
-        if self.world == 1:
+        if self.processes == 1:
             return t
         return torch.cat([p for p in self.gather(t.detach().cpu())])
 
     def sum_scalar(self, value: float) -> float:
         """Sum of a number over ranks."""
-        if self.world == 1:
+        if self.processes == 1:
             return value
         return float(sum(self.gather(float(value))))
 
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Replace every parameter's gradient by its sum over ranks (one flat all-reduce).
 
-        A parameter without a gradient on this rank (no rows in the minibatch) contributes zeros."""
-        if self.world == 1:
+        A parameter without a gradient on this rank (no rows in the minibatch) contributes zeros. Every
+        process contributes, the ranks of a context-parallel group too: each holds the share of the
+        gradient that flowed through its own tokens, and the shares add up to the group's gradient."""
+        if self.processes == 1:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -103,13 +124,13 @@ class DataParallel:
             start += n
 
     def barrier(self) -> None:
-        if self.world > 1:
+        if self.processes > 1:
             self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------ the whole forest
     def forest_view(self, rollout: Rollout) -> "ForestView":
         """Every rank's shard structure combined into the iteration's forest (see :class:`ForestView`)."""
-        if self.world == 1:
+        if self.processes == 1:
             return ForestView(rollout, [0] * len(rollout.levels), [len(lv) for lv in rollout.levels],
                               torch.arange(rollout.num_leaves), self)
         mine = [_level_structure(lv) for lv in rollout.levels]
@@ -184,13 +205,17 @@ class ForestView:
         return values[self.offsets[depth]:self.offsets[depth] + self.sizes[depth]]
 
     def gather_leaf_values(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Per-leaf tensors [L_local] of every rank -> [L_whole] in the whole forest's leaf order."""
-        if self.dp.world == 1:
+        """Per-leaf tensors [L_local] of every rank -> [L_whole] in the whole forest's leaf order.
+
+        The leaders' values: a context-parallel rank that is not its group's leader may pass ``{}``
+        (it scored nothing) and receives its leader's."""
+        if self.dp.processes == 1:
             return values
         pos = self.dp.cat(self.local_leaves)
+        shards = self.dp.gather({name: v.float().cpu() for name, v in values.items()})  # one collective
         out = {}
-        for name, v in values.items():
-            allv = self.dp.cat(v.float().cpu())
+        for name in shards[0]:
+            allv = torch.cat([shard[name] for shard in shards])
             full = torch.empty(self.whole.num_leaves, dtype=allv.dtype)
             full[pos] = allv
             out[name] = full

@@ -77,7 +77,8 @@ def _base_velocity_available(trainer) -> bool:
     if getattr(policy, "train_mode", None) == "full" and not trainer.objective.needs_reference:
         denoiser = getattr(policy, "denoiser", policy)
         size = sum(p.numel() * p.element_size() for p in denoiser.parameters())
-        if trainer.engine.lockstep or size > REFERENCE_COPY_LIMIT:
+        # a sharded denoiser, or a context-parallel one (its copy would carry the split hooks), is not copied
+        if trainer.engine.lockstep or trainer.dp.context_parallel > 1 or size > REFERENCE_COPY_LIMIT:
             if trainer.dp.is_main:
                 print(f"note: monitor.velocity_norm is not measured: a full fine-tune without a reference copy of "
                       f"its {size / 2**30:.1f} GiB denoiser{' (sharded)' if trainer.engine.lockstep else ''}; "

@@ -123,8 +123,9 @@ class RunState:
 
     @property
     def lockstep(self) -> bool:
-        """Every rank takes part in evaluations (sharded weights need every rank in each forward)."""
-        return self.trainer.engine.lockstep
+        """Every rank takes part in evaluations (sharded weights, or a context-parallel transformer,
+        need every rank of a group in each forward)."""
+        return self.trainer.engine.lockstep or self.trainer.dp.context_parallel > 1
 
     @property
     def gathers(self) -> bool:

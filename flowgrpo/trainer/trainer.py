@@ -46,6 +46,7 @@ from ..samplers.strategies import build_strategy
 from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
 from ..sharded_tensors import like_param
 from ..callbacks import CallbackList
+from . import context_parallel
 from .data_parallel import DataParallel
 from .prompt_set import precompute_run_prompts
 from .parts import build_prompts, build_rewards, check_references, model_grid, reward_parts
@@ -93,8 +94,9 @@ class Trainer:
         if tc.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.accelerator = accelerator or make_accelerator(cfg)
-        self.dp = DataParallel(self.accelerator)
+        self.dp = DataParallel(self.accelerator, cfg.dist.context_parallel)
         self.engine = weight_engine(self.accelerator, self.dp)  # whole weights, FSDP shards or DeepSpeed ZeRO
+        context_parallel.check_degree(cfg.dist.context_parallel, self.dp.processes, self.engine.name)
         self.dp.equal_shards = self.engine.lockstep
         if cfg.reward.waves > 1 and self.engine.lockstep:
             # waves cut at group boundaries, which fall differently in each rank's shard: the ranks would
@@ -122,6 +124,9 @@ class Trainer:
         self.objective = objective if objective is not None else build_objective(cfg, self.accelerator.device)
         if self.objective.needs_reference:
             self.policy.snapshot_reference()
+        if cfg.dist.context_parallel > 1:  # after the reference copy, which splits its tokens too
+            context_parallel.check_policy(self.policy, cfg.dist.context_parallel, cfg.model.name)
+            context_parallel.enable(self.policy, cfg.dist.context_parallel, self.dp.processes, self.accelerator.device)
         self.engine.prepare(self.policy)  # before the optimizer and EMA see the parameters
         params = self.policy.trainable_parameters()
         if not params:
@@ -267,6 +272,8 @@ class Trainer:
 
         def score(ro: Rollout):
             images = self.decode_leaves(ro)
+            if not self.dp.is_leader:  # a context-parallel group scores once: its leader shares the rewards
+                return images, {}, {}
             leaf_prompt = ro.tree_prompt[ro.leaf_tree].tolist()
             leaf_refs = None if refs is None else [refs[i] for i in leaf_prompt]
             leaf_meta = None if drawn.metadata is None else [drawn.metadata[i] for i in leaf_prompt]

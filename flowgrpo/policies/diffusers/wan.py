@@ -117,6 +117,19 @@ class WanPolicy(DiffusersPolicy):
         names = ["transformer", "vae", "text_encoder", "tokenizer", "scheduler"]
         return cls(**{n: components.get(n) for n in names}, **kwargs)
 
+    # ------------------------------------------------------------------ context parallelism
+    def context_parallel_networks(self) -> list:
+        """The networks ``dist.context_parallel`` splits the tokens of (:mod:`flowgrpo.trainer.context_parallel`):
+        the transformer, and the frozen reference copy that full fine-tuning keeps for KL."""
+        frozen = getattr(self, "_frozen", None)
+        return [self.transformer] + ([frozen] if frozen is not None else [])
+
+    def context_parallel_tokens(self) -> int:
+        """Transformer tokens of one sample: latent frames x (h / patch) x (w / patch)."""
+        p = self.transformer.config.patch_size
+        _, frames, h, w = self.latent_shape
+        return (frames // p[0]) * (h // p[1]) * (w // p[2])
+
     # ------------------------------------------------------------------ prompts
     def _encode_now(self, prompts: list[str]) -> dict[str, Tensor]:
         embeds, _ = self.pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False,

@@ -202,6 +202,19 @@ class PipelinePolicy(DiffusersPolicy):
     def _experts(self) -> list[nn.Module]:
         return [getattr(self, name) for name in self.switch.names]
 
+    # ------------------------------------------------------------------ context parallelism (Wan experts)
+    def context_parallel_networks(self) -> list[nn.Module]:
+        """Every expert (``dist.context_parallel``, :mod:`flowgrpo.trainer.context_parallel`) where each is a
+        Wan transformer (Wan 2.2 A14B's two, TI2V-5B's one); none for other pipelines."""
+        experts = self._experts()
+        return experts if all(type(e).__name__ == "WanTransformer3DModel" for e in experts) else []
+
+    def context_parallel_tokens(self) -> int:
+        """Transformer tokens of one sample: latent frames x (h / patch) x (w / patch) of :attr:`latent_shape`."""
+        p = self._experts()[0].config.patch_size
+        _, frames, h, w = self.latent_shape
+        return (frames // p[0]) * (h // p[1]) * (w // p[2])
+
     def make_trainable(self, *, lora_rank: int, lora_alpha: float, lora_targets,
                        lora_init: bool | str = DEFAULT_LORA_INIT) -> None:
         """The trainable part of every expert for ``train_mode`` (``full``: one expert only)."""
