@@ -1,32 +1,47 @@
 """`flowgrpo bench gpu`: one command that measures what needs a GPU, each stage guarded.
 
-* **(a) ops** (:mod:`flowgrpo.benchmarks.gpu_ops`): the fused GRPO loss op built with its CUDA
-  kernels, its test file run by pytest (checks against ``grpo_loss_ref``, gradcheck,
-  ``torch.library.opcheck``, on the CPU and on CUDA), and its achieved bandwidth (bench ops'
-  measurement: 7 N D x 4 bytes per forward + backward / time) against the device's peak.
-* **(b) rollout_update** (:mod:`flowgrpo.benchmarks.gpu_models`): an SD3.5-Medium-size random-weight
+Stages, in the order they run (the issue's figures first: a short budget cuts the tail):
+
+* **rollout_update** (:mod:`flowgrpo.benchmarks.gpu_models`): an SD3.5-Medium-size random-weight
   SD3 in bf16 at 512 px, LoRA r = 32, CFG 4.5, T = 10 SDE steps, 1 prompt x 4 images: flowgrpo's
   trainer stages against Flow-GRPO's ``pipeline_with_logprob`` / ``sde_step_with_logprob`` from a
   checkout (``--flow-grpo PATH``) on the same weights: medians of rollout, update and iteration
-  seconds (device synchronised), their ratios (reference / flowgrpo: above 1, flowgrpo is faster) and
-  the largest latent / log-prob differences of the same chains.
-* **(c) memory**: flowgrpo's peak ``torch.cuda.max_memory_allocated`` of one iteration with nothing
-  else on the device, against the per-GPU training state :func:`flowgrpo.realsize.memory.training_state`
-  computes for ``sd35-medium`` (weights, LoRA, gradients, AdamW; the rest of the peak is activations
-  and the text encoders / VAE).
-* **(d) objectives** (:mod:`flowgrpo.benchmarks.gpu_objectives`): each objective's preset (flow-grpo,
-  flow-dppo, diffusion-dpo, diffusion-nft, awm, dgpo) trains a few full iterations on the same model
-  and rollout: whether it trained (finite loss, LoRA moved, base weights unchanged), seconds per
-  iteration and peak memory.
+  seconds (device synchronised), their ratios (reference / flowgrpo: above 1, flowgrpo is faster),
+  the largest latent / log-prob differences of the same chains, and each side's model FLOPs
+  utilisation (:mod:`flowgrpo.benchmarks.gpu_flops`).
+* **levers** (:mod:`flowgrpo.benchmarks.gpu_levers`): the same flowgrpo run with each speed / memory
+  switch alone and all together: medians, ratios to the plain run and to Flow-GRPO's row above,
+  peaks; a switch the device cannot run is recorded as skipped with its one-line reason.
+* **flux** and **wan** (:mod:`flowgrpo.benchmarks.gpu_sizes`): FLUX.1-dev size (12 B, 512 px, LoRA)
+  against Flow-GRPO's FLUX code on the same weights; Wan 2.1 1.3B size at 33 frames (flowgrpo).
+* **memory**: flowgrpo's peak of stage rollout_update against the per-GPU training state
+  :func:`flowgrpo.realsize.memory.training_state` computes for ``sd35-medium``. Every point of the
+  levers / size stages also carries its own measured peak over the computed figure (``peak_over_computed``).
+* **objectives** (:mod:`flowgrpo.benchmarks.gpu_objectives`): each objective's preset trains a few
+  iterations on the same model: whether it trained, seconds per iteration, peak memory.
+* **ops** (:mod:`flowgrpo.benchmarks.gpu_ops`): the fused GRPO loss op built with its CUDA kernels,
+  its test file run by pytest, and its achieved bandwidth against the device's peak.
+
+Time plan of the GPU form on one H100 / H200 (``--time-budget``, default 470 s, keeps the whole call
+under 8 minutes; planned from the model sizes, to be checked against the first device run):
+rollout_update about 90 s (builds, the replay, 1 warm-up + 2 timed rounds of both sides); levers
+about 140 s (each point: fresh build, 1 warm-up + 1 timed iteration; a compile's first iteration
+longer); flux about 100 s (12 B built twice, 1 + 1 iterations a side); wan about 60 s; memory a few
+seconds; objectives its budget (60 s: presets not started are listed); ops what is left (at least
+60 s, else skipped). A stage whose turn comes with less than its minimum left is recorded as skipped
+with the reason; a stage passes its share to the next when it finishes early.
 
 ``--stages`` picks stages (default all); a stage left out is recorded as skipped.
 
-``--tiny --device cpu`` runs every line of the same path on a tiny SD3 on the CPU (the test suite's
+``--tiny --device cpu`` runs every line of the same path on tiny models on the CPU (the test suite's
 form): CUDA-only measurements are recorded as None with the reason. A failing stage is recorded
 (``status: failed``, the error and its traceback's tail) and the others still run.
 
-Writes ``gpu.json`` (device: name, torch / CUDA / driver versions; settings; every stage's figures)
-and ``gpu.csv`` (one row per figure: stage, name, value) into ``--out``, and ``--json`` if given.
+Results are written as the stages finish, so a call cut short keeps what finished: after every stage
+``gpu.json`` (device: name, torch / CUDA / driver versions, peaks; settings; every finished stage's
+figures; ``complete`` false until the end) and ``gpu.csv`` (one row per figure: stage, name, value)
+are rewritten and the stage is appended as one line to ``gpu_stages.jsonl``, all in ``--out``;
+``--json`` gets the final result.
 """
 
 from __future__ import annotations
@@ -45,12 +60,12 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from . import number_or_dash as _f  # noqa: E402
-from . import output_dir, print_table, write_csv, write_json  # noqa: E402
+from . import output_dir, write_csv, write_json  # noqa: E402
+from .gpu_report import flat_rows, print_tables, summary  # noqa: E402
 
 ENV = "FLOWGRPO_REFERENCE"
 #: the stages in the order they run
-STAGES = ("ops", "rollout_update", "memory", "objectives")
+STAGES = ("rollout_update", "levers", "flux", "wan", "memory", "objectives", "ops")
 
 
 def parse_stages(stages: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -67,14 +82,16 @@ def parse_stages(stages: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
 class GpuPlan:
     """What one run measures. ``size``: a :data:`~flowgrpo.benchmarks.gpu_setup.SIZES` key; ``dtype``:
     the model dtype; ``num_steps``, ``prompts``, ``group``: T and the rollout batch (prompts x group
-    images); ``repeats``/``warmup``: timed / untimed interleaved rounds; ``models_budget_s``: timed
-    rounds stop starting after it; ``op_dims``/``op_rows``/``op_repeats``/``op_impls``: the bandwidth
-    measurement (latent elements D, rows N); ``test_select``: pytest ``-k`` of the op tests (None: all);
-    ``test_timeout_s``: their limit, cut to keep the later stages' time but never under
-    ``min_test_timeout_s``; ``objectives_iterations``/``objectives_budget_s``: stage (d)'s
-    iterations per preset and the time after which it starts no further preset;
-    ``total_budget_s``: the whole command's target (the op tests' limit
-    and the timed rounds are cut to keep to it; builds and compilations are not)."""
+    images); ``repeats``/``warmup``: timed / untimed interleaved rounds of rollout_update;
+    ``op_dims``/``op_rows``/``op_repeats``/``op_impls``: the bandwidth measurement (latent elements
+    D, rows N); ``test_select``: pytest ``-k`` of the op tests (None: all); ``test_timeout_s``: their
+    limit, cut to the stage's budget but never under ``min_test_timeout_s``;
+    ``objectives_iterations``: iterations per preset; ``levers``: the levers stage's points
+    (:data:`~flowgrpo.benchmarks.gpu_levers.LEVERS` names, ``all``, ``all-speed``) and
+    ``lever_repeats`` timed iterations each after ``lever_warmup`` untimed ones; ``total_budget_s``: the whole command's target;
+    ``shares_s``: each stage's planned seconds (a stage's budget is what the stages up to it were
+    planned, less what has passed, never more than leaves the later stages their ``min_s``);
+    ``min_s``: below this a stage is skipped. Builds and compilations are not cut."""
 
     size: str
     dtype: torch.dtype
@@ -83,30 +100,40 @@ class GpuPlan:
     group: int
     repeats: int
     warmup: int
-    models_budget_s: float
     op_dims: tuple[int, ...]
     op_rows: int
     op_repeats: int
     op_impls: tuple[str, ...]
     test_select: str | None
     test_timeout_s: float
+    levers: tuple[str, ...]
+    lever_repeats: int = 1
+    lever_warmup: int = 1
     objectives_iterations: int = 2
-    objectives_budget_s: float = 240.0
-    total_budget_s: float = 450.0
+    total_budget_s: float = 470.0
     min_test_timeout_s: float = 60.0
+    shares_s: dict = field(default_factory=lambda: dict(
+        rollout_update=90.0, levers=140.0, flux=100.0, wan=60.0, memory=10.0, objectives=60.0, ops=240.0))
+    min_s: dict = field(default_factory=lambda: dict(
+        rollout_update=30.0, levers=30.0, flux=40.0, wan=30.0, memory=5.0, objectives=30.0, ops=60.0))
 
 
-#: the GPU form (about 8 minutes on one H100 at most) and the CPU form of the test suite
+#: the GPU form (under 8 minutes on one H100 / H200) and the CPU form of the test suite
 PLANS = {
-    "full": GpuPlan("sd35-medium", torch.bfloat16, num_steps=10, prompts=1, group=4, repeats=3, warmup=1,
-                    models_budget_s=200.0, op_dims=(16 * 64 * 64, 16 * 128 * 128, 16 * 256 * 256), op_rows=64,
+    "full": GpuPlan("sd35-medium", torch.bfloat16, num_steps=10, prompts=1, group=4, repeats=2, warmup=1,
+                    op_dims=(16 * 64 * 64, 16 * 128 * 128, 16 * 256 * 256), op_rows=64,
                     op_repeats=20, op_impls=("fused", "eager", "compiled"), test_select=None, test_timeout_s=240.0,
-                    total_budget_s=690.0),
-    "tiny": GpuPlan("tiny", torch.float32, num_steps=3, prompts=1, group=2, repeats=1, warmup=1, models_budget_s=60.0,
+                    levers=("plain", "attention=native", "attention=flash", "compile=regional", "checkpointing",
+                            "precompute_prompts", "all", "all-speed", "attention=flash-3", "attention=sage",
+                            "attention=xformers", "attention=flex")),
+    "tiny": GpuPlan("tiny", torch.float32, num_steps=3, prompts=1, group=2, repeats=1, warmup=1,
                     op_dims=(4096,), op_rows=8, op_repeats=3, op_impls=("fused", "eager"),
                     test_select="opcheck or (fp32_matches_float64_reference and mixed)", test_timeout_s=300.0,
-                    # the suite's CPU form: on a loaded 2-core machine the op tests took over 60 s
-                    objectives_budget_s=120.0, min_test_timeout_s=300.0),
+                    levers=("plain", "attention=native", "attention=flash", "checkpointing", "all"), lever_warmup=0,
+                    # the suite's CPU form on a loaded 2-core machine: no stage is cut (the op tests took over 60 s)
+                    total_budget_s=7200.0, min_test_timeout_s=300.0,
+                    shares_s=dict(rollout_update=600.0, levers=900.0, flux=600.0, wan=600.0, memory=300.0,
+                                  objectives=600.0, ops=1200.0)),
 }
 
 
@@ -180,21 +207,23 @@ def memory_stage(models: Stage, plan: GpuPlan, device: torch.device) -> dict:
 
 def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, tiny: bool = False,
                   flow_grpo: str | None = None, repeats: int = 0, tests: str | Path = "tests",
-                  quiet: bool = False, ops: bool = True, stages: tuple[str, ...] | None = None) -> dict:
-    """Run stages (a)-(d) (module docstring) and write gpu.json / gpu.csv. Returns the JSON dict.
+                  quiet: bool = False, ops: bool = True, stages: tuple[str, ...] | None = None,
+                  time_budget: float = 0.0) -> dict:
+    """Run the stages (module docstring), writing gpu.json / gpu.csv / gpu_stages.jsonl as each
+    finishes. Returns the JSON dict.
 
     ``device``: "cuda" / "cpu" (None: CUDA where available); ``tiny``: the CPU form's plan
     (:data:`PLANS`); ``flow_grpo``: a Flow-GRPO checkout (None: ``$FLOWGRPO_REFERENCE``, else the
-    reference side is left out); ``repeats``: timed rounds of (b) (0: the plan's); ``tests``: the
-    folder holding ``test_ops.py``; ``stages``: the stages to run (None: all of :data:`STAGES`; the
-    others are recorded as skipped; ``memory`` needs ``rollout_update``'s peak); ``ops=False`` leaves
-    stage (a) out as well, for a second call on a lent device whose time is short."""
-    from .gpu_setup import SIZES, device_info
+    reference sides are left out); ``repeats``: timed rounds of rollout_update (0: the plan's);
+    ``tests``: the folder holding ``test_ops.py``; ``stages``: the stages to run (None: all of
+    :data:`STAGES`; the others are recorded as skipped; ``memory`` needs ``rollout_update``'s peak);
+    ``ops=False`` leaves stage ops out as well; ``time_budget``: seconds for the whole call (0: the
+    plan's ``total_budget_s``), stages that no longer fit are skipped with the reason."""
+    from .gpu_setup import device_info
 
     chosen = set(STAGES if stages is None else parse_stages(stages))
     if not ops:
         chosen.discard("ops")
-
     began = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -202,9 +231,10 @@ def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, ti
     if dev.type == "cpu" and torch.cuda.is_available():
         raise RuntimeError("--device cpu on a machine with a GPU: hide it (CUDA_VISIBLE_DEVICES=) so the trainer runs on the CPU")
     plan = PLANS["tiny" if tiny else "full"]
-    if repeats:
-        plan = GpuPlan(**{**plan.__dict__, "repeats": repeats})
+    plan = GpuPlan(**{**plan.__dict__, **({"repeats": repeats} if repeats else {}),
+                      **({"total_budget_s": float(time_budget)} if time_budget else {})})
     out = output_dir(out_dir)
+    (out / "gpu_stages.jsonl").write_text("")
 
     def log(msg: str) -> None:
         if not quiet:
@@ -213,155 +243,118 @@ def run_bench_gpu(json_path=None, *, out_dir=None, device: str | None = None, ti
     info = device_info(dev)
     log(f"device {info.get('name')} (torch {info['torch']}, CUDA {info['torch_cuda']}, driver {info['driver']})")
     flow_grpo = flow_grpo or os.environ.get(ENV) or None
-    stages: dict[str, Stage] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from .gpu_ops import run_ops_stage
-        from .gpu_models import run_models_stage
-
-        def left() -> float:  # seconds left of the whole command's budget
-            return plan.total_budget_s - (time.perf_counter() - began)
-
-        def skipped(name: str) -> Stage:
-            return Stage(name, "skipped", 0.0, "left out (--stages / --no-ops)")
-
-        # seconds kept for the stages after the op tests: (b) + (c) about 4 minutes, (d) its budget
-        later = (240.0 if "rollout_update" in chosen else 0.0) + (
-            plan.objectives_budget_s + 60.0 if "objectives" in chosen else 0.0)
-        stages["ops"] = skipped("ops") if "ops" not in chosen else _guarded("ops", lambda: run_ops_stage(
-            dev, out, tests_dir=tests, select=plan.test_select, peak_gbps=info["peak_gbps"],
-            test_timeout=max(plan.min_test_timeout_s, min(plan.test_timeout_s, left() - later)),
-            repeats=plan.op_repeats, dims=plan.op_dims, n=plan.op_rows, impls=plan.op_impls, log=log,
-            compile_within_s=max(30.0, left() - later - 80.0)), log)  # compile only when the later stages keep their time
-
-        def models():
-            from .bench_reference import _quiet_libraries
-            from .reference_flow_grpo import load_reference
-
-            _quiet_libraries()
-            code = load_reference(flow_grpo) if flow_grpo else None
-            keep = plan.objectives_budget_s + 60.0 if "objectives" in chosen else 30.0
-            return run_models_stage(dev, plan.dtype, SIZES[plan.size], code, num_steps=plan.num_steps,
-                                    prompts=plan.prompts, group=plan.group, repeats=plan.repeats,
-                                    warmup=plan.warmup, budget_s=max(30.0, min(plan.models_budget_s, left() - keep)),
-                                    log=log)
-
-        def objectives():
-            from .bench_reference import _quiet_libraries
-            from .gpu_objectives import run_objectives_stage
-
-            _quiet_libraries()
-            return run_objectives_stage(dev, plan.dtype, SIZES[plan.size], num_steps=plan.num_steps,
-                                        prompts=plan.prompts, group=plan.group,
-                                        iterations=plan.objectives_iterations,
-                                        budget_s=max(30.0, min(plan.objectives_budget_s, left())), log=log)
-
-        stages["rollout_update"] = _guarded("rollout_update", models, log) if "rollout_update" in chosen else skipped("rollout_update")
-        stages["memory"] = (_guarded("memory", lambda: memory_stage(stages["rollout_update"], plan, dev), log)
-                            if "memory" in chosen else skipped("memory"))
-        stages["objectives"] = _guarded("objectives", objectives, log) if "objectives" in chosen else skipped("objectives")
     result = {"device": info, "plan": {k: (str(v).split(".")[-1] if isinstance(v, torch.dtype) else v)
                                        for k, v in plan.__dict__.items()},
-              "flow_grpo": flow_grpo, "stages": {name: st.as_dict() for name, st in stages.items()},
-              "total_s": time.perf_counter() - began}
-    result["summary"] = summary(result)
-    write_json(out / "gpu.json", result)
+              "flow_grpo": flow_grpo, "stages": {}, "complete": False}
+    runners = _stage_runners(plan, dev, info, flow_grpo, tests, out, result["stages"], log)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in STAGES:
+            elapsed = time.perf_counter() - began
+            later = sum(plan.min_s[n] for n in STAGES[STAGES.index(name) + 1:] if n in chosen)
+            planned = sum(plan.shares_s[n] for n in STAGES[:STAGES.index(name) + 1] if n in chosen)
+            budget = min(planned - elapsed, plan.total_budget_s - elapsed - later)
+            if name not in chosen:
+                stage = Stage(name, "skipped", 0.0, "left out (--stages / --no-ops)")
+            elif plan.total_budget_s - elapsed < plan.min_s[name]:
+                stage = Stage(name, "skipped", 0.0, f"time budget: {elapsed:.0f} s of {plan.total_budget_s:.0f} s "
+                                                    f"spent, under the stage's {plan.min_s[name]:.0f} s left")
+                log(f"stage {name}: skipped ({stage.error})")
+            else:
+                stage = _guarded(name, lambda: runners[name](max(plan.min_s[name], budget)), log)
+            result["stages"][name] = stage.as_dict()
+            _write_progress(out, result, began, name)
+    result["complete"] = True
+    _write_progress(out, result, began, None)
     write_json(json_path, result)
-    write_csv(out / "gpu.csv", flat_rows(result), ("stage", "name", "value"))
     if not quiet:
         print_tables(result)
     return result
 
 
-def summary(result: dict) -> dict:
-    """The headline figures (None where a stage did not produce them)."""
-    st = result["stages"]
-    ops, mod, mem = st["ops"], st["rollout_update"], st["memory"]
-    bw = ops.get("bandwidth", {})
-    fused = [r for r in bw.get("rows", []) if r["impl"] == "fused"]
-    tests = ops.get("tests", {})
-    rows = {r["side"]: r for r in mod.get("rows", [])}
-    obj = st.get("objectives", {})
-    return {"stages_failed": [n for n, s in st.items() if s["status"] == "failed"],
-            "stages_skipped": [n for n, s in st.items() if s["status"] == "skipped"],
-            "objectives_trained": [r["preset"] for r in obj.get("rows", []) if r.get("trained")],
-            "objectives_not_trained": [r["preset"] for r in obj.get("rows", []) if not r.get("trained")],
-            "op_tests_passed": tests.get("passed"), "op_tests_failed": tests.get("failed"),
-            "op_cuda_kernels": ops.get("build", {}).get("cuda_kernels"),
-            "fused_gbps_largest_d": fused[-1]["gbps"] if fused else None,
-            "fused_pct_of_peak_largest_d": fused[-1].get("pct_of_peak") if fused else None,
-            "rollout_ratio": mod.get("rollout_ratio"), "update_ratio": mod.get("update_ratio"),
-            "iteration_ratio": mod.get("iteration_ratio"),
-            "flowgrpo_iteration_s": rows.get("flowgrpo", {}).get("iteration_s"),
-            "max_latent_diff": mod.get("max_latent_diff"), "max_logprob_diff": mod.get("max_logprob_diff"),
-            "flowgrpo_peak_gib": mem.get("measured_peak_gib"),
-            "estimate_state_gib": (mem.get("estimate_gib") or {}).get("total")}
+def _write_progress(out: Path, result: dict, began: float, finished: str | None) -> None:
+    """Rewrite gpu.json and gpu.csv with what has finished, append the finished stage to gpu_stages.jsonl."""
+    import json
+
+    result["total_s"] = time.perf_counter() - began
+    result["summary"] = summary(result)
+    write_json(out / "gpu.json", result)
+    write_csv(out / "gpu.csv", flat_rows(result), ("stage", "name", "value"))
+    if finished is not None:
+        with (out / "gpu_stages.jsonl").open("a") as f:
+            f.write(json.dumps({"stage": finished, **result["stages"][finished]}, default=str) + "\n")
 
 
-def flat_rows(result: dict) -> list[dict]:
-    """Every number and string of the stages as (stage, dotted name, value) rows for the CSV."""
-    rows = []
+def _stage_runners(plan: GpuPlan, dev: torch.device, info: dict, flow_grpo: str | None, tests, out: Path, done: dict,
+                   log) -> dict:
+    """Each stage as ``fn(budget_s) -> dict`` (``done``: the finished stages' dicts, read by later ones)."""
+    from .bench_reference import _quiet_libraries
+    from .gpu_setup import SIZES
 
-    def walk(stage: str, prefix: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(stage, f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(value, list) and value and isinstance(value[0], dict):
-            for i, v in enumerate(value):
-                key = (v["side"] if "side" in v else f"{v['impl']}@{v['D']}" if "impl" in v
-                       else v["preset"] if "preset" in v else str(i))
-                walk(stage, f"{prefix}[{key}]", v)
-        elif prefix != "traceback" and not prefix.endswith("output_tail"):
-            rows.append({"stage": stage, "name": prefix, "value": value})
+    size = SIZES[plan.size]
+    peak = info.get("peak_bf16_tflops")
 
-    walk("device", "", result["device"])
-    for name, st in result["stages"].items():
-        walk(name, "", st)
-    walk("summary", "", result["summary"])
-    return rows
+    def models(budget: float) -> dict:
+        from .gpu_models import run_models_stage
+        from .reference_flow_grpo import load_reference
 
+        _quiet_libraries()
+        code = load_reference(flow_grpo) if flow_grpo else None
+        res = run_models_stage(dev, plan.dtype, size, code, num_steps=plan.num_steps, prompts=plan.prompts,
+                               group=plan.group, repeats=plan.repeats, warmup=plan.warmup, budget_s=budget, log=log)
+        from .gpu_flops import point_flops
+        from flowgrpo.realsize.configs import build_transformer
+        from .gpu_setup import TINY_TRANSFORMER
 
-def print_tables(result: dict) -> None:
-    dev, st = result["device"], result["stages"]
-    title = f"bench gpu on {dev.get('name')} (torch {dev['torch']}, CUDA {dev['torch_cuda']}, driver {dev['driver']})"
-    print_table(("stage", "status", "seconds", "error"),
-                [[n, s["status"], f"{s['seconds']:.1f}", (s["error"] or "")[:90]] for n, s in st.items()],
-                title=title, caption=f"total {result['total_s']:.1f} s")
-    bw = st["ops"].get("bandwidth")
-    if bw:
-        tests = st["ops"].get("tests", {})
-        print_table(("impl", "D", "ms", "GB/s", "% peak", "% copy"),
-                    [[r["impl"], str(r["D"]), f"{1e3 * r['seconds']:.3f}", f"{r['gbps']:.1f}",
-                      _f(r["pct_of_peak"], "{:.0f}%"), f"{r['pct_of_copy']:.0f}%"] for r in bw["rows"]],
-                    title=f"(a) GRPO loss fwd+bwd, N={bw['N']}: peak {_f(bw['peak_gbps'], '{:.0f}')} GB/s, "
-                          f"copy {bw['copy_gbps']:.1f} GB/s",
-                    caption=f"op tests: {tests.get('passed')} passed, {tests.get('failed')} failed, "
-                            f"{tests.get('skipped')} skipped; CUDA kernels: {st['ops'].get('build', {}).get('cuda_kernels')}")
-    mod = st["rollout_update"]
-    if mod.get("rows"):
-        print_table(("side", "rollout s", "update s", "iteration s", "x rollout", "x update", "x iteration", "peak GiB"),
-                    [[r["side"], f"{r['rollout_s']:.3f}", f"{r['update_s']:.3f}", f"{r['iteration_s']:.3f}",
-                      f"{r['rollout_ratio']:.2f}", f"{r['update_ratio']:.2f}", f"{r['iteration_ratio']:.2f}",
-                      _f(r.get("peak_gib"), "{:.2f}")] for r in mod["rows"]],
-                    title=f"(b) {mod['settings']['model']} {mod['settings']['dtype']}, {mod['settings']['resolution']} px, "
-                          f"T={mod['settings']['num_steps']}, {mod['settings']['prompts']}x{mod['settings']['group']} images",
-                    caption=f"median of {mod['rounds_timed']} interleaved rounds; ratio = reference / side; "
-                            f"max |latent diff| {_f(mod.get('max_latent_diff'), '{:.1e}')}, "
-                            f"max |log-prob diff| {_f(mod.get('max_logprob_diff'), '{:.1e}')}")
-    mem = st["memory"]
-    if mem.get("estimate_gib"):
-        print_table(("figure", "GiB"),
-                    [["flowgrpo peak, alone (measured)", _f(mem.get("measured_peak_gib"), "{:.2f}")],
-                     *[[f"estimate: {k}", f"{v:.2f}"] for k, v in mem["estimate_gib"].items()],
-                     ["estimate: activations (one forward, no checkpointing)", f"{mem['estimate_activations_gib']:.2f}"],
-                     ["estimate: total with activations", f"{mem['estimate_with_activations_gib']:.2f}"]],
-                    title="(c) peak memory against the computed per-GPU training state (sd35-medium, 1 GPU)",
-                    caption=mem.get("measured") if isinstance(mem.get("measured"), str) else
-                    f"peak / state estimate {_f(mem.get('peak_over_estimate'), '{:.2f}')}, peak / estimate with "
-                    f"activations {_f(mem.get('peak_over_estimate_with_activations'), '{:.2f}')}")
-    from .gpu_objectives import print_objectives_table
+        meta = build_transformer("sd35-medium", **(dict(TINY_TRANSFORMER, pooled_projection_dim=sum(size.clip_widths),
+                                                        joint_attention_dim=size.t5_width) if plan.size == "tiny" else {}))
+        for row in res["rows"]:
+            row["flops"] = point_flops(type(meta).__name__, dict(meta.config), resolution=size.resolution, frames=1,
+                                       text_tokens=size.clip_max_length + size.max_sequence_length,
+                                       samples=plan.prompts * plan.group, num_steps=plan.num_steps, cfg=True, kl=True,
+                                       seconds=row, peak_tflops=peak)
+        return res
 
-    print_objectives_table(st.get("objectives", {}))
+    def levers(budget: float) -> dict:
+        from .bench_reference import REFERENCE
+        from .gpu_levers import run_levers_stage
+
+        _quiet_libraries()
+        ref = next((r for r in done.get("rollout_update", {}).get("rows", []) if r["side"] == REFERENCE), None)
+        return run_levers_stage(dev, plan.dtype, size, levers=plan.levers, num_steps=plan.num_steps,
+                                prompts=plan.prompts, group=plan.group, warmup=plan.lever_warmup, repeats=plan.lever_repeats,
+                                budget_s=budget, reference_row=ref, peak_tflops=peak, log=log)
+
+    def sized(stage: str):
+        def run(budget: float) -> dict:
+            from .gpu_sizes import run_size_stage
+
+            _quiet_libraries()
+            return run_size_stage(stage, dev, plan.dtype, tiny=plan.size == "tiny", flow_grpo=flow_grpo,
+                                  budget_s=budget, peak_tflops=peak, log=log)
+        return run
+
+    def objectives(budget: float) -> dict:
+        from .gpu_objectives import run_objectives_stage
+
+        _quiet_libraries()
+        return run_objectives_stage(dev, plan.dtype, size, num_steps=plan.num_steps, prompts=plan.prompts,
+                                    group=plan.group, iterations=plan.objectives_iterations, budget_s=budget, log=log)
+
+    def ops(budget: float) -> dict:
+        from .gpu_ops import run_ops_stage
+
+        return run_ops_stage(dev, out, tests_dir=tests, select=plan.test_select, peak_gbps=info["peak_gbps"],
+                             test_timeout=max(plan.min_test_timeout_s, min(plan.test_timeout_s, budget - 30.0)),
+                             repeats=plan.op_repeats, dims=plan.op_dims, n=plan.op_rows, impls=plan.op_impls, log=log,
+                             compile_within_s=max(30.0, budget - 80.0))  # compile only when the budget allows
+
+    def memory(budget: float) -> dict:
+        models_stage = done.get("rollout_update") or {"status": "skipped"}
+        return memory_stage(Stage("rollout_update", models_stage["status"], data=models_stage), plan, dev)
+
+    return {"rollout_update": models, "levers": levers, "flux": sized("flux"), "wan": sized("wan"),
+            "memory": memory, "objectives": objectives, "ops": ops}
 
 
 def main(argv=None) -> int:
@@ -374,6 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--tests", default="tests", help="folder holding test_ops.py (default: ./tests)")
     ap.add_argument("--no-ops", action="store_true", help="leave stage (a), the op build and tests, out")
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds for the whole call; stages that no longer fit are skipped (default: the plan's)")
     ap.add_argument("--stages", default=",".join(STAGES),
                     help=f"comma-separated stages to run, of {', '.join(STAGES)} (default: all)")
     a = ap.parse_args(argv)
@@ -382,7 +377,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         ap.error(f"--stages: {exc}")
     run_bench_gpu(a.json, out_dir=a.out, device=a.device, tiny=a.tiny, flow_grpo=a.flow_grpo, repeats=a.repeats,
-                  tests=a.tests, ops=not a.no_ops, stages=chosen)
+                  tests=a.tests, ops=not a.no_ops, stages=chosen, time_budget=a.time_budget)
     return 0
 
 

@@ -207,6 +207,10 @@ def device_info(device: torch.device) -> dict:
     else:
         info["name"] = platform.processor() or platform.machine()
     info["peak_gbps"], info["peak_gbps_source"] = peak_bandwidth_gbps(device)
+    from .gpu_flops import peak_bf16_tflops
+
+    info["peak_bf16_tflops"], info["peak_bf16_tflops_source"] = (
+        peak_bf16_tflops(info["name"]) if device.type == "cuda" else (None, "no dense bf16 peak for the CPU: no MFU"))
     info["driver"] = nvidia_smi_driver()
     return info
 

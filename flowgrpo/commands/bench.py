@@ -36,7 +36,8 @@ BENCHMARKS: dict[str, BenchEntry] = {
     "overlap": BenchEntry("bench_overlap", "run_bench_overlap"),
     "schedulers": BenchEntry("bench_schedulers", "run_bench_schedulers"),
     "reference": BenchEntry("bench_reference", "run_bench_reference", options=("repeats",)),
-    "gpu": BenchEntry("bench_gpu", "run_bench_gpu", options=("repeats", "device", "tiny", "flow_grpo", "stages")),
+    "gpu": BenchEntry("bench_gpu", "run_bench_gpu", options=("repeats", "device", "tiny", "flow_grpo", "stages",
+                                                                   "time_budget")),
     "memory": BenchEntry("bench_memory", "run_bench_memory", options=(
         "recipe", "all_recipes", "gpus", "markdown", "resolution", "frames", "micro_batch")),
 }
@@ -52,13 +53,17 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=0,
                    help="timed repetitions (ops, reference, gpu; 0 = the benchmark's default)")
     b.add_argument("--flow-grpo", default=None, metavar="PATH",
-                   help="reference, gpu: a checkout of github.com/yifan123/flow_grpo whose SD3 functions are timed")
+                   help="reference, gpu: a checkout of github.com/yifan123/flow_grpo whose SD3 (gpu: and FLUX) "
+                        "functions are timed")
     b.add_argument("--minutes", type=float, default=0.0,
                    help="training budget per preset in minutes (e2e; 0 = the benchmark's default)")
     b.add_argument("--device", default=None, choices=("cuda", "cpu"), help="gpu: where to run (default: CUDA if any)")
     b.add_argument("--tiny", action="store_true", help="gpu: a tiny SD3 and small op sizes (the test suite's CPU form)")
     b.add_argument("--stages", default=None, metavar="LIST",
-                   help="gpu: comma-separated stages to run, of ops, rollout_update, memory, objectives (default: all)")
+                   help="gpu: comma-separated stages to run, of rollout_update, levers, flux, wan, memory, objectives, "
+                        "ops (default: all)")
+    b.add_argument("--time-budget", type=float, default=0.0, metavar="S",
+                   help="gpu: seconds for the whole call; stages that no longer fit are skipped (default 470)")
     # memory: real-size recipes without weights (flowgrpo.realsize); none of these = the measured runs
     b.add_argument("--recipe", default=None, help="memory: size this recipe's real model on the meta device")
     b.add_argument("--all", dest="all_recipes", action="store_true", help="memory: every recipe")
