@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from ..fields import help_field as _f
 from ..seeds import FORWARD_ROWS, derive_seed
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
-from .forward_rows import SampleRows, build_sample_rows, per_row_mean, rollout_times
+from .forward_rows import SampleRows, build_sample_rows, first_pass_velocities, per_row_mean, rollout_times
 from .nft import nft_optimality
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.base import term_field
@@ -198,16 +198,9 @@ class CRDObjective(Objective):
     def begin_minibatch(self, ctx: UpdateContext, rows: SampleRows, passes: int) -> int:
         """The first pass: every row's implicit reward and old error without gradients, then the
         centres of every (group, time) set over all ranks."""
-        o, policy, dp = self.opt, ctx.policy, ctx.dp
+        o, dp = self.opt, ctx.dp
         r_parts, e_parts, calls = [], [], 0
-        for part in torch.split(torch.arange(len(rows)), self.micro) if rows is not None and len(rows) else ():
-            m = rows.select(part)
-            cond = ctx.collected.cond.index(m.prompt)
-            x_in = m.noised(ctx.dtype).to(ctx.device)
-            u = m.target().to(ctx.device)
-            with ctx.autocast():
-                v_o = self._implicit_reference(policy, x_in, m.t, cond).float()
-                v = policy.velocity(x_in, m.t, cond, o.train_guidance).float()
+        for u, v_o, v in first_pass_velocities(ctx, rows, self.micro, self._implicit_reference, o.train_guidance):
             e_old = weighted_error(v_o.double(), u.double(), o.adaptive_weights)
             r_parts.append((e_old - weighted_error(v.double(), u.double(), o.adaptive_weights)).cpu())
             e_parts.append(e_old.cpu())

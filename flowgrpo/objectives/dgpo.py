@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
-from .forward_rows import SampleRows, build_sample_rows, per_row_mean
+from .forward_rows import SampleRows, build_sample_rows, first_pass_velocities, per_row_mean
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.kl import VelocityKL
 from .terms.norm_guard import NormGuard
@@ -122,16 +122,9 @@ class DGPOObjective(Objective):
     def begin_minibatch(self, ctx: UpdateContext, rows: SampleRows, passes: int) -> int:
         """The first pass: every row's d without gradients, the (group, slot) margins over all ranks,
         and each row's coefficient."""
-        o, policy, dp = self.opt, ctx.policy, ctx.dp
+        o, dp = self.opt, ctx.dp
         d_rows, calls = [], 0
-        for part in torch.split(torch.arange(len(rows)), self.micro) if rows is not None and len(rows) else ():
-            m = rows.select(part)
-            cond = ctx.collected.cond.index(m.prompt)
-            x_in = m.noised(ctx.dtype).to(ctx.device)
-            u = m.target().to(ctx.device)
-            with ctx.autocast():
-                v_ref = self._v_dpo_ref(policy, x_in, m.t, cond).float()
-                v = policy.velocity(x_in, m.t, cond, o.train_guidance).float()
+        for u, v_ref, v in first_pass_velocities(ctx, rows, self.micro, self._v_dpo_ref, o.train_guidance):
             d_rows.append((per_row_mean((v - u) ** 2) - per_row_mean((v_ref - u) ** 2)).double().cpu())
             calls += 1
         if ctx.lockstep:  # a sharded denoiser needs every rank in every forward

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -173,6 +173,25 @@ def uniform_times(lo: float = 1e-3, hi: float = 1 - 1e-3) -> TimeSampler:
         return lo + (hi - lo) * torch.rand(k, generator=gen)
 
     return draw
+
+
+def first_pass_velocities(ctx, rows: SampleRows | None, micro: int, reference: Callable,
+                          guidance: float) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """The pass without gradients of a two-pass objective (dgpo's margins, crd's centres): for each
+    micro-batch of at most ``micro`` rows, in row order, (target u [m, ...], the reference's velocity
+    [m, ...], the trained velocity at ``guidance`` [m, ...]), float32 on the model's device.
+    ``reference(policy, x, t, cond)`` is the objective's reference velocity; ``ctx`` the update's
+    :class:`~flowgrpo.objectives.base.UpdateContext`."""
+    if rows is None:
+        return
+    for part in torch.split(torch.arange(len(rows)), micro):
+        m = rows.select(part)
+        cond = ctx.collected.cond.index(m.prompt)
+        x_in = m.noised(ctx.dtype).to(ctx.device)
+        with torch.no_grad(), ctx.autocast():
+            v_ref = reference(ctx.policy, x_in, m.t, cond).float()
+            v = ctx.policy.velocity(x_in, m.t, cond, guidance).float()
+        yield m.target().to(ctx.device), v_ref, v
 
 
 def per_row_mean(x: Tensor) -> Tensor:
