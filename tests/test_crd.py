@@ -175,3 +175,29 @@ def test_crd_preset_trains_the_shapes_world_from_the_cli(shapes_model_dir, tmp_p
         assert r["crd_rollout_decay"] == 0.0  # a copy of the trained weights for the first 75 steps
     # the old policy's decay grows 0.005 per optimizer step from 0.25
     assert 0.25 < rows[0]["crd_old_decay"] < rows[1]["crd_old_decay"] < 0.3
+
+
+def test_crd_with_norm_guard_trains_a_bf16_sd3_lora(tmp_path):
+    """The precision real checkpoints run in: a tiny SD3 in bfloat16 with LoRA, CRD's two passes, the
+    KL's guided base pass and the NormGuard hinge (on top, to run it in bf16 as well)."""
+    from flowgrpo.config import load_config
+    from flowgrpo.trainer.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\na red circle on a white table\n")
+    cfg = load_config("crd", None, ["model.name=sd3-tiny", "model.resolution=64", "model.max_sequence_length=16",
+                                    "model.dtype=bfloat16", "model.train_mode=lora", "model.lora_rank=4",
+                                    f"data.prompts={prompts}", "data.prompts_per_iteration=2", "data.trees_per_prompt=2",
+                                    "sampler.num_steps=3", "train.iterations=2", "train.threads=1", "train.lr=1e-3",
+                                    "log.progress=false", "eval.evaluator=none", "loss.crd.timesteps=2",
+                                    "loss.crd.norm_guard_beta=0.1", "reward.weights={jpeg_compressibility: 1.0}"],
+                      recipe="shapes")
+    trainer = Trainer(cfg)
+    assert trainer.policy.dtype == torch.bfloat16
+    before = trainer.policy.trainable_state_dict()
+    for _ in range(2):
+        m = trainer.iteration_step().metrics
+        assert all(math.isfinite(m[k]) for k in ("loss", "kl", "crd_match", "norm_ratio")) and m["grad_norm"] > 0
+        assert m["norm_ratio"] > 0
+    after = trainer.policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
