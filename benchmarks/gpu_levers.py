@@ -152,7 +152,8 @@ def _run_points(device, dtype, size, s, levers, base, prompts, group, warmup, re
         computed = ("tiny model: the computed figures are for the published sizes (run without --tiny)"
                     if size.name != "sd35-medium" else
                     computed_memory("sd35-medium", resolution=size.resolution, frames=None,
-                                    micro_batch=prompts * group, rank=32, checkpointing=checkpointing))
+                                    micro_batch=prompts * group, rank=32, checkpointing=checkpointing,
+                                    precompute_prompts="model.precompute_prompts=true" in lever.overrides))
         annotate(row, flops=dict(cls=row.pop("class"), config=row.pop("config"), resolution=size.resolution,
                                  frames=1, text_tokens=size.clip_max_length + size.max_sequence_length,
                                  samples=prompts * group, num_steps=s.num_steps, cfg=True, kl=s.beta > 0,

@@ -92,28 +92,40 @@ def ratios(row: dict, base: dict | None) -> dict | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _memory_row(recipe: str, resolution: int, frames: int | None, micro_batch: int, rank: int) -> dict:
+def _memory_row(recipe: str, resolution: int, frames: int | None, micro_batch: int, rank: int,
+                precompute_prompts: bool) -> dict:
     from flowgrpo.realsize.table import memory_row
 
-    return memory_row(recipe, gpus=1, resolution=resolution, frames=frames, micro_batch=micro_batch, rank=rank)
+    switches = {"precompute_prompts": True} if precompute_prompts else {}
+    return memory_row(recipe, gpus=1, resolution=resolution, frames=frames, micro_batch=micro_batch, rank=rank,
+                      **switches)
 
 
 def computed_memory(recipe: str, *, resolution: int, frames: int | None, micro_batch: int, rank: int,
-                    checkpointing: bool) -> dict:
-    """The per-GPU GiB flowgrpo's memory model computes for one GPU training ``recipe`` as the bench
-    runs it: LoRA ``rank``, ``micro_batch`` samples in the training forward (the bench keeps the
-    unconditional half out of it: ``loss.cfg_uncond_grad=false``), no EMA, activations with or
-    without ``checkpointing``. Returns ``computed_gib`` and its parts (state, activations) and the
-    geometry it was computed for."""
+                    checkpointing: bool, precompute_prompts: bool = False) -> dict:
+    """The per-GPU GiB flowgrpo's memory model (:func:`flowgrpo.realsize.table.memory_row`) computes for
+    one GPU training ``recipe`` as the bench runs it: LoRA ``rank``, ``micro_batch`` samples in the
+    training forward (the bench keeps the unconditional half out of it: ``loss.cfg_uncond_grad=false``),
+    no EMA, activations with or without ``checkpointing``.
+
+    ``computed_gib``: the transformer's training state and one training forward's activations, the
+    figure the bench's measurement compares with (its text encoders and VAE are small);
+    ``computed_whole_run_gib``: the model's whole-run budget of the 1-GPU layout at its peak phase,
+    every module the recipe loads at its real size (``precompute_prompts`` as the point runs), for
+    reference. Returns those, the parts and the geometry."""
     from flowgrpo.realsize.table import recipe_geometry
 
     cfg_doubles = recipe_geometry(recipe)[1]["cfg"]  # memory_row doubles the micro-batch then
-    row = _memory_row(recipe, resolution, frames, max(1, micro_batch // 2) if cfg_doubles else micro_batch, rank)
+    row = _memory_row(recipe, resolution, frames, max(1, micro_batch // 2) if cfg_doubles else micro_batch, rank,
+                      precompute_prompts)
     per = row["per_gpu"]["1 GPU"]
     state = per["total"] - per["activations"] - per.get("ema", 0)
     act = row["activations"]["checkpointing" if checkpointing else "no_checkpointing"]
+    whole = (row.get("budget") or {}).get("1 GPU") or {}
     return {"computed_gib": (state + act) / GIB, "computed_state_gib": state / GIB,
             "computed_activations_gib": act / GIB, "computed_geometry": row["geometry"],
+            "computed_whole_run_gib": whole["total"] / GIB if "total" in whole else None,
+            "computed_whole_run_peak_phase": whole.get("peak_phase"),
             "computed_by": "flowgrpo.realsize.table.memory_row"}
 
 

@@ -238,6 +238,7 @@ def test_time_budget_skips_what_no_longer_fits_and_a_cut_call_keeps_what_finishe
     def killed(*a, **k):  # the device's time runs out during the objectives stage
         raise KeyboardInterrupt
 
+    monkeypatch.setattr(bench_gpu, "memory_stage", lambda *a, **k: {"measured_peak_gib": None})  # seconds, not a minute
     monkeypatch.setattr(gpu_objectives, "run_objectives_stage", killed)
     with pytest.raises(KeyboardInterrupt):
         bench_gpu.run_bench_gpu(None, out_dir=tmp_path, device="cpu", tiny=True, quiet=True,
