@@ -40,7 +40,7 @@ def test_the_term_equals_the_hinge_and_its_gradient_in_float64(margin):
     (want_grad,) = torch.autograd.grad(want.sum(), v)
     active = int((want > 0).sum())
     assert 3 <= active <= 13  # both sides of the hinge are exercised
-    assert float((got - want.detach()).abs().max()) <= 1e-12 * float(want.detach().abs().max())
+    assert float((got.detach() - want.detach()).abs().max()) <= 1e-12 * float(want.detach().abs().max())
     assert float((got_grad - want_grad).norm() / want_grad.norm()) < 1e-12
     # rows at or under the reference's norm (plus the margin) have no loss and no gradient
     quiet = ratio <= 1 + margin
