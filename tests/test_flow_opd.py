@@ -153,7 +153,7 @@ def _ctx(world, policy, iteration=0):
                                 cond=SimpleNamespace(index=lambda rows: world.cond[rows]))
     return SimpleNamespace(collected=collected, credit=SimpleNamespace(steps=list(range(T))), policy=policy,
                            device=torch.device("cpu"), dtype=torch.float64, autocast=contextlib.nullcontext,
-                           rng=np.random.default_rng(0))
+                           rng=np.random.default_rng(0), lockstep=False)
 
 
 def _loss_and_grad(obj, policy, ctx):
@@ -220,6 +220,8 @@ def test_routing_picks_each_prompts_teacher(monkeypatch, tmp_path):
         want = LinearPolicy.apply(x[i:i + 1], rows.sigma[i:i + 1], world.cond[rows.prompt[i:i + 1]], *world.teachers[teacher])
         assert torch.allclose(v[i].double(), want[0], atol=1e-6)
     assert torch.equal(policy.W.detach(), world.student[0])  # the live weights are back
+    ctx.lockstep = True  # sharded engines: every teacher on every row, the same velocities kept
+    assert torch.equal(obj._teacher_velocities(ctx, rows, x, rows.prompt), v)
 
 
 def test_a_prompt_without_a_teacher_and_no_teachers_are_refused(monkeypatch, tmp_path):

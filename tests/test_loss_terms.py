@@ -142,7 +142,7 @@ def test_a_users_key_the_objective_ignores_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config("awm", str(path))  # AWM draws its own training times: the credit stage's subset does nothing
     assert str(err.value) == ("config key 'train.timestep_fraction' = 0.5 has no effect with loss.objective=awm "
-                              "(read by: grpo, flow_dppo); leave it at its default 1.0")
+                              "(read by: grpo, flow_dppo, flow_opd); leave it at its default 1.0")
     with pytest.raises(ConfigError, match=r"'train\.timestep_order' = 'random' .* loss\.objective=nft"):
         load_config(overrides=["train.timestep_order=random"])
     # what the objective reads is accepted, and so is a key left at its default

@@ -57,7 +57,7 @@ from ..fields import help_field as _f
 from ..ops.kl import mean_kl
 from ..ops.reference import grpo_loss_ref
 from ..samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
-from .base import MicroLoss, Objective, UpdateContext
+from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .teachers import TeacherSet, loaded
 
 OPTION = "loss.flow_opd"
@@ -145,15 +145,28 @@ class FlowOPDObjective(Objective):
         return dataclasses.replace(batch, row=torch.arange(len(batch))) if len(batch) else None
 
     def _teacher_velocities(self, ctx, mb, x, cond_rows) -> Tensor:
-        """v_T [m, ...] float32 of each row's routed teacher at x (no gradient)."""
+        """v_T [m, ...] float32 of each row's routed teacher at x (no gradient). Lock-step engines
+        (sharded weights) run every teacher on every row, so that all ranks make the same calls."""
         who = self._teacher[mb.row]
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        for k in who.unique().tolist():
-            r = (who == k).nonzero(as_tuple=True)[0]
+        for k in range(len(self.teachers.paths)) if ctx.lockstep else who.unique().tolist():
+            r = torch.arange(len(who)) if ctx.lockstep else (who == k).nonzero(as_tuple=True)[0]
             with ctx.autocast():
-                out[r.to(x.device)] = self.teachers.velocity(ctx.policy, k, x[r.to(x.device)], mb.sigma[r],
-                                                             ctx.collected.cond.index(cond_rows[r])).float()
+                v = self.teachers.velocity(ctx.policy, k, x[r.to(x.device)], mb.sigma[r],
+                                           ctx.collected.cond.index(cond_rows[r])).float()
+            mine = (who[r] == k).to(x.device)
+            out[r.to(x.device)[mine]] = v[mine]
         return out
+
+    def idle_pass(self, ctx: UpdateContext) -> Tensor:
+        """A rank without rows makes the others' calls: every teacher, the anchor, the student."""
+        x, sigma, cond = idle_inputs(ctx)
+        with ctx.autocast():
+            for k in range(len(self.teachers.paths)):
+                self.teachers.velocity(ctx.policy, k, x, sigma, cond)
+            if self.opt.anchor_teacher and self.opt.anchor_beta > 0 and getattr(self, "_sft", None) is None:
+                self.teachers.velocity(ctx.policy, None, x, sigma, cond)
+        return super().idle_pass(ctx)
 
     def micro_loss(self, ctx: UpdateContext, mb) -> MicroLoss:
         opt, plan, policy = self.opt, ctx.collected.plan, ctx.policy
