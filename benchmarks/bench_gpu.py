@@ -15,8 +15,9 @@ Stages, in the order they run (the issue's figures first: a short budget cuts th
 * **flux** and **wan** (:mod:`flowgrpo.benchmarks.gpu_sizes`): FLUX.1-dev size (12 B, 512 px, LoRA)
   against Flow-GRPO's FLUX code on the same weights; Wan 2.1 1.3B size at 33 frames (flowgrpo).
 * **memory**: flowgrpo's peak of stage rollout_update against the per-GPU training state
-  :func:`flowgrpo.realsize.memory.training_state` computes for ``sd35-medium``. Every point of the
-  levers / size stages also carries its own measured peak over the computed figure (``peak_over_computed``).
+  :func:`flowgrpo.realsize.memory.training_state` computes for ``sd35-medium``; then every point of
+  the levers / size stages gets its computed figure and its measured peak over it
+  (``peak_over_computed``, :func:`flowgrpo.benchmarks.gpu_points.fill_computed`).
 * **objectives** (:mod:`flowgrpo.benchmarks.gpu_objectives`): each objective's preset trains a few
   iterations on the same model: whether it trained, seconds per iteration, peak memory.
 * **ops** (:mod:`flowgrpo.benchmarks.gpu_ops`): the fused GRPO loss op built with its CUDA kernels,
@@ -24,12 +25,16 @@ Stages, in the order they run (the issue's figures first: a short budget cuts th
 
 Time plan of the GPU form on one H100 / H200 (``--time-budget``, default 470 s, keeps the whole call
 under 8 minutes; planned from the model sizes, to be checked against the first device run):
-rollout_update about 90 s (builds, the replay, 1 warm-up + 2 timed rounds of both sides); levers
-about 140 s (each point: fresh build, 1 warm-up + 1 timed iteration; a compile's first iteration
-longer); flux about 100 s (12 B built twice, 1 + 1 iterations a side); wan about 60 s; memory a few
-seconds; objectives its budget (60 s: presets not started are listed); ops what is left (at least
-60 s, else skipped). A stage whose turn comes with less than its minimum left is recorded as skipped
-with the reason; a stage passes its share to the next when it finishes early.
+rollout_update about 80 s (builds, the replay, 1 warm-up + 2 timed rounds of both sides); levers
+about 125 s (each point: fresh build, 1 warm-up + 1 timed iteration; a compile's first iteration
+longer); flux about 85 s (12 B built twice, 1 + 1 iterations a side); wan about 50 s; memory about
+40 s (the computed figure of every levers / flux / wan point: a meta-device count per recipe and
+switch set, after the timed stages so that it never delays them); objectives 40 s (presets not
+started are listed); ops only with 120 s left (its CUDA build and 77 tests were measured on their
+own before: it is usually skipped here, with the reason; ``--stages ops`` runs it in a second call).
+A stage's budget is what the stages up to it were planned, less the time passed, never more than
+leaves the later stages their minimum; a stage whose turn comes with less than its minimum left is
+recorded as skipped with the reason. Builds and compilations are not cut.
 
 ``--stages`` picks stages (default all); a stage left out is recorded as skipped.
 
@@ -113,9 +118,9 @@ class GpuPlan:
     total_budget_s: float = 470.0
     min_test_timeout_s: float = 60.0
     shares_s: dict = field(default_factory=lambda: dict(
-        rollout_update=90.0, levers=140.0, flux=100.0, wan=60.0, memory=10.0, objectives=60.0, ops=240.0))
+        rollout_update=80.0, levers=125.0, flux=85.0, wan=50.0, memory=40.0, objectives=40.0, ops=120.0))
     min_s: dict = field(default_factory=lambda: dict(
-        rollout_update=30.0, levers=30.0, flux=40.0, wan=30.0, memory=5.0, objectives=30.0, ops=60.0))
+        rollout_update=30.0, levers=30.0, flux=40.0, wan=30.0, memory=5.0, objectives=30.0, ops=120.0))
 
 
 #: the GPU form (under 8 minutes on one H100 / H200) and the CPU form of the test suite
@@ -350,8 +355,13 @@ def _stage_runners(plan: GpuPlan, dev: torch.device, info: dict, flow_grpo: str 
                              compile_within_s=max(30.0, budget - 80.0))  # compile only when the budget allows
 
     def memory(budget: float) -> dict:
+        from .gpu_points import fill_computed
+
+        began = time.perf_counter()
         models_stage = done.get("rollout_update") or {"status": "skipped"}
-        return memory_stage(Stage("rollout_update", models_stage["status"], data=models_stage), plan, dev)
+        res = memory_stage(Stage("rollout_update", models_stage["status"], data=models_stage), plan, dev)
+        res["points"] = fill_computed(done, budget - (time.perf_counter() - began), log)
+        return res
 
     return {"rollout_update": models, "levers": levers, "flux": sized("flux"), "wan": sized("wan"),
             "memory": memory, "objectives": objectives, "ops": ops}

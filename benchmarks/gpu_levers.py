@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .bench_reference import settings_for
-from .gpu_points import annotate, computed_memory, flowgrpo_side, free_device, measure_side, ratios
+from .gpu_points import annotate, flowgrpo_side, free_device, measure_side, ratios
 from .gpu_setup import ModelSize, build_components
 
 #: the compile backend of the CPU form (no C++ toolchain needed, seconds instead of minutes), unless
@@ -151,9 +151,9 @@ def _run_points(device, dtype, size, s, levers, base, prompts, group, warmup, re
         checkpointing = any(o == "model.gradient_checkpointing=true" for o in lever.overrides)
         computed = ("tiny model: the computed figures are for the published sizes (run without --tiny)"
                     if size.name != "sd35-medium" else
-                    computed_memory("sd35-medium", resolution=size.resolution, frames=None,
-                                    micro_batch=prompts * group, rank=32, checkpointing=checkpointing,
-                                    precompute_prompts="model.precompute_prompts=true" in lever.overrides))
+                    dict(recipe="sd35-medium", resolution=size.resolution, frames=None, micro_batch=prompts * group,
+                         rank=32, checkpointing=checkpointing,
+                         precompute_prompts="model.precompute_prompts=true" in lever.overrides))
         annotate(row, flops=dict(cls=row.pop("class"), config=row.pop("config"), resolution=size.resolution,
                                  frames=1, text_tokens=size.clip_max_length + size.max_sequence_length,
                                  samples=prompts * group, num_steps=s.num_steps, cfg=True, kl=s.beta > 0,

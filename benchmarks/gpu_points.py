@@ -144,11 +144,40 @@ def compare_memory(row: dict, computed: dict | str) -> dict:
 
 def annotate(row: dict, *, flops: dict | None, computed: dict | str) -> dict:
     """``row`` (:func:`measure_side`'s) with (e) its FLOP figures (``flops``: the point's
-    :func:`~flowgrpo.benchmarks.gpu_flops.iteration_flops` arguments and the transformer, or None)
-    and (d) its measured peak against ``computed``."""
+    :func:`~flowgrpo.benchmarks.gpu_flops.point_flops` arguments, or None) and (d): ``computed`` is
+    either the reason there is no computed figure, or :func:`computed_memory`'s keyword arguments,
+    kept as ``computed_for`` for stage memory to fill in (:func:`fill_computed`; the meta-device
+    counting takes seconds to a minute per recipe, so it runs after the timed stages)."""
     from .gpu_flops import point_flops
 
     if flops is not None:
         row["flops"] = point_flops(seconds=row, **flops)
-    row.update(compare_memory(row, computed))
+    if isinstance(computed, str):
+        row.update(compare_memory(row, computed))
+    else:
+        row.update(computed_for=dict(computed), computed_gib=None, peak_over_computed=None,
+                   computed_note="to be computed by stage memory")
     return row
+
+
+def fill_computed(stages: dict, budget_s: float, log) -> list[dict]:
+    """(d) for every point of ``stages`` (the finished stages' dicts) that asked for it
+    (``computed_for``): the computed figure and the measured peak over it, written into the point's
+    row; points left once ``budget_s`` seconds have passed keep a note saying so. Returns one
+    summary row per point: stage, point, peak, computed, ratio."""
+    began = time.perf_counter()
+    out = []
+    for name in ("levers", "flux", "wan"):
+        for row in stages.get(name, {}).get("rows", []):
+            request = row.get("computed_for")
+            if not request:
+                continue
+            point = row.get("lever") or row.get("side")
+            if time.perf_counter() - began > budget_s:
+                row["computed_note"] = f"not computed: stage memory's {budget_s:.0f} s spent"
+            else:
+                log(f"memory: computing {request['recipe']} for {name} {point}")
+                row.update(compare_memory(row, computed_memory(**request)))
+            out.append({"stage": name, "point": point, "peak_gib": row.get("peak_gib"),
+                        "computed_gib": row.get("computed_gib"), "peak_over_computed": row.get("peak_over_computed")})
+    return out

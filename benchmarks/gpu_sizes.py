@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .bench_reference import PROMPTS, REFERENCE, compare_chains, settings_for
-from .gpu_points import annotate, computed_memory, flowgrpo_side, free_device, measure_side, ratios
+from .gpu_points import annotate, flowgrpo_side, free_device, measure_side, ratios
 from .gpu_setup import parameter_count, synchronize
 
 FLOWGRPO = "flowgrpo"
@@ -123,8 +123,8 @@ def run_size_stage(stage: str, device: torch.device, dtype: torch.dtype, *, tiny
     flops = dict(cls=result["model"]["class"], config=config, resolution=plan.resolution, frames=plan.frames, text_tokens=plan.text_tokens,
                  samples=samples, num_steps=plan.num_steps, cfg=plan.cfg, kl=s.beta > 0, peak_tflops=peak_tflops)
     computed = ("tiny model: the computed figures are for the published sizes (run without --tiny)" if tiny else
-                computed_memory(plan.recipe, resolution=plan.resolution, frames=plan.frames if plan.frames > 1 else None,
-                                micro_batch=samples, rank=32, checkpointing=False))
+                dict(recipe=plan.recipe, resolution=plan.resolution, frames=plan.frames if plan.frames > 1 else None,
+                     micro_batch=samples, rank=32, checkpointing=False))
     code = None
     if stage != "flux":
         result["reference"] = ("left out: Flow-GRPO's Wan code (wan_pipeline_with_logprob, scripts/train_wan2_1.py) "

@@ -248,6 +248,14 @@ def test_time_budget_skips_what_no_longer_fits_and_a_cut_call_keeps_what_finishe
     assert "objectives" not in kept["stages"]
     lines = [json.loads(x)["stage"] for x in (tmp_path / "gpu_stages.jsonl").read_text().splitlines()]
     assert lines == ["rollout_update", "levers", "flux", "wan", "memory"]
+    # (d) of a point is left with the reason when stage memory's budget is spent before it
+    from flowgrpo.benchmarks.gpu_points import fill_computed
+
+    request = dict(recipe="sd35-medium", resolution=512, frames=None, micro_batch=4, rank=32, checkpointing=False)
+    stages = {"levers": {"rows": [{"lever": "plain", "peak_gib": 9.0, "computed_for": request}]}}
+    assert fill_computed(stages, -1.0, print) == [{"stage": "levers", "point": "plain", "peak_gib": 9.0,
+                                                   "computed_gib": None, "peak_over_computed": None}]
+    assert "not computed" in stages["levers"]["rows"][0]["computed_note"]
 
 
 def test_dense_bf16_peaks_prefer_the_specific_name():
