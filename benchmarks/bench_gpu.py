@@ -325,7 +325,12 @@ def _stage_runners(plan: GpuPlan, dev: torch.device, info: dict, flow_grpo: str 
         from .gpu_levers import run_levers_stage
 
         _quiet_libraries()
-        ref = next((r for r in done.get("rollout_update", {}).get("rows", []) if r["side"] == REFERENCE), None)
+        mod = done.get("rollout_update", {})
+        ref = next((dict(r) for r in mod.get("rows", []) if r["side"] == REFERENCE), None)
+        resident = (mod.get("memory_gib") or {}).get("flowgrpo_alone_start")
+        if ref and ref.get("peak_gib") is not None and resident is not None:
+            # its peak was taken with flowgrpo's model resident too (the sides alternate): that part is taken off
+            ref["peak_gib"] -= resident
         return run_levers_stage(dev, plan.dtype, size, levers=plan.levers, num_steps=plan.num_steps,
                                 prompts=plan.prompts, group=plan.group, warmup=plan.lever_warmup, repeats=plan.lever_repeats,
                                 budget_s=budget, reference_row=ref, peak_tflops=peak, log=log)
