@@ -67,12 +67,12 @@ def one_and_split(request, wan_inputs, tmp_path_factory):
         inputs = (out / "tiny-a14b", wan_inputs[1])
     ov = _overrides(*inputs)
     one = subprocess.run([sys.executable, str(WORKER), str(out / "one"), *ov], env=cli_env(), capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
            "--num_processes", "2", str(WORKER), str(out / "two"), *ov, "dist.context_parallel=2"]
-    two = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
+    two = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     load = lambda p: torch.load(p, weights_only=False)  # noqa: E731
     return load(out / "one" / "process0.pt"), [load(out / "two" / f"process{i}.pt") for i in (0, 1)]
