@@ -253,5 +253,5 @@ def test_sft_cold_start_clones_the_teachers_in_turn(monkeypatch, tmp_path):
     x = rows.sample.double()
     v = policy.velocity(x, rows.sigma, world.cond[rows.prompt]).detach()
     vt = LinearPolicy.apply(x, rows.sigma, world.cond[rows.prompt], *world.teachers[0])
-    assert abs(float(micro.loss) - float(((v - vt) ** 2).mean())) < 1e-6
+    assert abs(float(micro.loss.detach()) - float(((v - vt) ** 2).mean())) < 1e-6
     assert obj.sft_teacher(1) == 1 and obj.sft_teacher(2) is None
