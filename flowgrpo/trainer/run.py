@@ -63,6 +63,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
     ``cfg`` describes); its callbacks see every iteration, evaluation and checkpoint (:mod:`flowgrpo.callbacks`).
     The run folder is locked while the run writes it (:mod:`.run_lock`): a second run on it is refused."""
     from ..policies.diffusers.common import show_library_progress
+    from ..realsize.forecast import print_memory_forecast
 
     show_library_progress(cfg.log.progress)  # diffusers' and transformers' own bars follow log.progress
     if trainer is None:
@@ -73,6 +74,7 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
         parts = run_parts(run, evaluator, eval_note)
         if run.main:
             events.run_start(trainer, run.run_dir, resume)
+            print_memory_forecast(trainer)  # the figure this run needs per GPU, checked against the free memory
         _fire(parts, "on_run_start", trainer, run.run_dir, resume)
         label = trainer.objective.name or cfg.loss.objective
         total, budget = cfg.train.iterations, cfg.train.max_minutes
