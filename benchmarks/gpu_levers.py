@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .bench_reference import settings_for
-from .gpu_points import annotate, flowgrpo_side, free_device, measure_side, ratios
+from .gpu_points import annotate, flowgrpo_side, forecast_memory, free_device, measure_side, over_forecast, ratios
 from .gpu_setup import ModelSize, build_components
 
 #: the compile backend of the CPU form (no C++ toolchain needed, seconds instead of minutes), unless
@@ -180,6 +180,8 @@ def _run_point(device, dtype, size, s, lever: Lever, base: list[str], prompts: i
         del components
         synchronize(device)
         info["build_s"] = time.perf_counter() - t0
+        info.update(forecast_memory(side.trainer, device))
         info.update(measure_side(side, device, prompts, group, warmup=warmup, repeats=repeats, budget_s=budget_s,
                                  log=log, label=f"levers {lever.name}"))
+    info.update(over_forecast(info))
     return info

@@ -129,6 +129,26 @@ def computed_memory(recipe: str, *, resolution: int, frames: int | None, micro_b
             "computed_by": "flowgrpo.realsize.table.memory_row"}
 
 
+def forecast_memory(trainer, device: torch.device) -> dict:
+    """(d) as ``flowgrpo train`` forecasts it for the run as loaded (:mod:`flowgrpo.realsize.forecast`:
+    the modules the policy holds, at their real sizes and dtypes, the run's switches and layout; on
+    CUDA the activations and the rollout / decode peaks counted on meta copies, off CUDA left out):
+    ``forecast_gib``, its peak phase and note."""
+    from flowgrpo.realsize.budget import per_gpu_budget
+    from flowgrpo.realsize.forecast import run_inputs, run_layout
+
+    inputs, note = run_inputs(trainer, working=device.type == "cuda")
+    budget = per_gpu_budget(inputs, run_layout(trainer))
+    return {"forecast_gib": budget["total"] / GIB, "forecast_peak_phase": budget["peak_phase"],
+            "forecast_note": note or None}
+
+
+def over_forecast(row: dict) -> dict:
+    """``peak_over_forecast``: the measured peak over :func:`forecast_memory`'s figure (None without a peak)."""
+    peak, forecast = row.get("peak_gib"), row.get("forecast_gib")
+    return {"peak_over_forecast": peak / forecast if peak is not None and forecast else None}
+
+
 def compare_memory(row: dict, computed: dict | str) -> dict:
     """(d): ``row``'s measured peak against ``computed`` (:func:`computed_memory`'s dict, or the
     reason there is none): ``peak_over_computed`` (None with ``computed_note`` where either is missing)."""

@@ -54,6 +54,7 @@ def point_headlines(st: dict) -> dict:
     out["best_iteration_mfu"] = max(mfus)[0] if mfus else None
     out["best_iteration_mfu_point"] = max(mfus)[1] if mfus else None
     out["peak_over_computed"] = {n: r.get("peak_over_computed") for n, r in points}
+    out["peak_over_forecast"] = {n: r.get("peak_over_forecast") for n, r in points if "forecast_gib" in r}
     return out
 
 

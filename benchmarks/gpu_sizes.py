@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .bench_reference import PROMPTS, REFERENCE, compare_chains, settings_for
-from .gpu_points import annotate, flowgrpo_side, free_device, measure_side, ratios
+from .gpu_points import annotate, flowgrpo_side, forecast_memory, free_device, measure_side, over_forecast, ratios
 from .gpu_setup import parameter_count, synchronize
 
 FLOWGRPO = "flowgrpo"
@@ -142,9 +142,12 @@ def run_size_stage(stage: str, device: torch.device, dtype: torch.dtype, *, tiny
     half = budget_s / (2 if code is not None else 1)
     with flowgrpo_side(components, plan.policy, s, plan.prompts, plan.group, overrides) as flow:
         del components
+        forecast = forecast_memory(flow.trainer, device)
         chains = flow.rollout(list(PROMPTS[:plan.prompts]), 0)[2] if code is not None else None
         row = measure_side(flow, device, plan.prompts, plan.group, warmup=plan.warmup, repeats=plan.repeats,
                            budget_s=half, log=log, label=f"{stage} flowgrpo")
+        row.update(forecast)
+        row.update(over_forecast(row))
     del flow
     free_device(device)
     rows = [{"side": FLOWGRPO, **row}]

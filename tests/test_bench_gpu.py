@@ -159,6 +159,8 @@ def test_levers_and_size_stages_on_the_cpu(tmp_path):
         assert r["vs_plain"]["iteration"] > 0 and r["vs_flow_grpo"] is None  # no rollout_update stage ran
         assert r["flops"]["forward_gflops_per_sample"] > 0 and r["flops"]["update_mfu"] is None
         assert r["peak_gib"] is None and r["peak_over_computed"] is None and "tiny" in r["computed_note"]
+        # flowgrpo train's own forecast of the run as loaded: weights and state off CUDA, said so
+        assert r["forecast_gib"] > 0 and "not counted off CUDA" in r["forecast_note"] and r["peak_over_forecast"] is None
     assert levers["plain"]["vs_plain"]["iteration"] == 1.0
     assert sorted(levers["all"]["overrides"]) == ["model.attention_backend=native", "model.gradient_checkpointing=true"]
     # the same work at every lever: the model FLOPs do not depend on the switches
@@ -175,6 +177,7 @@ def test_levers_and_size_stages_on_the_cpu(tmp_path):
         assert [r["side"] for r in flux["rows"]] == ["flowgrpo"] and "no Flow-GRPO checkout" in flux["reference"]
     for r in (*flux["rows"], *wan["rows"]):
         assert r["rollout_s"] > 0 and r["update_s"] > 0 and r["flops"]["rollout_tflops"] > 0
+    assert flux["rows"][-1]["forecast_gib"] > 0 and wan["rows"][0]["forecast_gib"] > 0
     # FLUX: no CFG; Wan: CFG doubles the rollout's forwards
     f_fl, f_wan = flux["rows"][-1]["flops"], wan["rows"][0]["flops"]
     assert f_fl["update_tflops"] / f_fl["rollout_tflops"] == pytest.approx(3.0)
