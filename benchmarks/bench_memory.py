@@ -22,8 +22,11 @@ Run ``flowgrpo bench memory [--out DIR] [--json PATH]``; prints a table, writes 
 
 ``flowgrpo bench memory --recipe NAME [--gpus N] [--json PATH]`` (or ``--all [--markdown FILE]``)
 sizes a real-size recipe without weights instead (:func:`run_recipe_memory`, :mod:`flowgrpo.realsize`):
-parameter and LoRA counts, per-GPU weights, LoRA training state and activations on 1 and N GPUs, with
-and without FSDP.
+parameter and LoRA counts, and every module the recipe's pipeline loads (transformer, text encoders,
+VAE, LoRA / AdamW / EMA / reference state) with the rollout's and the update's working memory, per
+phase, on 1 GPU, 8 GPUs DDP, 8 GPUs FSDP and FSDP + CPU offload (each row's ``budget``; ``fits_80`` /
+``fits_24``: the first layout that fits an 80 / 24 GB GPU). Each row's ``per_gpu`` keeps the
+transformer-only figures on 1 and N GPUs.
 """
 
 from __future__ import annotations

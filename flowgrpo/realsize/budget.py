@@ -19,7 +19,9 @@ text encoders         resident unless ``model.offload_text_encoders`` (then on t
                       training, then freed)
 trajectory            the rollout's stored latents (x and the step mean per step, float32) of this
                       GPU's samples, and its prompts' encodings
-encode                persistent + text encoders (+ trajectory-free: prompts are encoded first)
+encode                persistent + text encoders (no trajectory: prompts are encoded first; with
+                      ``model.precompute_prompts`` once, in the trainer's set-up, before AdamW's
+                      moments exist, but beside the transformer already on the device)
 rollout               persistent + resident encoders + trajectory + one no-grad forward of the
                       rollout micro-batch (CFG halves together)
 decode                persistent + resident encoders + trajectory + one VAE decode chunk
@@ -151,7 +153,9 @@ def per_gpu_budget(x: MemoryInputs, layout: Layout) -> dict:
     base = persistent + encoders + kinds["trajectory"]
     optimizer_temp = keep(trainable)
     phases = {
-        "encode": persistent + kinds["text_encoders"],
+        # precompute_prompts encodes once in the trainer's set-up: weights and EMA are on the device,
+        # AdamW's moments not yet (torch makes them at the first step)
+        "encode": persistent + kinds["text_encoders"] - (kinds["adamw"] if x.text_encoders == "precomputed" else 0),
         "rollout": base + kinds["rollout_peak"],
         "decode": base + kinds["vae_decode_peak"],
         "update": base + kinds["gradients"] + kinds["update_activations"],
