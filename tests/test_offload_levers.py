@@ -17,6 +17,7 @@ call), and the memory those switches save on a GPU is not measured here.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -32,8 +33,9 @@ from flowgrpo.policies.tiny.flux import tiny_flux_components
 from flowgrpo.policies.tiny.sd3 import tiny_sd3_components
 from flowgrpo.policies.tiny.wan import tiny_wan_components
 from flowgrpo.trainer.trainer import Trainer
-from conftest import fresh_tiny_policy
+from conftest import fresh_tiny_policy, tiny_overrides
 from test_engine_levers import PROMPTS, TIMING, perturb_lora, write_prompts
+from test_engine_levers import assert_same_iteration as same_iteration
 
 MODELS = {  # adapter, component builder, policy options (guidance on: the empty prompt is encoded too)
     "SD3": (SD3Policy, tiny_sd3_components, dict(resolution=64, max_sequence_length=16, guidance_scale=2.0)),
@@ -114,16 +116,10 @@ def max_differences(a, b) -> tuple[float, float]:
     return metric, max(float((w1[n] - w).abs().max()) for n, w in w0.items())
 
 
-def assert_same_iteration(a, b, what: str, rel: float = 1e-5, atol: float = 1e-6) -> None:
-    (m0, w0, _), (m1, w1, _) = a, b
-    assert m0["grad_norm"] > 0 and m0["kl"] > 0
-    for k, v in m0.items():
-        if isinstance(v, float) and math.isnan(v):
-            assert math.isnan(m1[k]), k
-        else:
-            assert m1[k] == pytest.approx(v, rel=rel, abs=atol), k
-    for n, w in w0.items():
-        torch.testing.assert_close(w1[n], w, rtol=0, atol=atol, msg=n)
+def assert_same_iteration(a, b, what: str) -> None:
+    """test_engine_levers' check (metrics and weights within 1e-5 relative, 1e-6 absolute), then the
+    largest differences printed."""
+    same_iteration(a, b, rel=1e-5, atol=1e-6)
     metric, weight = max_differences(a, b)
     print(f"{what}: max |metric difference| {metric:.3g}, max |weight difference| {weight:.3g}")
 
@@ -220,3 +216,39 @@ def test_reference_and_ema_on_the_cpu_match_a_full_fine_tune(tmp_path):
 def test_reference_device_cpu_refused_for_lora(tmp_path):
     with pytest.raises(ConfigError, match="model.reference_device=cpu applies to model.train_mode=full"):
         Trainer(sd3_config(tmp_path, "model.reference_device=cpu"))
+
+
+# two CLI runs, about 2 minutes on 2 busy cores (CI budget): `pytest -m slow` runs it; the trainer-API test
+# above checks the same on the tiny SD3 in the default run
+@pytest.mark.slow
+def test_flowgrpo_train_full_fine_tune_with_reference_and_ema_on_the_cpu(shapes_model_dir, tmp_path):
+    """Two iterations of `flowgrpo train` (Flow-GRPO with its KL on the shapes world, every transformer weight
+    trained): with the reference copy and the EMA on the CPU the metrics, raw weights and EMA equal the plain
+    run's."""
+    from conftest import run_cli
+    from flowgrpo.trainer.checkpoint import load_policy_weights
+
+    runs = {}
+    for name, extra in (("plain", []), ("on_cpu", ["model.reference_device=cpu", "train.ema_device=cpu"])):
+        ov = tiny_overrides(shapes_model_dir, **{"model.train_mode": "full", "loss.grpo.kl_beta": 0.5,
+                                                 "train.minibatches": 2, "train.adam_eps": "1e-2", "train.lr": "1e-4",
+                                                 "log.trackers": "[]", "eval.evaluator": "none",
+                                                 # the CLI knows the built-in rewards: compressibility gives spread
+                                                 "reward.weights": "{shapes: 1.0, jpeg_compressibility: 0.01}",
+                                                 "log.out_dir": str(tmp_path), "log.run_name": name})
+        done = run_cli(["train", "--preset", "flow-grpo", *ov, *extra], timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([{k: v for k, v in r.items() if not (k.endswith("_s") or "seconds" in k)} for r in rows],
+                      load_policy_weights(tmp_path / name, prefer_ema=False).weights,
+                      load_policy_weights(tmp_path / name, prefer_ema=True).weights)
+    (m0, w0, e0), (m1, w1, e1) = runs["plain"], runs["on_cpu"]
+    assert len(m0) == len(m1) == 2 and all(r["kl"] > 0 for r in m0[1:])
+    for a, b in zip(m0, m1):
+        assert set(a) == set(b)
+        for k, v in a.items():
+            assert b[k] == pytest.approx(v, rel=1e-6, abs=1e-7) if isinstance(v, float) else b[k] == v, k
+    worst = max(max(float((w1[n] - w).abs().max()) for n, w in w0.items()),
+                max(float((e1[n] - e).abs().max()) for n, e in e0.items()))
+    print(f"flowgrpo train, full fine-tune, reference + EMA on the CPU: max |weight or EMA difference| {worst:.3g}")
+    assert worst <= 1e-6 and any(not torch.equal(w, e0[n]) for n, w in w0.items())
