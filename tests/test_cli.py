@@ -149,7 +149,10 @@ def test_end_to_end_run_directory(cli_run_dir):
     assert s["accuracy_gain"] == pytest.approx(s["eval_after"]["accuracy"] - s["eval_before"]["accuracy"])
     # the curve starts at the base model and ends at the final evaluation, in training time order
     curve = s["eval_curve"]
+    # one seed a prompt: the seed standard error falls back to the spread of all four verdicts
+    assert s["eval_before"]["accuracy_se"] == pytest.approx(statistics.stdev(float(c) for c in before) / 2)
     assert curve[0] == {"iteration": 0, "train_seconds": 0.0, "accuracy": s["eval_before"]["accuracy"],
+                        "accuracy_se": s["eval_before"]["accuracy_se"],
                         "accuracy_unseen": s["eval_before"]["accuracy_unseen"], "fidelity": s["eval_before"]["fidelity"]}
     assert curve[-1]["accuracy"] == s["eval_after"]["accuracy"] and curve[-1]["iteration"] == RUN_ITERATIONS
     assert all(b["train_seconds"] >= a["train_seconds"] for a, b in zip(curve, curve[1:]))
