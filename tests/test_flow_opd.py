@@ -24,40 +24,9 @@ from flowgrpo.objectives import teachers as teachers_mod
 from flowgrpo.objectives.flow_opd import FlowOPDObjective, FlowOPDOptions
 from flowgrpo.samplers.forest import TransitionBatch
 from flowgrpo.samplers.plan import SamplingPlan, StepSpec
+from forward_harness import DIM, LinearPolicy  # v = (x W)(1 + t) + b + c(prompt) in float64, base (W0, b0)
 
-DIM, T, A_NOISE = 6, 4, 0.7
-
-
-class LinearPolicy:
-    """v = (x W)(1 + t) + b + c(prompt) in float64; the base model is a frozen (W0, b0)."""
-
-    latent_shape = (DIM,)
-
-    def __init__(self, w, b, w0, b0):
-        self.W, self.b = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
-        self.base = (w0.clone(), b0.clone())
-
-    def trainable_parameters(self):
-        return [self.W, self.b]
-
-    def trainable_state_dict(self):
-        return {"W": self.W.detach().clone(), "b": self.b.detach().clone()}
-
-    @torch.no_grad()
-    def load_trainable_state_dict(self, sd):
-        self.W.copy_(sd["W"])
-        self.b.copy_(sd["b"])
-
-    @staticmethod
-    def apply(x, t, cond, w, b):
-        return (x.double() @ w) * (1 + t.double().view(-1, 1)) + b + cond
-
-    def velocity(self, x, t, cond, guidance_scale=None):
-        return self.apply(x, t, cond, self.W, self.b)
-
-    @torch.no_grad()
-    def reference_velocity(self, x, t, cond, guidance_scale=None):
-        return self.apply(x, t, cond, *self.base)
+T, A_NOISE = 4, 0.7
 
 
 def _authors_mean_std(x, v, sigma, sigma_next, sigma_max):
