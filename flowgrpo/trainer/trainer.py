@@ -11,7 +11,7 @@ One outer iteration n (:meth:`Trainer.iteration_step`):
   3. **update** (:meth:`Trainer.update`): the objective (``loss.objective``, :mod:`flowgrpo.objectives`)
      turns both into rows and losses; the shared loop (:mod:`.update_loop`) runs epochs, minibatches,
      accumulation and the optimizer steps;
-  4. the EMA of the trainable weights is updated; metrics are returned (the run loop writes grids
+  4. the EMA of the trainable weights is updated (:mod:`.ema`); metrics are returned (the run loop writes grids
      and checkpoints).
 
 Each stage is a method with typed inputs and outputs (:class:`~flowgrpo.objectives.Collected`,
@@ -23,7 +23,6 @@ from a config, and any of them may be handed in instead (docs/api.md).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -44,10 +43,10 @@ from ..samplers.forest import Rollout
 from ..samplers.forest_sampler import ForestSampler
 from ..samplers.strategies import build_strategy
 from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
-from ..sharded_tensors import like_param
 from ..callbacks import CallbackList
 from . import context_parallel
 from .data_parallel import DataParallel
+from .ema import ema_home, ema_loaded, ema_start, ema_update, weights_swapped_in
 from .prompt_set import precompute_run_prompts
 from .parts import build_prompts, build_rewards, check_references, model_grid, reward_parts
 from .update_loop import run_update, update_rng
@@ -146,13 +145,9 @@ class Trainer:
         check_references(cfg, self.prompts, self.policy, self.rewards)
         check_metadata(self.rewards, cfg.data.prompts, self.prompts.has_metadata)
         self.objective.setup(self.policy)  # before the EMA copies the weights, which setup may set (Flow-OPD's merge)
-        if tc.ema and tc.ema_device == "cpu" and self.engine.name == "fsdp":
-            raise ConfigError("train.ema_device=cpu keeps whole weights, and FSDP shards the EMA with them: use "
-                              "train.ema_device=auto (fsdp_offload_params: true puts the shards on the CPU)")
         #: where the EMA lives: None (beside the weights) or "cpu" (train.ema_device)
-        self.ema_home = "cpu" if tc.ema_device == "cpu" else None
-        self.ema = {n: p.detach().to(self.ema_home, copy=True) for n, p in self.policy.named_trainable_parameters()} \
-            if tc.ema else None
+        self.ema_home = ema_home(tc, self.engine.name)
+        self.ema = ema_start(self.policy, self.ema_home) if tc.ema else None
         if cfg.model.precompute_prompts:  # after the objective's setup, which may encode the empty prompt
             precompute_run_prompts(cfg, self.prompts, self.policy, self.dp.is_main)
         self.callbacks = CallbackList(callbacks)
@@ -186,30 +181,14 @@ class Trainer:
         self.iteration = state["iteration"]
         self.engine.load_weights(self.policy, state["trainable"])
         self.engine.load_optimizer_state_dict(state["optimizer"])
-        if state["ema"] is None:
-            self.ema = None
-        else:
-            live = dict(self.policy.named_trainable_parameters())
-            self.ema = {n: like_param(t, live[n]).to(self.ema_home) for n, t in state["ema"].items()}
+        self.ema = None if state["ema"] is None else ema_loaded(state["ema"], self.policy, self.ema_home)
         self.objective.load_state_dict(state.get("objective") or {})
         if self.curriculum is not None:
             self.curriculum.load_state_dict(state.get("curriculum") or {})
 
     def ema_weights(self):
         """Context manager: the policy runs with the EMA weights inside (no-op without EMA)."""
-        @contextlib.contextmanager
-        def swap():
-            if self.ema is None:
-                yield
-                return
-            live = self.policy.trainable_state_dict()
-            self.policy.load_trainable_state_dict(self.ema)
-            try:
-                yield
-            finally:
-                self.policy.load_trainable_state_dict(live)
-
-        return swap()
+        return weights_swapped_in(self.policy, self.ema)
 
     # ------------------------------------------------------------------ one iteration
     @torch.no_grad()
@@ -355,10 +334,7 @@ class Trainer:
         train_stats = self.update(col, cr)
         t_train = time.perf_counter() - t1
         if self.ema is not None:
-            d = cfg.train.ema_decay
-            with torch.no_grad():
-                for n, p in self.policy.named_trainable_parameters():
-                    self.ema[n].lerp_(p.detach().to(self.ema_home), 1 - d)  # a host copy with ema_device=cpu
+            ema_update(self.ema, self.policy, cfg.train.ema_decay, self.ema_home)
         metrics = {"iteration": it}
         for name, r in col.rewards.items():
             fin = torch.isfinite(r)
