@@ -55,7 +55,8 @@ import torch.nn.functional as F
 from ..fields import help_field as _f
 from ..seeds import FORWARD_ROWS, derive_seed
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
-from .forward_rows import SampleRows, build_sample_rows, first_pass_velocities, per_row_mean, rollout_times
+from .forward_rows import (SampleRows, build_sample_rows, first_pass_velocities, per_row_mean, rollout_times,
+                           trained_forward)
 from .nft import nft_optimality
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.base import term_field
@@ -235,11 +236,8 @@ class CRDObjective(Objective):
 
     def micro_loss(self, ctx: UpdateContext, rows: SampleRows) -> MicroLoss:
         o, policy = self.opt, ctx.policy
-        cond = ctx.collected.cond.index(rows.prompt)
-        x_in = rows.noised(ctx.dtype).to(ctx.device)
-        u = rows.target().to(ctx.device)
-        with ctx.autocast():
-            v = policy.velocity(x_in, rows.t, cond, o.train_guidance).float()
+        f = trained_forward(ctx, rows, o.train_guidance)
+        cond, x_in, u, v = f.cond, f.x_in, f.u, f.v
         saved = torch.tensor([self._row[(int(lf), int(k))] for lf, k in zip(rows.leaf.tolist(), rows.step.tolist())],
                              dtype=torch.float64, device=v.device)
         r = saved[:, 0].to(v.dtype) - weighted_error(v, u, o.adaptive_weights)

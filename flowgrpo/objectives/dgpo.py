@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
-from .forward_rows import SampleRows, build_sample_rows, first_pass_velocities, per_row_mean
+from .forward_rows import (SampleRows, build_sample_rows, first_pass_velocities, per_row_mean,
+                           trained_forward)
 from .old_policy import DecaySchedule, OldPolicy
 from .terms.kl import VelocityKL
 from .terms.norm_guard import NormGuard
@@ -156,11 +157,8 @@ class DGPOObjective(Objective):
 
     def micro_loss(self, ctx: UpdateContext, rows: SampleRows) -> MicroLoss:
         o, policy = self.opt, ctx.policy
-        cond = ctx.collected.cond.index(rows.prompt)
-        x_in = rows.noised(ctx.dtype).to(ctx.device)
-        u = rows.target().to(ctx.device)
-        with ctx.autocast():
-            v = policy.velocity(x_in, rows.t, cond, o.train_guidance).float()
+        f = trained_forward(ctx, rows, o.train_guidance)
+        cond, x_in, u, v = f.cond, f.x_in, f.u, f.v
         err = per_row_mean((v - u) ** 2)
         coef = torch.tensor([self._coef.get((int(lf), int(k)), 0.0) for lf, k in zip(rows.leaf.tolist(), rows.step.tolist())],
                             device=err.device, dtype=err.dtype)

@@ -175,6 +175,29 @@ def uniform_times(lo: float = 1e-3, hi: float = 1 - 1e-3) -> TimeSampler:
     return draw
 
 
+@dataclass(frozen=True)
+class TrainedForward:
+    """One micro-batch's forward with gradients (:func:`trained_forward`): the prompts' conditioning
+    ``cond``, the noised inputs ``x_in`` [m, ...] in the model's dtype, the flow-matching target ``u``
+    [m, ...] and the trained velocity ``v`` [m, ...] (float32), all on the model's device."""
+
+    cond: object
+    x_in: Tensor
+    u: Tensor
+    v: Tensor
+
+
+def trained_forward(ctx, rows: SampleRows, guidance: float) -> TrainedForward:
+    """The trained policy's velocity on ``rows`` at ``guidance``, with gradients, and what it was computed
+    from (the opening of every forward objective's micro-batch loss); ``ctx`` the update's
+    :class:`~flowgrpo.objectives.base.UpdateContext`."""
+    cond = ctx.collected.cond.index(rows.prompt)
+    x_in = rows.noised(ctx.dtype).to(ctx.device)
+    with ctx.autocast():
+        v = ctx.policy.velocity(x_in, rows.t, cond, guidance).float()
+    return TrainedForward(cond, x_in, rows.target().to(ctx.device), v)
+
+
 def first_pass_velocities(ctx, rows: SampleRows | None, micro: int, reference: Callable,
                           guidance: float) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """The pass without gradients of a two-pass objective (dgpo's margins, crd's centres): for each
