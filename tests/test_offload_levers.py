@@ -155,10 +155,7 @@ def test_precompute_prompts_refuses_models_it_cannot_serve(tmp_path):
     class Rows:
         rows = [{"prompt": "a"}, {"prompt": "b"}]
 
-    class Unlisted:
-        pass
-
-    assert evaluator_prompts(Rows()) == ["a", "b"] and evaluator_prompts(Unlisted()) is None
+    assert evaluator_prompts(Rows()) == ["a", "b"] and evaluator_prompts(object()) is None  # no listed prompts
 
 
 # --------------------------------------------------------------------------------- reference_device
