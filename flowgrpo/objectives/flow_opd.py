@@ -58,7 +58,8 @@ from ..ops.kl import mean_kl
 from ..ops.reference import grpo_loss_ref
 from ..samplers.recompute import transition_log_prob_std, transition_means, transition_sigma_t
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
-from .teachers import TeacherSet, loaded
+from .old_policy import trainable_weights_loaded
+from .teachers import TeacherSet
 
 OPTION = "loss.flow_opd"
 
@@ -125,7 +126,7 @@ class FlowOPDObjective(Objective):
 
     def rollout_weights(self, policy):
         k = self.sft_teacher(self.next_iteration)
-        return contextlib.nullcontext() if k is None else loaded(policy, self.teachers.weights[k])
+        return contextlib.nullcontext() if k is None else trainable_weights_loaded(policy, self.teachers.weights[k])
 
     def rows(self, ctx: UpdateContext):
         col = ctx.collected

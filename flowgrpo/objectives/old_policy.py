@@ -40,6 +40,19 @@ class DecaySchedule:
         return min(self.start + (step - self.flat) * self.rate, self.cap)
 
 
+@contextlib.contextmanager
+def trainable_weights_loaded(policy, weights: dict[str, Tensor]):
+    """Inside, ``policy`` runs with ``weights`` instead of its live trainable weights, which are put back
+    on leaving, whatever happens inside (the old policy, a teacher, the EMA all run this way). Take no
+    gradient inside; leave before the forward with gradients."""
+    live = policy.trainable_state_dict()
+    policy.load_trainable_state_dict(weights)
+    try:
+        yield
+    finally:
+        policy.load_trainable_state_dict(live)
+
+
 class OldPolicy:
     """A lagging copy of a policy's trainable weights (see the module docstring).
 
@@ -51,15 +64,9 @@ class OldPolicy:
         self.weights = {n: p.detach().clone() for n, p in policy.named_trainable_parameters()}
         self.updates = 0
 
-    @contextlib.contextmanager
     def active(self, policy):
         """Inside, ``policy`` runs with the old weights (no gradients should be taken)."""
-        live = policy.trainable_state_dict()
-        policy.load_trainable_state_dict(self.weights)
-        try:
-            yield
-        finally:
-            policy.load_trainable_state_dict(live)
+        return trainable_weights_loaded(policy, self.weights)
 
     @torch.no_grad()
     def velocity(self, policy, x: Tensor, sigma: Tensor, cond, guidance_scale: float | None = None) -> Tensor:

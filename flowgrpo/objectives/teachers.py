@@ -20,7 +20,6 @@ default teacher; a prompt that has neither is an error naming the key and the ma
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, UserError
 from ..registry import Registry
+from .old_policy import trainable_weights_loaded
 
 #: teacher kind -> loader ``(path, policy, model_cfg) -> {trainable name: tensor}``
 TEACHER_SOURCES: Registry = Registry("teacher source")
@@ -66,18 +66,6 @@ def load_teacher(path: str, key: str, policy, model_cfg) -> dict[str, Tensor]:
                         f"of {len(ours)}): a teacher must be a run of the student's model with its train mode "
                         "and LoRA rank")
     return {n: weights[n].detach().to(ours[n].dtype) for n in ours}
-
-
-@contextlib.contextmanager
-def loaded(policy, weights: dict[str, Tensor]):
-    """Inside, ``policy`` runs with ``weights`` instead of its live trainable weights, which are put
-    back on leaving. Take no gradient inside; leave before the forward with gradients."""
-    live = policy.trainable_state_dict()
-    policy.load_trainable_state_dict(weights)
-    try:
-        yield
-    finally:
-        policy.load_trainable_state_dict(live)
 
 
 class TeacherSet:
@@ -125,5 +113,5 @@ class TeacherSet:
     @torch.no_grad()
     def velocity(self, policy, index: int | None, x: Tensor, sigma: Tensor, cond) -> Tensor:
         """Teacher ``index``'s velocity [B, ...] at x [B, ...], sigma [B] (None: the anchor teacher)."""
-        with loaded(policy, self.anchor if index is None else self.weights[index]):
+        with trainable_weights_loaded(policy, self.anchor if index is None else self.weights[index]):
             return policy.velocity(x, sigma, cond)

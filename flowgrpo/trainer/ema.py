@@ -8,8 +8,6 @@ the trainable weights per iteration, nothing of it on the accelerator.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..errors import ConfigError
@@ -42,17 +40,3 @@ def ema_loaded(saved: dict[str, torch.Tensor], policy, home: str | None) -> dict
     live = dict(policy.named_trainable_parameters())
     return {n: like_param(t, live[n]).to(home) for n, t in saved.items()}
 
-
-@contextlib.contextmanager
-def weights_swapped_in(policy, weights: dict[str, torch.Tensor] | None):
-    """Inside, ``policy`` runs with ``weights`` as its trainable weights (no-op for None); the live ones
-    are loaded back on exit, whatever happens inside."""
-    if weights is None:
-        yield
-        return
-    live = policy.trainable_state_dict()
-    policy.load_trainable_state_dict(weights)
-    try:
-        yield
-    finally:
-        policy.load_trainable_state_dict(live)

@@ -23,6 +23,7 @@ from a config, and any of them may be handed in instead (docs/api.md).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from ..advantages import ESTIMATORS, AdvantageResult, valid_reward_mask
 from ..config import RunConfig
 from ..curriculum import groups_with_signal
 from ..objectives import Collected, Credit, UpdateContext, build_objective
+from ..objectives.old_policy import trainable_weights_loaded
 from ..policies import build_policy
 from ..references import resize_references
 from ..errors import ConfigError, UserError
@@ -46,7 +48,7 @@ from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
 from ..callbacks import CallbackList
 from . import context_parallel
 from .data_parallel import DataParallel
-from .ema import ema_home, ema_loaded, ema_start, ema_update, weights_swapped_in
+from .ema import ema_home, ema_loaded, ema_start, ema_update
 from .prompt_set import precompute_run_prompts
 from .parts import build_prompts, build_rewards, check_references, model_grid, reward_parts
 from .update_loop import run_update, update_rng
@@ -188,7 +190,7 @@ class Trainer:
 
     def ema_weights(self):
         """Context manager: the policy runs with the EMA weights inside (no-op without EMA)."""
-        return weights_swapped_in(self.policy, self.ema)
+        return contextlib.nullcontext() if self.ema is None else trainable_weights_loaded(self.policy, self.ema)
 
     # ------------------------------------------------------------------ one iteration
     @torch.no_grad()
