@@ -135,8 +135,11 @@ def test_bad_import_paths_are_one_line_naming_the_key():
     assert _error(f"sampler.strategy={MOD}:HalfGRPO").startswith(
         f"config key 'sampler.strategy': sampling strategy '{MOD}:HalfGRPO': class HalfGRPO is not a subclass of "
         "flowgrpo.samplers.Strategy")
-    assert _error("loss.objective=grpoo").startswith(
-        "config key 'loss.objective': unknown objective 'grpoo'; valid choices: awm, dgpo, diffusion_dpo, flow_dppo, grpo, nft")
+    # every registered objective is offered, in order, and the import-path form is named
+    assert _error("loss.objective=grpoo") == (
+        "config key 'loss.objective': unknown objective 'grpoo'; valid choices: "
+        f"{', '.join(sorted(OBJECTIVES.names()))} (or an import path 'package.module:attr')")
+    assert {"grpo", "nft", "awm", "dgpo"} <= set(OBJECTIVES.names())
     for msg in (_error(f"loss.objective={MOD}:nothing"), _error("reward.weights={'a.b:c': 1}")):
         assert "\n" not in msg
 

@@ -264,6 +264,7 @@ def test_regional_compile_matches_eager(model, compile_backend):
     assert list(regional.trainable_state_dict()) == list(plain.trainable_state_dict())
 
 
+@pytest.mark.slow  # two compiled runs, about 55 s on 2 cores (CI budget); test_regional_compile_matches_eager stays
 def test_regional_compile_one_iteration_matches_plain(tmp_path, compile_backend):
     plain = one_iteration(sd3_config(tmp_path / "plain"))
     regional = one_iteration(sd3_config(tmp_path / "regional", "model.compile_transformer=regional"))

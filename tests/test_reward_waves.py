@@ -153,6 +153,7 @@ def test_waves_are_refused_under_a_lock_step_engine(tiny_config, monkeypatch):
     import flowgrpo.trainer.accelerator as acc
 
     class FakeFSDPEngine:
+        name = "fsdp"
         lockstep = True
 
     monkeypatch.setattr(acc, "weight_engine", lambda accelerator, dp: FakeFSDPEngine())
