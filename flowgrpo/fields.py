@@ -82,7 +82,7 @@ def check_ranges(cfg: Any, prefix: str = "") -> None:
             check_ranges(value, f"{prefix}{f.name}.")
             continue
         bounds = f.metadata.get("range")
-        if bounds and value is not None:
+        if bounds and value is not None and not isinstance(value, str):  # a str is a Literal's word ("auto")
             check_range(f"{prefix}{f.name}", value, bounds)
 
 
@@ -119,7 +119,7 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors, kinds = [], []
         for a in args:
             if a is type(None):
                 continue
@@ -127,6 +127,10 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
                 return coerce(value, a, key)
             except ConfigError as e:
                 errors.append(str(e))
+                kinds.append(f"one of: {', '.join(map(str, typing.get_args(a)))}" if typing.get_origin(a) is Literal
+                             else getattr(typing.get_origin(a) or a, "__name__", str(a)))
+        if len(kinds) > 1:  # e.g. int | Literal["auto"]: name every form the key takes
+            raise ConfigError(f"config key '{key}' expects {' or '.join(kinds)}, got {type(value).__name__} {value!r}")
         raise ConfigError(errors[0] if errors else f"bad value for config key '{key}': {value!r}")
     base = origin or hint
     if base is float and isinstance(value, (int, str)) and not isinstance(value, bool):

@@ -68,7 +68,7 @@ class SamplerConfig:
     shift: float = _f(1.0, "timestep shift s of the sigma grid (with sampler.grid=model, models whose pipeline owns its grid, e.g. sd3, ignore it)", gt=0.0)
     grid: Literal["model", "shift"] = _f("model", "sigma grid of the training rollouts: model (the policy's own: a diffusers pipeline's scheduler, e.g. FLUX.1's dynamic shift; the shapes world's uniform grid shifted by sampler.shift) | shift (uniform in sigma, then shifted by sampler.shift, whatever the pipeline's scheduler: DanceGRPO's and MixGRPO's sd3_time_shift grid); evaluation and sample grids keep the model's")
     shared_group_noise: bool = _f(False, "all members of a group start from the same initial noise (DanceGRPO)")
-    max_micro_batch: int = _f(256, "largest model batch during rollouts (nodes of one depth are chunked by it)", ge=1)
+    max_micro_batch: int | Literal["auto"] = _f(256, "largest model batch during rollouts, in samples before CFG doubling (nodes of one depth are chunked by it) | auto (the largest whose rollout phase fits the GPU's memory, counted from the loaded modules at start, at most a process's samples per iteration; off CUDA every sample of a depth in one call: flowgrpo.realsize.micro_batch)", ge=1)
 
 
 @dataclass

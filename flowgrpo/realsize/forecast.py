@@ -63,8 +63,27 @@ def _geometry(policy, cfg, batch: int):
                     getattr(getattr(policy, "family", None), "reference_kwarg", None) is not None)
 
 
-def _meta_counts(policy, cfg, dtype) -> tuple[int, int, int, int, str]:
-    """(update activations, backward transient, rollout peak, VAE decode peak, note) of meta copies."""
+def _rollout_geometry(policy, cfg, entry, micro: int):
+    """The rollout forward's geometry: ``micro`` samples, doubled when classifier-free guidance runs."""
+    cfg_rollout = cfg.model.guidance_scale > 1 and not entry.config.get("guidance_embeds")
+    return _geometry(policy, cfg, micro * (2 if cfg_rollout else 1))
+
+
+def rollout_peak_at(policy, cfg, micro: int) -> int:
+    """Working bytes of one no-grad rollout forward of ``policy``'s transformer on ``micro`` samples
+    (CFG halves together), counted on a meta copy (:func:`~flowgrpo.realsize.peaks.rollout_forward_peak`)."""
+    from .configs import build_transformer
+    from .peaks import rollout_forward_peak
+
+    entry = _entry_of(policy)
+    dtype = next(_experts(policy)[0].parameters()).dtype
+    model = build_transformer(entry, dtype=dtype)
+    return rollout_forward_peak(model, entry, _rollout_geometry(policy, cfg, entry, micro), dtype)
+
+
+def _meta_counts(policy, cfg, dtype, micro: int) -> tuple[int, int, int, int, str]:
+    """(update activations, backward transient, rollout peak of ``micro`` samples, VAE decode peak, note)
+    of meta copies."""
     from .activations import count_activations, example_inputs
     from .configs import build_transformer
     from .peaks import rollout_forward_peak, vae_decode_peak
@@ -73,16 +92,13 @@ def _meta_counts(policy, cfg, dtype) -> tuple[int, int, int, int, str]:
     cfg_rollout = cfg.model.guidance_scale > 1 and not entry.config.get("guidance_embeds")
     cfg_update = cfg_rollout and bool(cfg.loss.cfg_uncond_grad)
     geo = _geometry(policy, cfg, cfg.train.micro_batch * (2 if cfg_update else 1))
-    samples = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
-    micro = min(cfg.sampler.max_micro_batch, samples)
     try:
         model = build_transformer(entry, dtype=dtype)
         inputs, _ = example_inputs(entry, geo, dtype=dtype)
         act = count_activations(model, inputs)
         used = act.checkpointing if cfg.model.gradient_checkpointing else act.no_checkpointing
         transient = 2 * act.block_inputs // max(len(act.blocks), 1)
-        rollout = rollout_forward_peak(model, entry, dataclasses.replace(geo, batch=micro * (2 if cfg_rollout else 1)),
-                                       dtype)
+        rollout = rollout_forward_peak(model, entry, _rollout_geometry(policy, cfg, entry, micro), dtype)
     except (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError) as exc:
         return 0, 0, 0, 0, f"activations not counted ({type(exc).__name__}: {str(exc)[:80]})"
     vae = policy.vae
@@ -99,10 +115,11 @@ def _meta_counts(policy, cfg, dtype) -> tuple[int, int, int, int, str]:
     return used, transient, rollout, decode, ""
 
 
-def run_inputs(trainer, working: bool = True) -> tuple[MemoryInputs, str]:
+def run_inputs(trainer, working: bool = True, micro: int | None = None) -> tuple[MemoryInputs, str]:
     """The :class:`MemoryInputs` of ``trainer``'s run (its policy as loaded, its config) and a note
     (empty, or what was not counted); ``working`` False leaves the meta forwards out (activations,
-    rollout and decode peaks 0: weights, training state and trajectory only)."""
+    rollout and decode peaks 0: weights, training state and trajectory only). ``micro``: samples per
+    rollout forward (default: the trainer's sampler's ``max_micro_batch``, at most the iteration's samples)."""
     from .memory import largest_block_bytes
     from .recipe_budget import text_encoder_mode
 
@@ -115,9 +132,10 @@ def run_inputs(trainer, working: bool = True) -> tuple[MemoryInputs, str]:
     base += sum(_module_bytes(m) - sum(p.numel() * p.element_size() for p in m.parameters()) for m in experts)
     dtype = next(experts[0].parameters()).dtype
     lora_dtype = trainable[0].dtype if trainable else dtype
-    used, transient, rollout, decode, note = (_meta_counts(policy, cfg, dtype) if working else
-                                              (0, 0, 0, 0, "activations not counted off CUDA"))
     samples = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
+    micro = min(micro or getattr(trainer.sampler, "max_micro_batch", samples), samples)
+    used, transient, rollout, decode, note = (_meta_counts(policy, cfg, dtype, micro) if working else
+                                              (0, 0, 0, 0, "activations not counted off CUDA"))
     prompt_bytes = 0  # the encodings of a prompt: text tokens x width, small beside the latents; see recipe_budget
     inputs = MemoryInputs(
         transformer_bytes=base, largest_block_bytes=largest_block_bytes(experts[0]),
@@ -129,7 +147,7 @@ def run_inputs(trainer, working: bool = True) -> tuple[MemoryInputs, str]:
         if hasattr(policy, "text_encoders") else 0,
         text_encoders=text_encoder_mode(cfg.model), vae_bytes=_module_bytes(getattr(policy, "vae", None)),
         update_activations=used, backward_transient=transient, rollout_peak=rollout,
-        rollout_micro_batch=min(cfg.sampler.max_micro_batch, samples), vae_decode_peak=decode,
+        rollout_micro_batch=micro, vae_decode_peak=decode,
         sample_bytes=4 * math.prod(policy.latent_shape) * (2 * cfg.sampler.num_steps + 1), prompt_bytes=prompt_bytes,
         samples=samples, prompts=cfg.data.prompts_per_iteration)
     return inputs, note

@@ -19,6 +19,7 @@ from .budget import LAYOUTS, MemoryInputs, first_fit, per_gpu_budget
 from .components import build_component, component_bytes, recipe_components
 from .configs import build_transformer, recipe_config, transformer_config
 from .memory import TrainingState
+from .micro_batch import AUTO
 from .peaks import rollout_forward_peak, vae_decode_peak, vae_latent
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -74,7 +75,8 @@ def recipe_inputs(recipe: str, geo: Geometry, info: dict, state: TrainingState, 
     full = m.train_mode == "full"
     samples = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
     cfg_factor = 2 if cfg_in_rollout(entry, m.guidance_scale) else 1
-    micro = min(cfg.sampler.max_micro_batch, samples)
+    # auto is chosen per device at run start (flowgrpo.realsize.micro_batch): the table counts its largest
+    micro = samples if cfg.sampler.max_micro_batch == AUTO else min(cfg.sampler.max_micro_batch, samples)
     rollout_geo = dataclasses.replace(geo, batch=micro * cfg_factor)
     model = build_transformer(entry, dtype=dtype)
     rollout = rollout_forward_peak(model, entry, rollout_geo, dtype)

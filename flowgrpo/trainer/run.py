@@ -75,6 +75,8 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
         if run.main:
             events.run_start(trainer, run.run_dir, resume)
             print_memory_forecast(trainer)  # the figure this run needs per GPU, checked against the free memory
+            if trainer.micro_batch_fit is not None:
+                print(trainer.micro_batch_fit.line(), flush=True)
         _fire(parts, "on_run_start", trainer, run.run_dir, resume)
         label = trainer.objective.name or cfg.loss.objective
         total, budget = cfg.train.iterations, cfg.train.max_minutes

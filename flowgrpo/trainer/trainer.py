@@ -36,6 +36,7 @@ from ..curriculum import groups_with_signal
 from ..objectives import Collected, Credit, UpdateContext, build_objective
 from ..objectives.old_policy import trainable_weights_loaded
 from ..policies import build_policy
+from ..realsize.micro_batch import AUTO, choose_rollout_micro_batch
 from ..references import resize_references
 from ..errors import ConfigError, UserError
 from ..rewards import REWARDS, check_rewards_fit_model
@@ -137,7 +138,8 @@ class Trainer:
                                                        weight_decay=tc.weight_decay), self.policy, tc.max_grad_norm)
         self.strategy = strategy if strategy is not None else build_strategy(
             cfg.sampler, cfg.strategy, grid=model_grid(self.policy, cfg.sampler))
-        self.sampler = sampler if sampler is not None else ForestSampler(self.policy, cfg.sampler.max_micro_batch)
+        micro = cfg.sampler.max_micro_batch  # "auto": resolved below, once the run's modules are all set
+        self.sampler = sampler if sampler is not None else ForestSampler(self.policy, 1 if micro == AUTO else micro)
         if self.sampler.policy is not self.policy:
             raise UserError("the sampler part samples another policy than the trainer's: build it as "
                             "ForestSampler(policy, ...) over the policy part")
@@ -152,6 +154,11 @@ class Trainer:
         self.ema = ema_start(self.policy, self.ema_home) if tc.ema else None
         if cfg.model.precompute_prompts:  # after the objective's setup, which may encode the empty prompt
             precompute_run_prompts(cfg, self.prompts, self.policy, self.dp.is_main)
+        #: what ``sampler.max_micro_batch=auto`` resolved to (None: a number was configured)
+        self.micro_batch_fit = None
+        if micro == AUTO and hasattr(self.sampler, "max_micro_batch"):
+            self.micro_batch_fit = choose_rollout_micro_batch(self)
+            self.sampler.max_micro_batch = min(self.dp.gather(self.micro_batch_fit.micro_batch))  # ranks agree
         self.callbacks = CallbackList(callbacks)
         self.iteration = 0
 
