@@ -82,6 +82,44 @@ def test_precomputed_prompts_give_the_plain_velocities_and_free_the_encoders(mod
         pre.precompute_prompts(PROMPTS)
 
 
+@pytest.mark.parametrize("model", ["SD3", "Wan"])
+def test_the_transformer_waits_in_host_memory_while_the_prompts_are_encoded(model, monkeypatch):
+    """On CUDA (forced here: parks_on is True for the CPU) the transformer is moved to host memory
+    before the first encode and back after the last, in place (the same Parameter objects, which the
+    optimizer holds), and put back even when an encode fails; the encodings are made on its device."""
+    from flowgrpo.policies.diffusers import parking
+
+    monkeypatch.setattr(parking, "parks_on", lambda device: True)
+    plain, pre = make(model), make(model)
+    params = [id(p) for p in pre.transformer.parameters()]
+    events, encode_now, to = [], pre._encode_now, pre.transformer.to
+
+    def spy_to(*args, **kwargs):
+        events.append(("to", str(args[0])))
+        return to(*args, **kwargs)
+
+    def spy_encode(prompts):
+        events.append(("encode", str(pre.device)))
+        return encode_now(prompts)
+
+    monkeypatch.setattr(pre.transformer, "to", spy_to, raising=False)
+    monkeypatch.setattr(pre, "_encode_now", spy_encode, raising=False)
+    pre.precompute_prompts(PROMPTS, batch_size=1)  # three encodes: "", and the two prompts
+    assert events == [("to", "cpu"), *[("encode", "cpu")] * 3, ("to", "cpu")]
+    assert [id(p) for p in pre.transformer.parameters()] == params and pre._parked_device is None
+    torch.testing.assert_close(velocity(pre), velocity(plain), rtol=1e-6, atol=1e-6)
+
+    failing = make(model)
+    monkeypatch.setattr(failing, "_encode_now", lambda prompts: (_ for _ in ()).throw(RuntimeError("encoder died")),
+                        raising=False)
+    moved = []
+    monkeypatch.setattr(failing.transformer, "to", lambda *a, **k: moved.append(str(a[0])), raising=False)
+    with pytest.raises(RuntimeError, match="encoder died"):
+        failing.precompute_prompts(PROMPTS)
+    assert moved == ["cpu", "cpu"] and failing._parked_device is None  # back on its device, override cleared
+    assert parking.parkable_networks(failing) == [failing.transformer]
+
+
 def sd3_config(tmp_path, *extra, mode: str = "lora"):
     """A one-iteration flow_grpo run of sd3-tiny (KL on, guidance 4.5) writing under ``tmp_path``. Adam's
     eps is 1e-2: with 1e-8 its first step is lr * sign(g), and a gradient entry near zero flips with float

@@ -93,9 +93,14 @@ def test_switches_move_exactly_their_bytes_off_the_gpu():
     for mode in ("visiting", "precomputed"):
         off = per_gpu_budget(_inputs(text_encoders=mode), LAYOUTS[0])
         assert resident["phases"]["update"] - off["phases"]["update"] == 9 * 2**30
-        # they still visit to encode; precomputed: once, before AdamW's moments exist
-        moments = resident["adamw"] if mode == "precomputed" else 0
-        assert resident["phases"]["encode"] - off["phases"]["encode"] == moments
+        # they still visit to encode; precomputed: once, before AdamW's moments exist, with whole
+        # weights parked in host memory meanwhile (LoRA included: it lives in the transformer)
+        parked = resident["adamw"] + resident["transformer"] + resident["lora_weights"] if mode == "precomputed" else 0
+        assert resident["phases"]["encode"] - off["phases"]["encode"] == parked
+    # FSDP shards are not parked: only the moments are missing at the encode
+    sharded = per_gpu_budget(_inputs(), LAYOUTS[2])
+    sharded_pre = per_gpu_budget(_inputs(text_encoders="precomputed"), LAYOUTS[2])
+    assert sharded["phases"]["encode"] - sharded_pre["phases"]["encode"] == sharded["adamw"]
     full = dict(full_finetune=True, trainable_params=10 * 2**30, trainable_bytes=2, reference_copy=True)
     on_gpu = per_gpu_budget(_inputs(**full), LAYOUTS[0])
     cpu = per_gpu_budget(_inputs(**full, reference_on_cpu=True, ema_on_cpu=True), LAYOUTS[0])

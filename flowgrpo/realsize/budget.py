@@ -21,7 +21,8 @@ trajectory            the rollout's stored latents (x and the step mean per step
                       GPU's samples, and its prompts' encodings
 encode                persistent + text encoders (no trajectory: prompts are encoded first; with
                       ``model.precompute_prompts`` once, in the trainer's set-up, before AdamW's
-                      moments exist, but beside the transformer already on the device)
+                      moments exist, and with whole weights the transformer, its LoRA and a resident
+                      reference copy parked in host memory meanwhile)
 rollout               persistent + resident encoders + trajectory + one no-grad forward of the
                       rollout micro-batch (CFG halves together)
 decode                persistent + resident encoders + trajectory + one VAE decode chunk
@@ -115,6 +116,13 @@ def _share(n: int, gpus: int) -> int:
     return -(-n // gpus)
 
 
+def _parked_at_encode(kinds: dict, engine: str) -> int:
+    """Bytes not on the GPU while ``model.precompute_prompts`` encodes: AdamW's moments (not made yet)
+    and, for whole (replicated) weights, the transformer, its LoRA and a resident reference copy."""
+    moved = kinds["transformer"] + kinds["lora_weights"] + kinds["reference"] if engine == "replicated" else 0
+    return kinds["adamw"] + moved
+
+
 def per_gpu_budget(x: MemoryInputs, layout: Layout) -> dict:
     """Bytes per GPU of ``x`` on ``layout``: the kinds (``transformer``, ``text_encoders``, ``vae``,
     ``lora_weights``, ``adamw``, ``ema``, ``reference``, ``gradients``, ``ddp_sum``, ``trajectory``,
@@ -153,9 +161,11 @@ def per_gpu_budget(x: MemoryInputs, layout: Layout) -> dict:
     base = persistent + encoders + kinds["trajectory"]
     optimizer_temp = keep(trainable)
     phases = {
-        # precompute_prompts encodes once in the trainer's set-up: weights and EMA are on the device,
-        # AdamW's moments not yet (torch makes them at the first step)
-        "encode": persistent + kinds["text_encoders"] - (kinds["adamw"] if x.text_encoders == "precomputed" else 0),
+        # precompute_prompts encodes once in the trainer's set-up, before AdamW's moments exist (torch
+        # makes them at the first step), with the whole (unsharded) transformer, its LoRA and a resident
+        # reference copy parked in host memory (flowgrpo.policies.diffusers.parking)
+        "encode": persistent + kinds["text_encoders"] - (_parked_at_encode(kinds, engine) if
+                                                         x.text_encoders == "precomputed" else 0),
         "rollout": base + kinds["rollout_peak"],
         "decode": base + kinds["vae_decode_peak"],
         "update": base + kinds["gradients"] + kinds["update_activations"],

@@ -18,7 +18,8 @@ offload_text_encoders      the ``text_encoder*`` modules live on the CPU and vis
 precompute_prompts         (called by the trainer with the run's prompts, not a constructor switch)
                            :meth:`SwitchedPolicy.precompute_prompts` encodes a fixed prompt set once
                            into CPU memory and moves the text encoders to the meta device (their
-                           memory is freed); a prompt outside the set is refused by name
+                           memory is freed); a prompt outside the set is refused by name; on CUDA
+                           the transformer waits in host memory meanwhile (:mod:`.parking`)
 attention_backend          ``sdpa``: diffusers' default processors, unchanged; ``native``, ``flex``,
                            ``flash``, ``flash-3``, ``sage``, ``xformers``: diffusers' attention
                            dispatcher, ``transformer.set_attention_backend(...)``
@@ -51,6 +52,7 @@ from torch import Tensor, nn
 from ...errors import ConfigError, UserError
 from ..base.trained import TrainedPolicy
 from .attention import ATTENTION_BACKENDS, backend_problem, set_attention_backend, usable_backends
+from .parking import networks_in_host_memory
 
 #: the ``ModelConfig`` fields every diffusers adapter takes as keyword arguments (:func:`runtime_options`)
 SWITCHES = ("gradient_checkpointing", "vae_slicing", "vae_tiling", "offload_text_encoders", "attention_backend",
@@ -190,8 +192,10 @@ class SwitchedPolicy(TrainedPolicy):
     # ------------------------------------------------------------------ devices
     @property
     def device(self) -> torch.device:
-        """The transformer's device (where inputs and encodings go; offloaded text encoders stay on the CPU)."""
-        return next(self.transformer.parameters()).device
+        """The transformer's device (where inputs and encodings go; offloaded text encoders stay on the CPU;
+        while :mod:`.parking` holds the transformer in host memory, the device it returns to)."""
+        parked = getattr(self, "_parked_device", None)
+        return parked if parked is not None else next(self.transformer.parameters()).device
 
     def text_encoders(self) -> list[nn.Module]:
         """The text encoder submodules (``text_encoder``, ``text_encoder_2``, ...), in name order."""
@@ -237,11 +241,12 @@ class SwitchedPolicy(TrainedPolicy):
             raise RuntimeError("precompute_prompts() ran already: the text encoders are freed")
         store: dict[str, dict[str, Tensor]] = {}
         unique = list(dict.fromkeys(["", *prompts]))
-        for start in range(0, len(unique), batch_size):
-            chunk = unique[start:start + batch_size]
-            enc = self._encode(chunk)  # through the LRU path when offloaded: the encoders visit the device
-            for i, p in enumerate(chunk):
-                store[p] = {k: v[i].to("cpu", copy=True) for k, v in enc.items()}  # own storage, not a view
+        with networks_in_host_memory(self):  # the encode phase holds the encoders, not the transformer too
+            for start in range(0, len(unique), batch_size):
+                chunk = unique[start:start + batch_size]
+                enc = self._encode(chunk)  # through the LRU path when offloaded: the encoders visit the device
+                for i, p in enumerate(chunk):
+                    store[p] = {k: v[i].to("cpu", copy=True) for k, v in enc.items()}  # own storage, not a view
         freed = sum(t.numel() * t.element_size() for m in self.text_encoders() for t in (*m.parameters(), *m.buffers()))
         for module in self.text_encoders():
             module.to("meta")
