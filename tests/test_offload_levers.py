@@ -248,6 +248,42 @@ def test_reference_and_ema_on_the_cpu_match_a_full_fine_tune(tmp_path):
     assert all(torch.equal(trainer.ema[n], t) for n, t in state["ema"].items())
 
 
+@pytest.mark.parametrize("objective", ["nft", "awm"])
+def test_old_policy_on_the_cpu_matches_a_full_fine_tune(tmp_path, objective):
+    """train.old_policy_device=cpu: the lagging copies (NFT's old policy; AWM's rollout weights and EMA
+    reference) and the live weights' stash while a copy runs live in host memory; two minibatches, so
+    the second one's old-policy velocity is of weights that differ from the live ones."""
+    extra = [f"loss.objective={objective}", f"loss.{objective}.timesteps=2", "train.minibatches=2"]
+    if objective == "awm":
+        extra.append("loss.awm.ema_kl_beta=0.1")
+    plain = one_iteration(sd3_config(tmp_path / "plain", *extra, mode="full"))
+    off = one_iteration(sd3_config(tmp_path / "off", *extra, "train.old_policy_device=cpu", mode="full"))
+    assert off[2].objective.old_home == "cpu" and plain[2].objective.old_home is None
+    copies = [c for c in (getattr(off[2].objective, n, None) for n in ("old", "ema")) if c is not None]
+    assert len(copies) == off[2].objective.lagging_copies and all(c.home == "cpu" for c in copies)
+    assert all(t.device.type == "cpu" for c in copies for t in c.weights.values())
+    assert_same_iteration(plain, off, f"old_policy_device=cpu ({objective}, full)")
+    state = off[2].objective.state_dict()  # a checkpoint round trip keeps the copies at home
+    off[2].objective.load_state_dict(state)
+    kept = [c for c in (getattr(off[2].objective, n, None) for n in ("old", "ema")) if c is not None]
+    assert kept and all(t.device.type == "cpu" for c in kept for t in c.weights.values())
+
+
+def test_old_policy_on_the_cpu_is_refused_under_fsdp_in_one_line(tmp_path, monkeypatch):
+    import flowgrpo.trainer.accelerator as acc
+
+    class FakeFSDPEngine:
+        name = "fsdp"
+        lockstep = True
+
+        def prepare(self, policy):
+            raise AssertionError("refused before the weights are laid out")
+
+    monkeypatch.setattr(acc, "weight_engine", lambda accelerator, dp: FakeFSDPEngine())
+    with pytest.raises(ConfigError, match=r"^train.old_policy_device=cpu keeps whole weights, and FSDP shards them"):
+        Trainer(sd3_config(tmp_path, "loss.objective=nft", "train.old_policy_device=cpu", mode="full"))
+
+
 def test_reference_device_cpu_refused_for_lora(tmp_path):
     with pytest.raises(ConfigError, match="model.reference_device=cpu applies to model.train_mode=full"):
         Trainer(sd3_config(tmp_path, "model.reference_device=cpu"))

@@ -109,6 +109,33 @@ def test_switches_move_exactly_their_bytes_off_the_gpu():
     assert on_gpu["total"] - cpu["total"] == 40 * 2**30 - 2**28
 
 
+def test_lagging_copies_are_whole_weight_copies_under_full_fine_tuning_and_leave_with_old_policy_device_cpu():
+    full = dict(full_finetune=True, trainable_params=10 * 2**30, trainable_bytes=2, update_activations=2**30)
+    none = per_gpu_budget(_inputs(**full), LAYOUTS[0])
+    two = per_gpu_budget(_inputs(**full, lagging_copies=2), LAYOUTS[0])
+    assert two["old_policy"] == 2 * 20 * 2**30 and none["old_policy"] == 0
+    assert two["phases"]["rollout"] - none["phases"]["rollout"] == 40 * 2**30
+    # the update holds the live weights' stash while a copy runs (20 GiB) or, later, the activations and
+    # backward's buffers (1 GiB + 64 MiB): the larger, not both
+    assert two["phases"]["update"] - none["phases"]["update"] == 40 * 2**30 + 20 * 2**30 - (2**30 + 2**26)
+    cpu = per_gpu_budget(_inputs(**full, lagging_copies=2, lagging_on_cpu=True), LAYOUTS[0])
+    assert cpu["old_policy"] == 0 and cpu["phases"] == none["phases"]
+    sharded = per_gpu_budget(_inputs(**full, lagging_copies=1), LAYOUTS[2])  # FSDP shards the copy
+    assert sharded["old_policy"] == -(-20 * 2**30 // 8)
+
+
+def test_the_objectives_name_their_lagging_copies():
+    from flowgrpo.config import load_config
+    from flowgrpo.realsize.recipe_budget import objective_copies
+
+    def copies(*overrides):
+        return objective_copies(load_config("shapes", overrides=list(overrides)))[1]
+
+    assert copies("loss.objective=grpo") == 0 and copies("loss.objective=nft") == 1
+    assert copies("loss.objective=awm", "loss.awm.ema_kl_beta=0") == 1
+    assert copies("loss.objective=awm", "loss.awm.ema_kl_beta=0.1") == 2 and copies("loss.objective=crd") == 2
+
+
 def test_first_fit_takes_the_first_layout_under_the_headroom():
     budgets = {"a": {"total": 80 * 10**9}, "b": {"total": int(72 * 10**9)}, "c": {"total": 10}}
     assert first_fit(budgets, 80) == "b" and first_fit(budgets, 24) == "c"

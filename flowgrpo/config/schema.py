@@ -153,6 +153,7 @@ class TrainConfig:
     ema: bool = _f(True, "keep an EMA of the trainable weights (used for evaluation)")
     ema_decay: float = _f(0.9, "EMA decay per iteration", ge=0.0, lt=1.0)
     ema_device: Literal["auto", "cpu"] = _f("auto", "where the EMA of the trainable weights lives: auto (beside them, on the run's device) | cpu (in CPU memory: one device-to-host copy of the trainable weights per iteration; useful for full fine-tuning, where the EMA is a whole weight copy); one process or DDP only (FSDP shards it with the weights)")
+    old_policy_device: Literal["auto", "cpu"] = _f("auto", "where the objective's lagging copies of the trainable weights live (DiffusionNFT's old policy, AWM's rollout weights and EMA reference, DGPO's EMA, CRD's old and sampling policies): auto (beside them, on the run's device) | cpu (in CPU memory, and the live weights wait there while a copy runs: each old-policy forward copies the weights to the device and back; useful for full fine-tuning, where each copy is a whole weight copy); one process or DDP only (FSDP shards them with the weights)")
     seed: int = _f(0, "seed of every random choice (prompts, noise, subsets); runs are reproducible")
     threads: int = _f(0, "torch CPU threads (0 = torch default)")
     deterministic: bool = _f(True, "torch deterministic algorithms (resume reproduces an uninterrupted run)")

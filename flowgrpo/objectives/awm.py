@@ -41,7 +41,7 @@ import torch
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import (SampleRows, build_sample_rows, grid_strata_times, logit_normal_times, per_row_mean,
                            rollout_times, uniform_times)
-from .old_policy import DecaySchedule, OldPolicy
+from .old_policy import DecaySchedule, OldPolicy, old_policy_home
 from .terms.kl import KLOptions, VelocityKL
 from .terms.norm_guard import NormGuard
 
@@ -101,6 +101,8 @@ class AWMObjective(Objective):
         self.needs_reference = "base" in self.kl.references | self.norm_guard.references
         self.old: OldPolicy | None = None
         self.ema: OldPolicy | None = None
+        self.old_home = old_policy_home(cfg.train)  # train.old_policy_device
+        self.lagging_copies = 1 + int(self.ema_kl.active)  # the rollout's weights, and the EMA reference
         self.schedule = DecaySchedule(0, self.opt.ema_decay_rate, self.opt.ema_decay_cap)
         self._policy = None
         self._steps = 0  # optimizer steps of this update (the old weights differ from the live ones after one)
@@ -109,10 +111,10 @@ class AWMObjective(Objective):
     def setup(self, policy) -> None:
         self._policy = policy
         if self.ema_kl.active:
-            self.ema = OldPolicy(policy)
+            self.ema = OldPolicy(policy, self.old_home)
 
     def rows(self, ctx: UpdateContext) -> SampleRows | None:
-        self.old = OldPolicy(ctx.policy)  # the weights that drew this rollout
+        self.old = OldPolicy(ctx.policy, self.old_home)  # the weights that drew this rollout
         self._steps = 0
         sampler = time_sampler(self.opt, ctx.collected.plan.sigmas)
         return build_sample_rows(ctx.collected, ctx.credit, self.seed, sampler, self.opt.timesteps,

@@ -222,6 +222,9 @@ class Objective(ABC):
     name: str = ""
     #: whether the frozen base model must be kept (KL terms): the trainer snapshots it once
     needs_reference: bool = False
+    #: lagging copies of the trainable weights it keeps (old policy, EMA reference: objectives.old_policy);
+    #: a full fine-tune's are whole weight copies, which the memory model counts
+    lagging_copies: int = 0
 
     def setup(self, policy) -> None:
         """Called once after the policy is on its device and prepared by the weight engine."""

@@ -58,7 +58,7 @@ from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import (SampleRows, build_sample_rows, first_pass_velocities, per_row_mean, rollout_times,
                            trained_forward)
 from .nft import nft_optimality
-from .old_policy import DecaySchedule, OldPolicy
+from .old_policy import DecaySchedule, OldPolicy, old_policy_home
 from .terms.base import term_field
 from .terms.kl import KLOptions, VelocityKL
 from .terms.norm_guard import NormGuard, NormGuardOptions
@@ -157,13 +157,15 @@ class CRDObjective(Objective):
                                                o.rollout_decay_start)
         self.old: OldPolicy | None = None
         self.sampling: OldPolicy | None = None
+        self.old_home = old_policy_home(cfg.train)  # train.old_policy_device
+        self.lagging_copies = 2
         self._policy, self._uncond = None, None
         self.steps = 0  # optimizer steps of the run: both copies' decay clock
         self._row: dict = {}
 
     def setup(self, policy) -> None:
         self._policy = policy
-        self.old, self.sampling = OldPolicy(policy), OldPolicy(policy)
+        self.old, self.sampling = OldPolicy(policy, self.old_home), OldPolicy(policy, self.old_home)
         if self.kl.active and self.opt.kl_cfg != 1.0:  # the empty prompt, for the KL's guided base velocity
             self._uncond = policy.encode_prompts([""])
 

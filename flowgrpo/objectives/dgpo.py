@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import (SampleRows, build_sample_rows, first_pass_velocities, per_row_mean,
                            trained_forward)
-from .old_policy import DecaySchedule, OldPolicy
+from .old_policy import DecaySchedule, OldPolicy, old_policy_home
 from .terms.kl import VelocityKL
 from .terms.norm_guard import NormGuard
 
@@ -88,6 +88,8 @@ class DGPOObjective(Objective):
         self.keeps_ema = self.opt.reference == "ema" or self.opt.ema_rollouts_after >= 0
         self.schedule = DecaySchedule(0, self.opt.ema_decay_rate, self.opt.ema_decay)
         self.ema: OldPolicy | None = None
+        self.old_home = old_policy_home(cfg.train)  # train.old_policy_device
+        self.lagging_copies = int(self.keeps_ema)
         self._policy = None
         self.steps = 0  # optimizer steps of the run: the EMA's decay clock and the rollout switch
         self._coef: dict = {}
@@ -95,7 +97,7 @@ class DGPOObjective(Objective):
     def setup(self, policy) -> None:
         self._policy = policy
         if self.keeps_ema:
-            self.ema = OldPolicy(policy)
+            self.ema = OldPolicy(policy, self.old_home)
 
     def rollout_weights(self, policy):
         """The authors roll out with the EMA after ``ema_rollouts_after`` optimizer steps."""

@@ -40,7 +40,7 @@ import torch
 
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import SampleRows, build_sample_rows, per_row_mean, rollout_times
-from .old_policy import DecaySchedule, OldPolicy
+from .old_policy import DecaySchedule, OldPolicy, old_policy_home
 from .terms.anchor import LowNoiseAnchor
 from .terms.kl import VelocityKL
 from .terms.norm_guard import NormGuard
@@ -102,11 +102,13 @@ class NFTObjective(Objective):
                                           | self.norm_guard.references)
         self.schedule = DecaySchedule(self.opt.decay_flat, self.opt.decay_rate, self.opt.decay_cap)
         self.old: OldPolicy | None = None
+        self.old_home = old_policy_home(cfg.train)  # train.old_policy_device
+        self.lagging_copies = 1
         self._policy = None
         self.steps = 0  # optimizer steps so far: the decay schedule's clock
 
     def setup(self, policy) -> None:
-        self.old = OldPolicy(policy)
+        self.old = OldPolicy(policy, self.old_home)
         self._policy = policy
         if self.self_guidance.active:
             self._uncond = policy.encode_prompts([""])

@@ -10,6 +10,11 @@ tensors must not see the weights change.
 
 Moving toward the trained weights: old <- d * old + (1 - d) * theta, with d from a
 :class:`DecaySchedule` of the number of updates so far.
+
+``train.old_policy_device=cpu`` keeps the copies in host memory (:func:`old_policy_home`): under full
+fine-tuning each copy is a whole weight copy, and so is the stash of the live weights while a copy
+runs, which then goes to host memory too. Costs: every old-policy forward copies the trainable
+weights to the device and the live ones back, and every decay step copies them to the host once.
 """
 
 from __future__ import annotations
@@ -20,7 +25,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import ConfigError
 from ..sharded_tensors import full_tensors, like_param
+
+
+def old_policy_home(train_cfg, engine_name: str | None = None) -> str | None:
+    """Where the lagging copies live: None (beside the trainable weights) or ``"cpu"``
+    (``train.old_policy_device=cpu``). FSDP shards the weights, so whole host copies are refused there
+    in one line (given ``engine_name``)."""
+    home = "cpu" if getattr(train_cfg, "old_policy_device", "auto") == "cpu" else None
+    if home and engine_name == "fsdp":
+        raise ConfigError("train.old_policy_device=cpu keeps whole weights, and FSDP shards them: use "
+                          "train.old_policy_device=auto (fsdp_offload_params: true puts the shards on the CPU)")
+    return home
 
 
 @dataclass(frozen=True)
@@ -41,11 +58,12 @@ class DecaySchedule:
 
 
 @contextlib.contextmanager
-def trainable_weights_loaded(policy, weights: dict[str, Tensor]):
+def trainable_weights_loaded(policy, weights: dict[str, Tensor], stash: str | None = None):
     """Inside, ``policy`` runs with ``weights`` instead of its live trainable weights, which are put back
     on leaving, whatever happens inside (the old policy, a teacher, the EMA all run this way). Take no
-    gradient inside; leave before the forward with gradients."""
-    live = policy.trainable_state_dict()
+    gradient inside; leave before the forward with gradients. ``stash``: where the live weights wait
+    (None: beside them; ``"cpu"``: host memory, no second copy on the device)."""
+    live = {n: p.detach().to(stash, copy=True) for n, p in policy.named_trainable_parameters()}
     policy.load_trainable_state_dict(weights)
     try:
         yield
@@ -58,15 +76,17 @@ class OldPolicy:
 
     Args:
         policy: the trained policy; the copy starts equal to its current trainable weights.
+        home: where the copy lives (:func:`old_policy_home`; None: beside the trainable weights).
     """
 
-    def __init__(self, policy):
-        self.weights = {n: p.detach().clone() for n, p in policy.named_trainable_parameters()}
+    def __init__(self, policy, home: str | None = None):
+        self.home = home
+        self.weights = {n: p.detach().to(home, copy=True) for n, p in policy.named_trainable_parameters()}
         self.updates = 0
 
     def active(self, policy):
         """Inside, ``policy`` runs with the old weights (no gradients should be taken)."""
-        return trainable_weights_loaded(policy, self.weights)
+        return trainable_weights_loaded(policy, self.weights, stash=self.home)
 
     @torch.no_grad()
     def velocity(self, policy, x: Tensor, sigma: Tensor, cond, guidance_scale: float | None = None) -> Tensor:
@@ -78,7 +98,7 @@ class OldPolicy:
     def move_toward(self, policy, decay: float) -> None:
         """old <- decay * old + (1 - decay) * theta; counts one update."""
         for n, p in policy.named_trainable_parameters():
-            self.weights[n].lerp_(p.detach(), 1.0 - decay)
+            self.weights[n].lerp_(p.detach().to(self.home), 1.0 - decay)
         self.updates += 1
 
     def state_dict(self) -> dict:
@@ -88,5 +108,5 @@ class OldPolicy:
 
     def load_state_dict(self, state: dict, policy) -> None:
         live = dict(policy.named_trainable_parameters())
-        self.weights = {n: like_param(t, live[n]).detach().clone() for n, t in state["weights"].items()}
+        self.weights = {n: like_param(t, live[n]).detach().to(self.home, copy=True) for n, t in state["weights"].items()}
         self.updates = int(state["updates"])

@@ -13,7 +13,9 @@ persistent            transformer weights (every expert; FSDP: 1/N plus two gath
                       none on the GPU with ``train.ema_device=cpu``), the frozen reference copy of a
                       full fine-tune whose objective has a base-model term (taken before FSDP shards
                       the denoiser, so whole on every GPU; ``model.reference_device=cpu``: one block
-                      streamed at a time)
+                      streamed at a time), the objective's lagging copies of the trainable weights
+                      (DiffusionNFT's old policy, AWM's, DGPO's and CRD's copies; none on the GPU
+                      with ``train.old_policy_device=cpu``)
 text encoders         resident unless ``model.offload_text_encoders`` (then on the GPU only while
                       prompts are encoded) or ``model.precompute_prompts`` (used once before
                       training, then freed)
@@ -27,7 +29,8 @@ rollout               persistent + resident encoders + trajectory + one no-grad 
                       rollout micro-batch (CFG halves together)
 decode                persistent + resident encoders + trajectory + one VAE decode chunk
 update                persistent + resident encoders + trajectory + gradients + activations of one
-                      training micro-batch + backward's transient buffers
+                      training micro-batch + backward's transient buffers (or, while a lagging copy
+                      runs before that forward, the live trainable weights waiting beside it)
 step                  persistent + resident encoders + trajectory + gradients + the data-parallel
                       gradient sum (one flat float32 copy of every trainable gradient and the copy
                       ``accelerator.reduce`` all-reduces: 8 B per trainable parameter, DDP only) +
@@ -87,6 +90,10 @@ class MemoryInputs:
         sample_bytes: stored trajectory bytes per sample.
         prompt_bytes: stored encoding bytes per prompt.
         samples: samples per iteration over all processes; prompts: prompts per iteration.
+        lagging_copies: the objective's lagging copies of the trainable weights (old policy, EMA
+            reference; ``Objective.lagging_copies``).
+        lagging_on_cpu: ``train.old_policy_device=cpu`` (the copies, and the live weights while a copy
+            runs, in host memory).
     """
 
     transformer_bytes: int
@@ -110,6 +117,8 @@ class MemoryInputs:
     prompt_bytes: int
     samples: int
     prompts: int
+    lagging_copies: int = 0
+    lagging_on_cpu: bool = False
 
 
 def _share(n: int, gpus: int) -> int:
@@ -125,7 +134,7 @@ def _parked_at_encode(kinds: dict, engine: str) -> int:
 
 def per_gpu_budget(x: MemoryInputs, layout: Layout) -> dict:
     """Bytes per GPU of ``x`` on ``layout``: the kinds (``transformer``, ``text_encoders``, ``vae``,
-    ``lora_weights``, ``adamw``, ``ema``, ``reference``, ``gradients``, ``ddp_sum``, ``trajectory``,
+    ``lora_weights``, ``adamw``, ``ema``, ``reference``, ``old_policy``, ``gradients``, ``ddp_sum``, ``trajectory``,
     ``rollout_peak``, ``vae_decode_peak``, ``update_activations``), the phases (``encode``,
     ``rollout``, ``decode``, ``update``, ``step``), ``peak_phase`` and ``total`` (the largest phase)."""
     g, engine = layout.gpus, layout.engine
@@ -146,6 +155,7 @@ def per_gpu_budget(x: MemoryInputs, layout: Layout) -> dict:
         "adamw": keep(2 * trainable),
         "ema": 0 if not x.ema or x.ema_on_cpu else keep(trainable),
         "reference": 0 if not x.reference_copy else block if x.reference_on_cpu else x.transformer_bytes,
+        "old_policy": 0 if x.lagging_on_cpu else x.lagging_copies * keep(trainable),
         # FSDP reduce-scatters one block's whole gradients (a full fine-tune's are a block's size)
         "gradients": keep(trainable) + (block if x.full_finetune and engine != "replicated" else 0),
         "ddp_sum": 2 * 4 * x.trainable_params if engine == "replicated" and g > 1 else 0,
@@ -156,7 +166,11 @@ def per_gpu_budget(x: MemoryInputs, layout: Layout) -> dict:
     micro = min(x.rollout_micro_batch, per_gpu_samples)
     kinds["rollout_peak"] = x.rollout_peak * micro // max(x.rollout_micro_batch, 1)
     kinds["vae_decode_peak"] = x.vae_decode_peak
-    persistent = sum(kinds[k] for k in ("transformer", "vae", "lora_weights", "adamw", "ema", "reference"))
+    persistent = sum(kinds[k] for k in ("transformer", "vae", "lora_weights", "adamw", "ema", "reference",
+                                        "old_policy"))
+    # while a lagging copy runs (before the micro-batch's forward with gradients) the live weights wait
+    # beside it: one more trainable copy on the GPU unless train.old_policy_device=cpu
+    stash = keep(trainable) if x.lagging_copies and not x.lagging_on_cpu else 0
     encoders = kinds["text_encoders"] if x.text_encoders == "resident" else 0
     base = persistent + encoders + kinds["trajectory"]
     optimizer_temp = keep(trainable)
@@ -168,7 +182,7 @@ def per_gpu_budget(x: MemoryInputs, layout: Layout) -> dict:
                                                          x.text_encoders == "precomputed" else 0),
         "rollout": base + kinds["rollout_peak"],
         "decode": base + kinds["vae_decode_peak"],
-        "update": base + kinds["gradients"] + kinds["update_activations"],
+        "update": base + kinds["gradients"] + max(kinds["update_activations"], stash),
         "step": base + kinds["gradients"] + kinds["ddp_sum"] + optimizer_temp,
     }
     peak_phase = max(phases, key=phases.get)

@@ -149,7 +149,9 @@ def run_inputs(trainer, working: bool = True, micro: int | None = None) -> tuple
         update_activations=used, backward_transient=transient, rollout_peak=rollout,
         rollout_micro_batch=micro, vae_decode_peak=decode,
         sample_bytes=4 * math.prod(policy.latent_shape) * (2 * cfg.sampler.num_steps + 1), prompt_bytes=prompt_bytes,
-        samples=samples, prompts=cfg.data.prompts_per_iteration)
+        samples=samples, prompts=cfg.data.prompts_per_iteration,
+        lagging_copies=int(getattr(trainer.objective, "lagging_copies", 0)),
+        lagging_on_cpu=getattr(cfg.train, "old_policy_device", "auto") == "cpu")
     return inputs, note
 
 

@@ -49,11 +49,13 @@ def text_encoder_mode(model_cfg) -> str:
     return "visiting" if model_cfg.offload_text_encoders else "resident"
 
 
-def needs_reference(cfg) -> bool:
-    """Whether ``cfg``'s objective keeps a frozen base model (a full fine-tune then copies the denoiser)."""
+def objective_copies(cfg) -> tuple[bool, int]:
+    """``(needs_reference, lagging_copies)`` of ``cfg``'s objective: whether it keeps a frozen base model
+    (a full fine-tune then copies the denoiser) and how many lagging copies of the trainable weights."""
     from ..objectives import build_objective
 
-    return bool(build_objective(cfg, "cpu").needs_reference)
+    objective = build_objective(cfg, "cpu")
+    return bool(objective.needs_reference), int(objective.lagging_copies)
 
 
 def recipe_inputs(recipe: str, geo: Geometry, info: dict, state: TrainingState, act: ActivationCount,
@@ -61,12 +63,13 @@ def recipe_inputs(recipe: str, geo: Geometry, info: dict, state: TrainingState, 
     """``recipe``'s :class:`MemoryInputs` for a training micro-batch ``geo`` (``info``, ``state``,
     ``act``: :func:`~flowgrpo.realsize.table.recipe_geometry`'s info, the transformer's
     :class:`TrainingState` and activation count), with ``switches`` (``offload_text_encoders``,
-    ``precompute_prompts``, ``reference_device``, ``ema_device``, ``train_mode``) replacing the recipe's.
+    ``precompute_prompts``, ``reference_device``, ``ema_device``, ``old_policy_device``, ``train_mode``)
+    replacing the recipe's.
     Returns ``(inputs, components)``, components: :func:`component_bytes` of the recipe."""
     entry = transformer_config(recipe)
     cfg = recipe_config(recipe, preset)
     for key, value in switches.items():
-        owner = cfg.train if key == "ema_device" else cfg.model
+        owner = cfg.train if key in ("ema_device", "old_policy_device") else cfg.model
         if value is not None:
             setattr(owner, key, value)
     m, tc = cfg.model, cfg.train
@@ -91,17 +94,19 @@ def recipe_inputs(recipe: str, geo: Geometry, info: dict, state: TrainingState, 
                                     if isinstance(v, torch.Tensor) and k not in ("hidden_states", "timestep"))
     per_block_inputs = act.block_inputs // max(len(act.blocks), 1)
     used = act.checkpointing if info["checkpointing"] else act.no_checkpointing
+    reference, lagging = objective_copies(cfg)
     inputs = MemoryInputs(
         transformer_bytes=state.base_bytes, largest_block_bytes=state.largest_block_bytes,
         trainable_params=state.transformer_params if full else state.lora_params,
         trainable_bytes=dtype.itemsize if full else 4, full_finetune=full,
-        reference_copy=full and needs_reference(cfg), reference_on_cpu=getattr(m, "reference_device", "auto") == "cpu",
+        reference_copy=full and reference, reference_on_cpu=getattr(m, "reference_device", "auto") == "cpu",
         ema=bool(tc.ema), ema_on_cpu=getattr(tc, "ema_device", "auto") == "cpu",
         text_encoder_bytes=sum(p["bytes"] for p in parts.values() if p["text_encoder"]),
         text_encoders=text_encoder_mode(m), vae_bytes=parts["vae"]["bytes"],
         update_activations=used, backward_transient=2 * per_block_inputs,
         rollout_peak=rollout, rollout_micro_batch=micro, vae_decode_peak=decode,
-        sample_bytes=sample_bytes, prompt_bytes=prompt_bytes, samples=samples, prompts=cfg.data.prompts_per_iteration)
+        sample_bytes=sample_bytes, prompt_bytes=prompt_bytes, samples=samples, prompts=cfg.data.prompts_per_iteration,
+        lagging_copies=lagging, lagging_on_cpu=tc.old_policy_device == "cpu")
     return inputs, parts
 
 

@@ -34,7 +34,7 @@ from ..advantages import ESTIMATORS, AdvantageResult, valid_reward_mask
 from ..config import RunConfig
 from ..curriculum import groups_with_signal
 from ..objectives import Collected, Credit, UpdateContext, build_objective
-from ..objectives.old_policy import trainable_weights_loaded
+from ..objectives.old_policy import old_policy_home, trainable_weights_loaded
 from ..policies import build_policy
 from ..realsize.micro_batch import AUTO, choose_rollout_micro_batch
 from ..references import resize_references
@@ -124,6 +124,8 @@ class Trainer:
                                   f"a frozen reference copy; {type(self.policy).__name__} has none")
             self.policy.set_reference_device(cfg.model.reference_device)
         self.objective = objective if objective is not None else build_objective(cfg, self.accelerator.device)
+        if self.objective.lagging_copies:  # whole host copies are refused under FSDP, in one line
+            old_policy_home(tc, self.engine.name)
         if self.objective.needs_reference:
             self.policy.snapshot_reference()
         if cfg.dist.context_parallel > 1:  # after the reference copy, which splits its tokens too
