@@ -242,6 +242,10 @@ def test_reference_and_ema_on_the_cpu_match_a_full_fine_tune(tmp_path):
     moved = max(float((e - plain[1][n]).abs().max()) for n, e in plain[2].ema.items())
     print(f"EMA max |difference| {ema_diff:.3g} (EMA vs weights {moved:.3g})")
     assert ema_diff <= 1e-6 and moved > 0
+    live = trainer.policy.trainable_state_dict()
+    with trainer.ema_weights():  # evaluation's swap: the EMA runs, the live weights wait on the CPU
+        assert all(torch.equal(t, trainer.ema[n]) for n, t in trainer.policy.trainable_state_dict().items())
+    assert all(torch.equal(t, live[n]) for n, t in trainer.policy.trainable_state_dict().items())
     state = trainer.state_dict()  # a checkpoint round trip keeps the EMA on the CPU
     trainer.load_state_dict(state)
     assert all(t.device.type == "cpu" for t in trainer.ema.values())

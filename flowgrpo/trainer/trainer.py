@@ -198,8 +198,11 @@ class Trainer:
             self.curriculum.load_state_dict(state.get("curriculum") or {})
 
     def ema_weights(self):
-        """Context manager: the policy runs with the EMA weights inside (no-op without EMA)."""
-        return contextlib.nullcontext() if self.ema is None else trainable_weights_loaded(self.policy, self.ema)
+        """Context manager: the policy runs with the EMA weights inside (no-op without EMA); the live
+        weights wait where the EMA lives (train.ema_device)."""
+        if self.ema is None:
+            return contextlib.nullcontext()
+        return trainable_weights_loaded(self.policy, self.ema, stash=self.ema_home)
 
     # ------------------------------------------------------------------ one iteration
     @torch.no_grad()
