@@ -211,3 +211,28 @@ def test_run_line_warns_when_the_device_lacks_the_memory(tiny_trainer, monkeypat
     assert fits and "device has 80.0 GiB free" in line and not line.startswith("warning")
     forecast.print_memory_forecast(tiny_trainer)
     assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_a_rollout_peak_that_cannot_run_on_meta_is_fitted_on_the_cpu_and_matches_a_direct_count():
+    """HunyuanVideo 1.5 asks whether its image embeddings are all zero (no meta run): its rollout peak
+    is the quadratic through three one-block CPU forwards (its [B, L, L] attention mask is the square
+    term); here against direct counts of a narrow copy at larger sizes and at depth 3."""
+    from flowgrpo.realsize.activations import Geometry, example_inputs
+    from flowgrpo.realsize.configs import build_transformer, transformer_config
+    from flowgrpo.realsize.peaks import _tensor_bytes, no_grad_peak, rollout_forward_peak
+
+    real = transformer_config("hunyuanvideo15")
+    narrow = dataclasses.replace(real, config={
+        **real.config, "num_attention_heads": 2, "attention_head_dim": 32, "text_embed_dim": 64, "text_embed_2_dim": 32,
+        "image_embed_dim": 32, "rope_axes_dim": [8, 12, 12], "num_refiner_layers": 1})
+
+    def direct(geo, layers: int) -> int:
+        model = build_transformer(narrow, device="cpu", dtype=torch.float32, num_layers=layers).eval()
+        inputs, _ = example_inputs(narrow, geo, device="cpu", dtype=torch.float32)
+        return no_grad_peak(lambda: model(**inputs, return_dict=False), [model], inputs) + _tensor_bytes(inputs)
+
+    meta = build_transformer(narrow, dtype=torch.float32)  # the caller's meta copy: not run
+    for side in (16, 28):
+        geo = Geometry(side * 16, 5, 32, 2)
+        fitted = rollout_forward_peak(meta, narrow, geo, torch.float32)
+        assert fitted == pytest.approx(direct(geo, 3), rel=2e-3)

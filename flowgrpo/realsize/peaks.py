@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .activations import Geometry, _flash_attention, example_inputs, latent_grid
+from .activations import CPU_FIT, Geometry, _flash_attention, example_inputs, latent_grid
 from .configs import RealTransformer
 
 
@@ -79,11 +79,48 @@ def _tensor_bytes(obj) -> int:
 def rollout_forward_peak(model: torch.nn.Module, entry: RealTransformer, geo: Geometry,
                          dtype: torch.dtype = torch.bfloat16) -> int:
     """Peak bytes of one no-grad forward of ``model`` (``entry``'s transformer, meta) on a batch of
-    ``geo`` (``geo.batch``: the rollout micro-batch with both CFG halves), its inputs included."""
+    ``geo`` (``geo.batch``: the rollout micro-batch with both CFG halves), its inputs included. A class
+    whose forward branches on tensor values (:data:`~flowgrpo.realsize.activations.CPU_FIT`) is counted
+    by :func:`rollout_peak_fit` instead."""
+    if entry.class_name in CPU_FIT:
+        return rollout_peak_fit(entry, geo, dtype)
     inputs, _ = example_inputs(entry, geo, device="meta", dtype=dtype)
     model.eval()
     peak = no_grad_peak(lambda: model(**inputs, return_dict=False), [model], inputs)
     return peak + _tensor_bytes(inputs)
+
+
+#: latent sides of :func:`rollout_peak_fit`'s three CPU forwards
+SIDES = (4, 8, 12)
+
+
+def rollout_peak_fit(entry: RealTransformer, geo: Geometry, dtype: torch.dtype = torch.bfloat16) -> int:
+    """:func:`rollout_forward_peak` of a class that cannot run on meta tensors (HunyuanVideo 1.5 asks
+    whether its image embeddings are all zero), from three CPU forwards of one block at the real width,
+    text length and frames, at latent sides :data:`SIDES`, extrapolated in the image tokens by the
+    quadratic through them (its joint attention takes a [B, L, L] mask, so the peak has a square term;
+    a memory-efficient kernel keeps the rest linear). A no-grad forward frees each block's tensors
+    before the next, so its peak does not grow with depth."""
+    from .configs import build_transformer
+
+    frames, side, spatial = latent_grid(entry, geo)
+    points = {}
+    model = build_transformer(entry, device="cpu", dtype=dtype, num_layers=1).eval()
+    for n_side in SIDES:  # the real frames (the temporal rotary terms are per frame), small sides
+        small = Geometry(n_side * spatial, geo.frames, geo.text_tokens, geo.batch, geo.reference)
+        inputs, n = example_inputs(entry, small, device="cpu", dtype=dtype)
+        points[n] = no_grad_peak(lambda: model(**inputs, return_dict=False), [model], inputs) + _tensor_bytes(inputs)
+    n_real = frames * side * side
+    # the quadratic through the three points (Lagrange): the masked joint attention's [B, L, L] mask
+    # grows with the square of the tokens (L = image + text)
+    total = 0.0
+    for i, (ni, pi) in enumerate(points.items()):
+        w = 1.0
+        for j, nj in enumerate(points):
+            if j != i:
+                w *= (n_real - nj) / (ni - nj)
+        total += w * pi
+    return int(total)
 
 
 def vae_latent(vae: torch.nn.Module, entry: RealTransformer, geo: Geometry, batch: int,
