@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
+#: ``sampler.max_micro_batch: auto``: the rollout micro-batch chosen from memory (:mod:`.micro_batch`)
+AUTO = "auto"
 #: share of a GPU's memory left for the CUDA context, NCCL buffers and allocator fragmentation
 HEADROOM = 0.10
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .budget import GIB, HEADROOM, Layout, MemoryInputs, per_gpu_budget
+from .budget import AUTO, GIB, HEADROOM, Layout, MemoryInputs, per_gpu_budget
 
-AUTO = "auto"
+__all__ = ["AUTO", "MicroBatchFit", "choose_rollout_micro_batch", "fit_rollout_micro_batch", "process_samples"]
 
 
 @dataclass(frozen=True)

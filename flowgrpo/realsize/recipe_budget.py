@@ -15,11 +15,10 @@ import dataclasses
 import torch
 
 from .activations import ActivationCount, Geometry, example_inputs
-from .budget import LAYOUTS, MemoryInputs, first_fit, per_gpu_budget
+from .budget import AUTO, LAYOUTS, MemoryInputs, first_fit, per_gpu_budget
 from .components import build_component, component_bytes, recipe_components
 from .configs import build_transformer, recipe_config, transformer_config
 from .memory import TrainingState
-from .micro_batch import AUTO
 from .peaks import rollout_forward_peak, vae_decode_peak, vae_latent
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
