@@ -29,15 +29,39 @@ from ..errors import ConfigError
 from ..sharded_tensors import full_tensors, like_param
 
 
-def old_policy_home(train_cfg, engine_name: str | None = None) -> str | None:
-    """Where the lagging copies live: None (beside the trainable weights) or ``"cpu"``
-    (``train.old_policy_device=cpu``). FSDP shards the weights, so whole host copies are refused there
-    in one line (given ``engine_name``)."""
-    home = "cpu" if getattr(train_cfg, "old_policy_device", "auto") == "cpu" else None
+def host_copy_home(key: str, value: str, engine_name: str | None = None) -> str | None:
+    """Where whole copies of the trainable weights placed by config key ``key`` (``auto`` | ``cpu``:
+    ``train.ema_device``, ``train.old_policy_device``) live: None (beside the weights) or ``"cpu"``.
+    FSDP shards the weights, so whole host copies are refused there in one line (given ``engine_name``)."""
+    home = "cpu" if value == "cpu" else None
     if home and engine_name == "fsdp":
-        raise ConfigError("train.old_policy_device=cpu keeps whole weights, and FSDP shards them: use "
-                          "train.old_policy_device=auto (fsdp_offload_params: true puts the shards on the CPU)")
+        raise ConfigError(f"{key}=cpu keeps whole weights, and FSDP shards them: use {key}=auto "
+                          "(fsdp_offload_params: true puts the shards on the CPU)")
     return home
+
+
+def old_policy_home(train_cfg, engine_name: str | None = None) -> str | None:
+    """:func:`host_copy_home` of ``train.old_policy_device``: where the objective's lagging copies live."""
+    return host_copy_home("train.old_policy_device", getattr(train_cfg, "old_policy_device", "auto"), engine_name)
+
+
+def trainable_copy(policy, home: str | None = None) -> dict[str, Tensor]:
+    """A copy of ``policy``'s trainable weights on ``home`` (None: their own device), by name."""
+    return {n: p.detach().to(home, copy=True) for n, p in policy.named_trainable_parameters()}
+
+
+@torch.no_grad()
+def lerp_toward(copy: dict[str, Tensor], policy, weight: float, home: str | None = None) -> None:
+    """copy <- copy + weight * (theta - copy), in place (theta brought to ``home`` first)."""
+    for n, p in policy.named_trainable_parameters():
+        copy[n].lerp_(p.detach().to(home), weight)
+
+
+def copy_loaded(saved: dict[str, Tensor], policy, home: str | None = None) -> dict[str, Tensor]:
+    """A checkpoint's whole tensors laid out like ``policy``'s live trainable weights (sharded where they
+    are), on ``home``."""
+    live = dict(policy.named_trainable_parameters())
+    return {n: like_param(t, live[n]).detach().to(home, copy=True) for n, t in saved.items()}
 
 
 @dataclass(frozen=True)
@@ -63,7 +87,7 @@ def trainable_weights_loaded(policy, weights: dict[str, Tensor], stash: str | No
     on leaving, whatever happens inside (the old policy, a teacher, the EMA all run this way). Take no
     gradient inside; leave before the forward with gradients. ``stash``: where the live weights wait
     (None: beside them; ``"cpu"``: host memory, no second copy on the device)."""
-    live = {n: p.detach().to(stash, copy=True) for n, p in policy.named_trainable_parameters()}
+    live = trainable_copy(policy, stash)
     policy.load_trainable_state_dict(weights)
     try:
         yield
@@ -81,7 +105,7 @@ class OldPolicy:
 
     def __init__(self, policy, home: str | None = None):
         self.home = home
-        self.weights = {n: p.detach().to(home, copy=True) for n, p in policy.named_trainable_parameters()}
+        self.weights = trainable_copy(policy, home)
         self.updates = 0
 
     def active(self, policy):
@@ -97,8 +121,7 @@ class OldPolicy:
     @torch.no_grad()
     def move_toward(self, policy, decay: float) -> None:
         """old <- decay * old + (1 - decay) * theta; counts one update."""
-        for n, p in policy.named_trainable_parameters():
-            self.weights[n].lerp_(p.detach().to(self.home), 1.0 - decay)
+        lerp_toward(self.weights, policy, 1.0 - decay, self.home)
         self.updates += 1
 
     def state_dict(self) -> dict:
@@ -107,6 +130,5 @@ class OldPolicy:
                 "updates": self.updates}
 
     def load_state_dict(self, state: dict, policy) -> None:
-        live = dict(policy.named_trainable_parameters())
-        self.weights = {n: like_param(t, live[n]).detach().to(self.home, copy=True) for n, t in state["weights"].items()}
+        self.weights = copy_loaded(state["weights"], policy, self.home)
         self.updates = int(state["updates"])

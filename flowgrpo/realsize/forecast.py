@@ -65,8 +65,9 @@ def _geometry(policy, cfg, batch: int):
 
 def _rollout_geometry(policy, cfg, entry, micro: int):
     """The rollout forward's geometry: ``micro`` samples, doubled when classifier-free guidance runs."""
-    cfg_rollout = cfg.model.guidance_scale > 1 and not entry.config.get("guidance_embeds")
-    return _geometry(policy, cfg, micro * (2 if cfg_rollout else 1))
+    from .recipe_budget import cfg_in_rollout
+
+    return _geometry(policy, cfg, micro * (2 if cfg_in_rollout(entry, cfg.model.guidance_scale) else 1))
 
 
 def rollout_peak_at(policy, cfg, micro: int) -> int:
@@ -88,9 +89,10 @@ def _meta_counts(policy, cfg, dtype, micro: int) -> tuple[int, int, int, int, st
     from .configs import build_transformer
     from .peaks import rollout_forward_peak, vae_decode_peak
 
+    from .recipe_budget import cfg_in_rollout
+
     entry = _entry_of(policy)
-    cfg_rollout = cfg.model.guidance_scale > 1 and not entry.config.get("guidance_embeds")
-    cfg_update = cfg_rollout and bool(cfg.loss.cfg_uncond_grad)
+    cfg_update = cfg_in_rollout(entry, cfg.model.guidance_scale) and bool(cfg.loss.cfg_uncond_grad)
     geo = _geometry(policy, cfg, cfg.train.micro_batch * (2 if cfg_update else 1))
     try:
         model = build_transformer(entry, dtype=dtype)

@@ -60,9 +60,9 @@ class MicroBatchFit:
         return f"{head} (every sample of a depth in one call; no device memory counted)"
 
 
-def process_samples(inputs: MemoryInputs, gpus: int) -> int:
-    """Samples one process rolls out per iteration: the iteration's samples over ``gpus``, rounded up."""
-    return -(-inputs.samples // max(gpus, 1))
+def process_samples(samples: int, gpus: int) -> int:
+    """Samples one process rolls out per iteration: the iteration's ``samples`` over ``gpus``, rounded up."""
+    return -(-samples // max(gpus, 1))
 
 
 def fit_rollout_micro_batch(inputs: MemoryInputs, layout: Layout, device_bytes: int,
@@ -78,7 +78,7 @@ def fit_rollout_micro_batch(inputs: MemoryInputs, layout: Layout, device_bytes: 
 
     Returns:
         A :class:`MicroBatchFit`; ``micro_batch`` is in ``[1, cap]`` (1 when not even one fits)."""
-    cap = process_samples(inputs, layout.gpus)
+    cap = process_samples(inputs.samples, layout.gpus)
     per_sample = -(-inputs.rollout_peak // max(inputs.rollout_micro_batch, 1))
     base = per_gpu_budget(dataclasses.replace(inputs, rollout_peak=0), layout)["phases"]["rollout"]
     room = int(device_bytes * (1 - headroom)) - base
@@ -106,9 +106,8 @@ def choose_rollout_micro_batch(trainer, device_bytes: int | None = None, recount
     from .forecast import free_device_memory, rollout_peak_at, run_inputs, run_layout
 
     cfg = trainer.cfg
-    samples = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt
     layout = run_layout(trainer)
-    cap = -(-samples // max(layout.gpus, 1))
+    cap = process_samples(cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt, layout.gpus)
     if device_bytes is None:
         free = free_device_memory(trainer.accelerator.device)
         device_bytes = None if free is None else free[1]

@@ -34,7 +34,7 @@ from ..advantages import ESTIMATORS, AdvantageResult, valid_reward_mask
 from ..config import RunConfig
 from ..curriculum import groups_with_signal
 from ..objectives import Collected, Credit, UpdateContext, build_objective
-from ..objectives.old_policy import old_policy_home, trainable_weights_loaded
+from ..objectives.old_policy import copy_loaded, lerp_toward, old_policy_home, trainable_copy, trainable_weights_loaded
 from ..policies import build_policy
 from ..realsize.micro_batch import AUTO, choose_rollout_micro_batch
 from ..references import resize_references
@@ -49,7 +49,7 @@ from ..seeds import ROLLOUT, STEP_SUBSET, derive_seed
 from ..callbacks import CallbackList
 from . import context_parallel
 from .data_parallel import DataParallel
-from .ema import ema_home, ema_loaded, ema_start, ema_update
+from .ema import ema_home
 from .prompt_set import precompute_run_prompts
 from .parts import build_prompts, build_rewards, check_references, model_grid, reward_parts
 from .update_loop import run_update, update_rng
@@ -153,7 +153,7 @@ class Trainer:
         self.objective.setup(self.policy)  # before the EMA copies the weights, which setup may set (Flow-OPD's merge)
         #: where the EMA lives: None (beside the weights) or "cpu" (train.ema_device)
         self.ema_home = ema_home(tc, self.engine.name)
-        self.ema = ema_start(self.policy, self.ema_home) if tc.ema else None
+        self.ema = trainable_copy(self.policy, self.ema_home) if tc.ema else None
         if cfg.model.precompute_prompts:  # after the objective's setup, which may encode the empty prompt
             precompute_run_prompts(cfg, self.prompts, self.policy, self.dp.is_main)
         #: what ``sampler.max_micro_batch=auto`` resolved to (None: a number was configured)
@@ -192,7 +192,7 @@ class Trainer:
         self.iteration = state["iteration"]
         self.engine.load_weights(self.policy, state["trainable"])
         self.engine.load_optimizer_state_dict(state["optimizer"])
-        self.ema = None if state["ema"] is None else ema_loaded(state["ema"], self.policy, self.ema_home)
+        self.ema = None if state["ema"] is None else copy_loaded(state["ema"], self.policy, self.ema_home)
         self.objective.load_state_dict(state.get("objective") or {})
         if self.curriculum is not None:
             self.curriculum.load_state_dict(state.get("curriculum") or {})
@@ -348,7 +348,7 @@ class Trainer:
         train_stats = self.update(col, cr)
         t_train = time.perf_counter() - t1
         if self.ema is not None:
-            ema_update(self.ema, self.policy, cfg.train.ema_decay, self.ema_home)
+            lerp_toward(self.ema, self.policy, 1 - cfg.train.ema_decay, self.ema_home)
         metrics = {"iteration": it}
         for name, r in col.rewards.items():
             fin = torch.isfinite(r)
