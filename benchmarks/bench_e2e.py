@@ -28,6 +28,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -154,7 +155,7 @@ def _print_table(rows: list[dict], target: float, target_name: str) -> None:
     Console().print(table)
 
 
-def plot_e2e(curves: dict[str, dict[int, list[CurvePoint]]], target: float, target_name: str, path: Path,
+def plot_e2e(curves: dict[str, dict[int, list[CurvePoint]]], target: float | None, target_name: str, path: Path,
              min_fidelity: float = 0.0, clock: str = "wall") -> None:
     """Two panels against training minutes: held-out accuracy (with the target line) and image
     fidelity (with the ``min_fidelity`` gate); each seed a thin line, the mean over seeds (on the
@@ -181,7 +182,8 @@ def plot_e2e(curves: dict[str, dict[int, list[CurvePoint]]], target: float, targ
                 mean = np.mean([np.interp(grid, [x for x, _ in r], [y for _, y in r]) for r in runs], axis=0)
                 ax.plot(grid, mean, color=color, ls=style, lw=2,
                         label=f"{preset} ({len(runs)} seed{'s' if len(runs) > 1 else ''})" if key == "accuracy" else None)
-    axes[0].axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_name} final)")
+    if target is not None:  # None: a comparison without a target (e.g. training on another reward)
+        axes[0].axhline(target, color="gray", ls="--", lw=0.8, label=f"target ({target_name} final)")
     if min_fidelity > 0:
         axes[1].axhline(min_fidelity, color="gray", ls="--", lw=0.8, label="fidelity gate: counts toward the target above")
     axes[0].set_ylabel("held-out accuracy")
@@ -213,43 +215,95 @@ def collect_runs(runs_dir: Path) -> dict[str, dict[int, list[CurvePoint]]]:
     return {p: found[p] for p in order}
 
 
-def train_command(preset: str, seed: int, minutes: float, eval_every_s: float, runs_dir: Path,
-                  overrides: list[str] = ()) -> list[str]:
-    """The ``flowgrpo train`` command of one benchmark run (``--resume`` where it was interrupted)."""
-    run_dir = runs_dir / run_name(preset, seed)
+@dataclass(frozen=True)
+class RunSpec:
+    """One ``flowgrpo train`` run of a benchmark: its folder name under RUNS_DIR and its arguments after
+    ``flowgrpo train`` (preset and overrides; the output keys are added by :func:`spec_command`)."""
+
+    name: str
+    args: tuple[str, ...]
+
+
+def spec_command(spec: RunSpec, runs_dir: Path) -> list[str]:
+    """The ``flowgrpo train`` command of ``spec``: ``--resume`` where an interrupted run left a checkpoint."""
+    run_dir = Path(runs_dir) / spec.name
     base = [sys.executable, "-m", "flowgrpo.cli", "train"]
     if (run_dir / "config.yaml").is_file() and any(run_dir.glob("checkpoints/ckpt_*")):
         return [*base, "--resume", str(run_dir)]
-    return [*base, "--preset", preset, f"train.seed={seed}", f"train.max_minutes={minutes}",
-            f"eval.every_minutes={eval_every_s / 60}", f"log.out_dir={runs_dir}", f"log.run_name={run_name(preset, seed)}",
-            "log.progress=false", *overrides]
+    return [*base, *spec.args, f"log.out_dir={runs_dir}", f"log.run_name={spec.name}", "log.progress=false"]
 
 
-def run_all(presets, seeds, minutes: float, eval_every_s: float, runs_dir: Path, jobs: int = 1,
-            overrides: list[str] = ()) -> None:
-    """Train every (preset, seed) without a summary yet, ``jobs`` at a time (each run uses
-    ``train.threads`` threads: the presets' one thread lets 2 runs share 2 cores). Seed-major order:
-    every preset's first seed before any second seed, so an interrupted race compares all presets.
-    Each run's output goes to ``RUNS_DIR/<name>.log``; a failed run is reported and skipped."""
+def train_command(preset: str, seed: int, minutes: float, eval_every_s: float, runs_dir: Path,
+                  overrides: list[str] = ()) -> list[str]:
+    """The ``flowgrpo train`` command of one race run (``--resume`` where it was interrupted)."""
+    return spec_command(race_spec(preset, seed, minutes, eval_every_s, overrides), runs_dir)
+
+
+def race_spec(preset: str, seed: int, minutes: float, eval_every_s: float, overrides: list[str] = ()) -> RunSpec:
+    """The run of ``preset`` on training seed ``seed`` for ``minutes`` with an evaluation every ``eval_every_s``."""
+    return RunSpec(run_name(preset, seed), ("--preset", preset, f"train.seed={seed}", f"train.max_minutes={minutes}",
+                                            f"eval.every_minutes={eval_every_s / 60}", *overrides))
+
+
+def run_specs(specs: list[RunSpec], runs_dir: Path, jobs: int = 1, tag: str = "e2e") -> None:
+    """Train every spec without a ``summary.json`` yet, in the given order, ``jobs`` at a time (each run uses
+    ``train.threads`` threads: the presets' one thread lets 2 runs share 2 cores). A spec whose ``args``
+    name a run folder of an earlier spec (a teacher) waits until that run has its summary. Each run's
+    output goes to ``RUNS_DIR/<name>.log``; a failed run is reported and skipped, and so are the runs
+    that wait on it."""
+    runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    todo = [(p, s) for s in seeds for p in presets if not (runs_dir / run_name(p, s) / "summary.json").is_file()]
+    done = lambda name: (runs_dir / name / "summary.json").is_file()  # noqa: E731
+    names = {sp.name for sp in specs}
+    # a run folder named in an argument, not a longer name that starts with it (teacher-a vs teacher-ab)
+    named = {n: re.compile(re.escape(str(runs_dir / n)) + r"(?![\w.-])") for n in names}
+    needs = {sp.name: {n for n in names if n != sp.name and any(named[n].search(a) for a in sp.args)} for sp in specs}
+    todo = [sp for sp in specs if not done(sp.name)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     running: list[tuple[str, subprocess.Popen, object]] = []
+    failed: set[str] = set()
     while todo or running:
-        while todo and len(running) < max(1, jobs):
-            p, s = todo.pop(0)
-            log = (runs_dir / f"{run_name(p, s)}.log").open("a")
-            print(f"[e2e] start {run_name(p, s)} ({minutes:g} min)", flush=True)
-            cmd = train_command(p, s, minutes, eval_every_s, runs_dir, overrides)
-            running.append((run_name(p, s), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        for sp in [sp for sp in todo if needs[sp.name] & failed]:
+            todo.remove(sp)
+            failed.add(sp.name)
+            print(f"[{tag}] {sp.name} skipped: it needs {', '.join(sorted(needs[sp.name] & failed))}", flush=True)
+        ready = [sp for sp in todo if all(done(n) for n in needs[sp.name])]
+        while ready and len(running) < max(1, jobs):
+            sp = ready.pop(0)
+            todo.remove(sp)
+            log = (runs_dir / f"{sp.name}.log").open("a")
+            print(f"[{tag}] start {sp.name}", flush=True)
+            running.append((sp.name, subprocess.Popen(spec_command(sp, runs_dir), stdout=log,
+                                                      stderr=subprocess.STDOUT, env=env), log))
+        if todo and not running and not ready:
+            raise SystemExit(f"[{tag}] {', '.join(sp.name for sp in todo)} wait on runs that never finish")
         time.sleep(1.0)
         for item in list(running):
             name, proc, log = item
             if proc.poll() is not None:
                 log.close()
                 running.remove(item)
+                if proc.returncode != 0:
+                    failed.add(name)
                 status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see {name}.log)"
-                print(f"[e2e] {name} {status}", flush=True)
+                print(f"[{tag}] {name} {status}", flush=True)
+
+
+def add_runner_arguments(ap: argparse.ArgumentParser, jobs: int = 2) -> None:
+    """The arguments every :func:`run_specs` orchestrator shares (``--jobs``, ``--runs-dir``, ``--out``,
+    ``--aggregate-only`` and trailing ``key=value`` overrides for every run)."""
+    ap.add_argument("--jobs", type=int, default=jobs, help="runs at a time (each one thread by the presets)")
+    ap.add_argument("--runs-dir", required=True, help="where the runs go; reused on restart")
+    ap.add_argument("--out", required=True, help="where the table's CSV, JSON and PNG go")
+    ap.add_argument("--aggregate-only", action="store_true", help="only tabulate the finished runs in --runs-dir")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value applied to every run")
+
+
+def run_all(presets, seeds, minutes: float, eval_every_s: float, runs_dir: Path, jobs: int = 1,
+            overrides: list[str] = ()) -> None:
+    """Train every (preset, seed) without a summary yet, ``jobs`` at a time. Seed-major order: every
+    preset's first seed before any second seed, so an interrupted race compares all presets."""
+    run_specs([race_spec(p, s, minutes, eval_every_s, overrides) for s in seeds for p in presets], runs_dir, jobs)
 
 
 def run_bench_e2e(json_path: str | None = None, presets=PRESETS, seeds=(0, 1), minutes: float = 10.0,

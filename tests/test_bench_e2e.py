@@ -9,8 +9,9 @@ import json
 import pytest
 from conftest import tiny_overrides
 
-from flowgrpo.benchmarks.bench_e2e import (CurvePoint, collect_runs, run_bench_e2e, runs_clock, seconds_to,
-                                           summarize, train_command)
+from flowgrpo.benchmarks import bench_e2e
+from flowgrpo.benchmarks.bench_e2e import (CurvePoint, RunSpec, collect_runs, run_bench_e2e, run_specs, runs_clock,
+                                           seconds_to, summarize, train_command)
 
 
 def curve(*pts):
@@ -99,6 +100,43 @@ def test_interrupted_run_is_resumed(tmp_path):
     (tmp_path / "awm-s2" / "checkpoints" / "ckpt_5").mkdir(parents=True)
     (tmp_path / "awm-s2" / "config.yaml").write_text("{}")
     assert train_command("awm", 2, 10, 60, tmp_path)[-2:] == ["--resume", str(tmp_path / "awm-s2")]
+
+
+def _fake_runs(monkeypatch, fail=()):
+    """Each spec's command: a Python process that logs its start and end and writes the run's summary
+    (or exits 3 for a name in ``fail``), so the scheduling is observable without training."""
+    import sys
+
+    def command(spec, runs_dir):
+        code = ("import json, pathlib, sys, time; d = pathlib.Path(sys.argv[1]); log = d.parent / 'order.txt'\n"
+                "log.open('a').write('start ' + d.name + '\\n'); time.sleep(0.3)\n"
+                f"if d.name in {list(fail)!r}: sys.exit(3)\n"
+                "d.mkdir(); (d / 'summary.json').write_text('{}'); log.open('a').write('end ' + d.name + '\\n')")
+        return [sys.executable, "-c", code, str(runs_dir / spec.name)]
+
+    monkeypatch.setattr(bench_e2e, "spec_command", command)
+
+
+def test_a_run_naming_another_runs_folder_waits_for_its_summary(tmp_path, monkeypatch):
+    _fake_runs(monkeypatch)
+    specs = [RunSpec("teacher-a", ()), RunSpec("student", (f"loss.teachers={{a: {tmp_path / 'teacher-a'}}}",)),
+             RunSpec("teacher-ab", ())]  # a name that starts with teacher-a's: not a dependency of student
+    run_specs(specs, tmp_path, jobs=2)
+    order = (tmp_path / "order.txt").read_text().split("\n")
+    assert order.index("start student") > order.index("end teacher-a")
+    assert order.index("start teacher-ab") < order.index("end teacher-a")  # a free job goes to the next ready run
+    assert all((tmp_path / n / "summary.json").is_file() for n in ("teacher-a", "student", "teacher-ab"))
+    run_specs(specs, tmp_path, jobs=2)  # every run finished: nothing runs again
+    assert (tmp_path / "order.txt").read_text().count("start") == 3
+
+
+def test_a_failed_run_skips_the_runs_that_need_it(tmp_path, monkeypatch, capsys):
+    _fake_runs(monkeypatch, fail=("teacher-a",))
+    run_specs([RunSpec("teacher-a", ()), RunSpec("student", (f"x={tmp_path / 'teacher-a'}",)), RunSpec("b", ())],
+              tmp_path, jobs=1)
+    out = capsys.readouterr().out
+    assert "teacher-a FAILED (exit 3" in out and "student skipped: it needs teacher-a" in out
+    assert (tmp_path / "b" / "summary.json").is_file() and not (tmp_path / "student").exists()
 
 
 def test_bench_e2e_runs_train_and_tabulates_its_summaries(shapes_model_dir, tmp_path):
