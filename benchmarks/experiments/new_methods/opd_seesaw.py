@@ -94,9 +94,14 @@ def collect(runs_dir: Path, seeds, tags, teacher_min: float, student_min: float)
             (baseline_name(s, total), "flow-grpo, the whole pipeline's minutes")]
         found = [(label, json.loads((runs_dir / n / "summary.json").read_text()))
                  for n, label in names if (runs_dir / n / "summary.json").is_file()]
-        if found:
-            rows.append(model_row("base", s, found[0][1], tags, before=True))
-        rows += [model_row(label, s, summ, tags) for label, summ in found]
+        # every run starts from the base except the student, whose evaluation before is its cold start
+        base = next((summ for label, summ in found if label != "flow-opd student"), None)
+        if base is not None:
+            rows.append(model_row("base", s, base, tags, before=True))
+        for label, summ in found:
+            if label == "flow-opd student":
+                rows.append(model_row("student's cold start (before OPD)", s, summ, tags, before=True))
+            rows.append(model_row(label, s, summ, tags))
     return rows
 
 
