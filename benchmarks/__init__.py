@@ -19,7 +19,7 @@ def output_dir(out_dir: str | Path | None = None) -> Path:
     return path
 
 
-def write_json(json_path: str | Path | None, data: dict) -> None:
+def write_json(json_path: str | Path | None, data: dict | list) -> None:
     """Write ``data`` as indented JSON to ``json_path`` (its folder created), if a path is given."""
     if json_path:
         import json

@@ -21,11 +21,12 @@ Variants (each a run ``RUNS/<label>-s<seed>``, resumable):
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 from pathlib import Path
 
+from flowgrpo.benchmarks import print_table, write_csv, write_json
 from flowgrpo.benchmarks.bench_e2e import RunSpec, add_runner_arguments, collect_runs, plot_e2e, run_specs
+from flowgrpo.trainer.metrics import read_metrics
 
 HACK = "jpeg_incompressibility"
 STATS = ("grid_energy", "high_freq", "velocity_norm")
@@ -51,8 +52,7 @@ def specs(labels, seeds, minutes: float, eval_every_min: float, lr: float, norm_
 
 def _train_reward(run_dir: Path, n: int = 5) -> tuple[float, float]:
     """Mean training reward of the first and last ``n`` iterations (metrics.jsonl)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    r = [row["reward_mean"] for row in rows if "reward_mean" in row]
+    r = [row["reward_mean"] for row in read_metrics(run_dir) if "reward_mean" in row]
     return sum(r[:n]) / max(1, len(r[:n])), sum(r[-n:]) / max(1, len(r[-n:]))
 
 
@@ -99,15 +99,11 @@ def main(argv=None) -> None:
     if not rows:
         raise SystemExit(f"no finished run under {runs_dir}")
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "hack_drift.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    (out / "hack_drift.json").write_text(json.dumps(rows, indent=1))
+    write_csv(out / "hack_drift.csv", rows)
+    write_json(out / "hack_drift.json", {"rows": rows})
     keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    print_table(keys, [[f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows],
+                title=f"training on {HACK}: the hack, the scenes it costs and the drift", width=260)
     curves = {k: v for k, v in collect_runs(runs_dir).items() if k in a.variants}
     plot_e2e(curves, None, "", out / "hack_drift.png", clock="cpu")
 

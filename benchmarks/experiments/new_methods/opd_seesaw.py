@@ -22,11 +22,11 @@ The table is each model's final held-out accuracy on each of the tags (the recip
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import textwrap
 from pathlib import Path
 
+from flowgrpo.benchmarks import print_table, write_csv, write_json
 from flowgrpo.benchmarks.bench_e2e import RunSpec, add_runner_arguments, run_specs
 from flowgrpo.shapes.prompts import split_specs
 
@@ -106,18 +106,13 @@ def collect(runs_dir: Path, seeds, tags, teacher_min: float, student_min: float)
 
 
 def report(rows: list[dict], tags, out: Path) -> None:
-    """Print the markdown table; write seesaw.csv, seesaw.json and seesaw.png (per-tag bars per model)."""
+    """Print the table; write seesaw.csv, seesaw.json and seesaw.png (per-tag bars per model)."""
     out.mkdir(parents=True, exist_ok=True)
     keys = ["model", "seed", "cpu_minutes", *tags, "mean_of_tags", "accuracy_all_tags", "fidelity"]
-    with (out / "seesaw.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    (out / "seesaw.json").write_text(json.dumps(rows, indent=1))
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(fmt(r[k]) if k != "cpu_minutes" else f"{r[k]:.1f}" for k in keys) + " |")
+    write_csv(out / "seesaw.csv", rows, keys)
+    write_json(out / "seesaw.json", {"rows": rows})
+    print_table(keys, [[f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows],
+                title="Flow-OPD student, its teachers and multi-task Flow-GRPO: held-out accuracy per tag")
     import matplotlib
 
     matplotlib.use("Agg")
