@@ -1,8 +1,8 @@
 """The 2026 presets' rows of the method race (issue 47, item 7): ``crd`` and ``flow-opd`` in the protocol of
 docs/results/method_race.md, beside reference rows (``--references``: flow-grpo, whose final accuracy is
-the race's target, and the default ``shapes-nft``) re-run on the same base model and evaluation. The race
-itself ran on an earlier shipped base (held-out 0.449 on its evaluation; the current one reads 0.469), so
-its committed curves are not mixed in unless ``--race-json`` names them.
+the race's target, and the default ``shapes-nft``) re-run on the same base model and evaluation. The
+committed race ran on an earlier shipped base (held-out 0.449 on its evaluation; the current one reads
+0.469), so its curves are not mixed in.
 
 The race's protocol: each run trains ``--minutes`` CPU-minutes (``train.clock=cpu``) from the shipped
 base with the preset's own settings and the shapes recipe's per-method lr, and evaluates on held-out
@@ -16,15 +16,14 @@ paused). Resumable: finished runs are reused, interrupted ones resumed.
   teacher trains ``--teacher-minutes`` (every tag routed to it through ``default_teacher``), then the
   student trains the rest of ``--minutes`` from the base (``cold_start=none``: with one teacher the
   preset's merge would be the teacher itself, and the row would measure nothing of the distillation)
-  at the teacher's lr. The row's curve is the teacher's up to its minutes, then the student's, offset
+  at the teacher's lr (the shapes recipe's for shapes-nft). The row's curve is the teacher's up to its minutes, then the student's, offset
   by them: the model one would ship at each moment of the pipeline.
 
-The new rows are tabulated together with the race's finished curves (``--race-json``, the race's
-``e2e.json``) by the race's own summary (``bench_e2e.summarize``): ``e2e.csv``, ``e2e.png``,
+The rows are tabulated by the race's own summary (``bench_e2e.summarize``): ``e2e.csv``, ``e2e.png``,
 ``e2e.json`` and ``lr_screen.csv`` in ``--out``.
 
     python benchmarks/experiments/new_methods/race_rows.py --seeds 0 1 --jobs 1 --runs-dir RUNS \\
-        --out benchmarks/results/method_race/new_presets
+        --out benchmarks/results/new_methods/race
 """
 
 from __future__ import annotations
@@ -37,15 +36,14 @@ from flowgrpo.benchmarks import write_csv
 from flowgrpo.benchmarks.bench_e2e import (CurvePoint, RunSpec, add_runner_arguments, race_spec, run_curve,
                                            run_specs, summarize)
 
-# the race's evaluation (docs/results/method_race.md), not the recipe's larger one: the rows must be
-# read against the race's committed curves; eval.seen=false: the curve never uses the seen pools
-RACE_EVAL = ("eval.num_prompts=64", "eval.seeds_per_prompt=4", "eval.seen=false", "train.clock=cpu")
+# the race's settings (docs/results/method_race.md): its evaluation, not the recipe's larger one, and
+# CPU time as the clock; eval.seen=false: the curve never uses the seen pools
+RACE_SETTINGS = ("eval.num_prompts=64", "eval.seeds_per_prompt=4", "eval.seen=false", "train.clock=cpu")
 SCREEN_LR, FALLBACK_LR, SCREEN_MIN_FIDELITY = 1e-5, 3e-6, 0.98
-TEACHER_LR = 6e-5  # shapes-nft's lr on the shapes world (flowgrpo/recipes/shapes.yaml)
 
 
 def screen_spec(seed: int, minutes: float) -> RunSpec:
-    return race_spec("crd", seed, minutes, 60.0, [f"train.lr={SCREEN_LR}", *RACE_EVAL])
+    return race_spec("crd", seed, minutes, 60.0, [f"train.lr={SCREEN_LR}", *RACE_SETTINGS])
 
 
 def screened_lr(runs_dir: Path, seed: int) -> tuple[float, list[CurvePoint]]:
@@ -55,16 +53,20 @@ def screened_lr(runs_dir: Path, seed: int) -> tuple[float, list[CurvePoint]]:
     return (SCREEN_LR if ok else FALLBACK_LR), curve
 
 
-def opd_specs(seed: int, runs_dir: Path, minutes: float, teacher_minutes: float, eval_every_s: float) -> list[RunSpec]:
+def opd_specs(seed: int, runs_dir: Path, minutes: float, teacher_minutes: float, eval_every_s: float,
+              overrides: list[str] = ()) -> list[RunSpec]:
     """The teacher (shapes-nft) and the student (flow-opd from the base) of one race seed."""
-    teacher = f"opd-teacher-s{seed}"
+    from flowgrpo.config.schema import load_config
+
+    teacher, teacher_lr = f"opd-teacher-s{seed}", load_config("shapes-nft").train.lr
     every = f"eval.every_minutes={eval_every_s / 60}"
     return [RunSpec(teacher, ("--preset", "shapes-nft", f"train.seed={seed}", f"train.max_minutes={teacher_minutes}",
-                              every, *RACE_EVAL)),
+                              every, *RACE_SETTINGS, *overrides)),
             RunSpec(f"flow-opd-s{seed}", ("--preset", "flow-opd", f"train.seed={seed}",
                                           f"train.max_minutes={minutes - teacher_minutes}", every,
                                           f"loss.flow_opd.default_teacher={runs_dir / teacher}",
-                                          "loss.flow_opd.cold_start=none", f"train.lr={TEACHER_LR}", *RACE_EVAL))]
+                                          "loss.flow_opd.cold_start=none", f"train.lr={teacher_lr}", *RACE_SETTINGS,
+                                          *overrides))]
 
 
 def opd_curve(runs_dir: Path, seed: int) -> list[CurvePoint]:
@@ -79,12 +81,6 @@ def opd_curve(runs_dir: Path, seed: int) -> list[CurvePoint]:
                       for i, p in enumerate(student)]
 
 
-def race_curves(path: Path) -> dict[str, dict[int, list[CurvePoint]]]:
-    """The race's finished curves from its ``e2e.json``."""
-    curves = json.loads(Path(path).read_text())["curves"]
-    return {p: {int(s): [CurvePoint(*pt) for pt in c] for s, c in seeds.items()} for p, seeds in curves.items()}
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="race training seeds")
@@ -95,8 +91,6 @@ def main(argv=None) -> None:
     ap.add_argument("--screen-minutes", type=float, default=3.0)
     ap.add_argument("--references", nargs="*", default=["flow-grpo", "shapes-nft"],
                     help="race presets re-run beside the new rows (flow-grpo's final accuracy is the target, as in the race)")
-    ap.add_argument("--race-json", default="",
-                    help="a race's e2e.json whose curves join the table (only if it ran on the same base model)")
     add_runner_arguments(ap, jobs=1)
     a = ap.parse_args(argv)
     if a.screen_seed in a.seeds:
@@ -113,19 +107,17 @@ def main(argv=None) -> None:
     if not a.aggregate_only:
         specs = []
         for s in a.seeds:  # seed-major, as the race: an interrupted run has every row on its first seed
-            specs += [race_spec(p, s, a.minutes, a.eval_every, [*RACE_EVAL, *a.overrides]) for p in a.references[:1]]
-            specs += [race_spec("crd", s, a.minutes, a.eval_every, [f"train.lr={lr}", *RACE_EVAL, *a.overrides])]
-            specs += opd_specs(s, runs_dir, a.minutes, a.teacher_minutes, a.eval_every)
-            specs += [race_spec(p, s, a.minutes, a.eval_every, [*RACE_EVAL, *a.overrides]) for p in a.references[1:]]
+            race = lambda p, *extra: race_spec(p, s, a.minutes, a.eval_every, [*extra, *RACE_SETTINGS, *a.overrides])  # noqa: E731
+            specs += [race(p) for p in a.references[:1]] + [race("crd", f"train.lr={lr}")]
+            specs += opd_specs(s, runs_dir, a.minutes, a.teacher_minutes, a.eval_every, a.overrides)
+            specs += [race(p) for p in a.references[1:]]
         run_specs(specs, runs_dir, a.jobs, tag="race")
-    curves = race_curves(Path(a.race_json)) if a.race_json else {}
-    for p in a.references:
-        done = {s: run_curve(runs_dir / f"{p}-s{s}") for s in a.seeds if (runs_dir / f"{p}-s{s}" / "summary.json").is_file()}
-        if done:
-            curves[p] = done
-    for label, curve_of in (("crd", lambda s: run_curve(runs_dir / f"crd-s{s}")),
-                            ("flow-opd (teacher counted)", lambda s: opd_curve(runs_dir, s))):
-        done = {s: curve_of(s) for s in a.seeds if (runs_dir / f"{label.split()[0]}-s{s}" / "summary.json").is_file()}
+    # label -> (the run whose summary marks a seed finished, the seed's curve)
+    rows = {p: (p, lambda s, p=p: run_curve(runs_dir / f"{p}-s{s}")) for p in [*a.references, "crd"]}
+    rows["flow-opd (teacher counted)"] = ("flow-opd", lambda s: opd_curve(runs_dir, s))
+    curves = {}
+    for label, (run, curve_of) in rows.items():
+        done = {s: curve_of(s) for s in a.seeds if (runs_dir / f"{run}-s{s}" / "summary.json").is_file()}
         if done:
             curves[label] = done
     out.mkdir(parents=True, exist_ok=True)
