@@ -129,6 +129,19 @@ def tiny_config(shapes_model_dir):
     return make
 
 
+# --------------------------------------------------------------------------- experiment scripts
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"
+
+
+def load_experiment(relpath: str):
+    """The module of the script ``benchmarks/experiments/<relpath>`` (scripts there are not a package)."""
+    spec = importlib.util.spec_from_file_location(Path(relpath).stem, EXPERIMENTS / relpath)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 # --------------------------------------------------------------------------- CLI helpers
 
 

@@ -4,7 +4,6 @@ summaries."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,15 +11,13 @@ import pytest
 
 from flowgrpo.benchmarks.bench_e2e import CurvePoint
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "new_methods" / "race_rows.py"
+
+from conftest import load_experiment
 
 
 @pytest.fixture(scope="module")
 def race_rows():
-    spec = importlib.util.spec_from_file_location("race_rows", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("new_methods/race_rows.py")
 
 
 def write_run(folder: Path, before: tuple, curve: list[tuple], train_seconds: float) -> None:
