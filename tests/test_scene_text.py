@@ -260,3 +260,54 @@ def test_base_recipe_runs_its_stages_in_order_and_skips_finished_ones(tmp_path, 
     assert capsys.readouterr().out.count("already finished") == 2
     assert (final / "model.safetensors").stat().st_mtime_ns == before
     assert len((tmp_path / "stage2" / "pretrain_log.jsonl").read_text().splitlines()) == 1
+
+
+def test_count_tokens_hold_each_groups_count_alone():
+    """With count tokens the count leaves the group token for a token of its own per group; without them
+    the layout is the shipped one, and weights without the key load without them."""
+    tok, plain = SceneTokenizer(count_tokens=True), SceneTokenizer()
+    ids, old = tok(["three red squares", "a red circle left of a blue square"]), plain(["three red squares"])
+    assert ids.shape == (2, 5, 5) and old.shape == (1, 3, 5)
+    count = 1  # the field index of the count
+    assert ids[0, 0, count] == 0 and old[0, 0, count] != 0  # the group token lost its count ...
+    assert ids[0, 3, count] == old[0, 0, count] and ids[0, 3, 2:].eq(0).all()  # ... to a token holding only it
+    assert ids[0, 4].eq(ids[0, 1]).all()  # no object group: its count slot is the empty one too
+    assert ids[1, 3, count] == ids[1, 4, count] != 0 and ids[1, 3, 0] != ids[1, 4, 0]  # two groups, two roles
+    assert torch.equal(ids[:, :3, 2:], torch.cat([old, plain(["a red circle left of a blue square"])])[:, :, 2:])
+    assert SceneTokenizer.labels("two blue circles", count_tokens=True) == [
+        "<group>", "<none>", "<relation>", "<count>", "<none>"]
+    assert tok([""]).eq(0).all()
+
+
+def test_count_token_model_encodes_five_tokens_and_old_weights_load_without_them(tmp_path):
+    model = ShapesFlowModel(ShapesModelConfig(num_layers=1, count_tokens=True)).eval()
+    hidden, pooled = model.encode(["two blue circles", "three blue circles", ""])
+    assert hidden.shape == (3, 5, model.cfg.text_dim) and pooled.shape == (3, model.cfg.text_dim)
+    assert not torch.allclose(hidden[0, 3], hidden[1, 3])  # the count token tells two from three
+    loaded = _reload_without_key(ShapesFlowModel(ShapesModelConfig(num_layers=1)), tmp_path, "count_tokens")
+    assert loaded.cfg.count_tokens is False and loaded.encode(["two blue circles"])[0].shape[1] == 3
+    with pytest.raises(ValueError, match="count_tokens needs the scene text encoder"):
+        ShapesModelConfig(text_encoder="words", count_tokens=True)
+
+
+def test_pretrain_adopts_weights_without_count_tokens(tmp_path):
+    """``--count-tokens --init-model`` of weights without them: every weight of the same shape is copied, the
+    grown role table keeps the old rows, and the pooled map's new columns start at zero, so a prompt's pooled
+    vector is a function of the old three tokens' new states only."""
+    from safetensors.torch import load_file
+
+    from flowgrpo.shapes import pretrain
+
+    tiny = ["--batch", "4", "--eval-every", "100", "--eval-prompts", "2", "--threads", "1", "--layers", "1",
+            "--heads", "2", "--head-dim", "16", "--text-dim", "32", "--warmup", "1", "--device", "cpu"]
+    pretrain.main(["--out", str(tmp_path / "a"), "--steps", "1", *tiny])
+    src = tmp_path / "a" / "snapshots" / "final"
+    pretrain.main(["--out", str(tmp_path / "c"), "--steps", "0", "--count-tokens", "--init-model", str(src), *tiny])
+    a = load_file(str(src / "model.safetensors"))
+    c = load_file(str(tmp_path / "c" / "snapshots" / "final" / "model.safetensors"))
+    assert ShapesFlowModel.load(tmp_path / "c" / "snapshots" / "final").cfg.count_tokens
+    roles, pool = "text_encoder.fields.0.weight", "text_encoder.pool.weight"
+    assert c[roles].shape[0] == a[roles].shape[0] + 2 and torch.equal(c[roles][: a[roles].shape[0]], a[roles])
+    dim = a[pool].shape[0]
+    assert torch.equal(c[pool][:, : 3 * dim], a[pool]) and c[pool][:, 3 * dim:].eq(0).all()
+    assert all(torch.equal(a[k], c[k]) for k in a if k not in (roles, pool))

@@ -79,12 +79,17 @@ class ShapesModelConfig:
     # a learned attention bias per head between image cells by their row and column offset
     # (flowgrpo.shapes.cell_bias); weights whose config.json lacks the key were trained without it
     cell_offset_bias: bool = False
+    # scene encoder only: a count token per group beside its colour-shape token (see scene_text);
+    # weights whose config.json lacks the key were trained without them
+    count_tokens: bool = False
 
     def __post_init__(self):
         if self.text_encoder not in TEXT_ENCODERS:
             raise ValueError(f"text_encoder must be one of {TEXT_ENCODERS}, got {self.text_encoder!r}")
         if self.position_code not in POSITION_CODES:
             raise ValueError(f"position_code must be one of {POSITION_CODES}, got {self.position_code!r}")
+        if self.count_tokens and self.text_encoder != "scene":
+            raise ValueError("count_tokens needs the scene text encoder (text_encoder='scene')")
 
 
 #: the image tokens' position codes a shapes model can have (``ShapesModelConfig.position_code``)
@@ -165,8 +170,8 @@ class ShapesFlowModel(nn.Module):
         self.cfg = cfg or ShapesModelConfig()
         c = self.cfg
         if c.text_encoder == "scene":
-            self.tokenizer = SceneTokenizer(group_relation=c.group_relation)
-            self.text_encoder = SceneTextEncoder(c.text_dim, c.text_layers)
+            self.tokenizer = SceneTokenizer(group_relation=c.group_relation, count_tokens=c.count_tokens)
+            self.text_encoder = SceneTextEncoder(c.text_dim, c.text_layers, count_tokens=c.count_tokens)
         else:
             self.tokenizer = WordTokenizer(c.max_tokens)
             self.text_encoder = WordTextEncoder(c)
@@ -191,7 +196,8 @@ class ShapesFlowModel(nn.Module):
             install_cell_offset_bias(self.transformer, c.image_size // c.patch_size)
 
     def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
-        """Prompts -> (hidden [B, L, text_dim], pooled [B, text_dim]); L = 3 slots (scene) or max_tokens (words)."""
+        """Prompts -> (hidden [B, L, text_dim], pooled [B, text_dim]); L = 3 slots (scene; 5 with count tokens)
+        or max_tokens (words)."""
         device = next(self.text_encoder.parameters()).device
         if self.cfg.text_encoder == "scene":
             return self.text_encoder(self.tokenizer(prompts).to(device))
@@ -202,7 +208,7 @@ class ShapesFlowModel(nn.Module):
         """What each of the L tokens of ``prompt`` stands for (a word, or a slot's content), so that
         the tokens of two prompts made of the same parts can be matched (the probe)."""
         if self.cfg.text_encoder == "scene":
-            return SceneTokenizer.labels(prompt)
+            return SceneTokenizer.labels(prompt, self.cfg.count_tokens)
         w = ["<bos>"] + prompt.lower().replace(",", " ").split() + ["<eos>"]
         return (w + ["<pad>"] * self.cfg.max_tokens)[: self.cfg.max_tokens]
 

@@ -121,6 +121,28 @@ def cell_noise_levels(x0: torch.Tensor, sigma: torch.Tensor, lead_prob: float, g
     return levels
 
 
+def adopt_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state`` into ``model`` where the two differ only in the scene encoder's token layout (weights
+    without count tokens into a model with them, or back): every tensor of the same shape is copied;
+    a table or matrix that grew keeps its new rows as initialised and gets the old block in its corner,
+    except the pooled map's new input columns, which start at zero so that the new tokens first change
+    nothing. Any other difference (a missing key, another rank) is the RuntimeError load_state_dict gives."""
+    own = model.state_dict()
+    if set(own) != set(state):
+        model.load_state_dict(state)  # raises, naming the keys
+    for name, old in state.items():
+        new = own[name]
+        if new.shape == old.shape:
+            new.copy_(old)
+            continue
+        if new.ndim != old.ndim:
+            raise RuntimeError(f"{name}: shape {tuple(old.shape)} cannot become {tuple(new.shape)}")
+        if name.endswith("pool.weight"):
+            new.zero_()
+        block = tuple(slice(0, min(a, b)) for a, b in zip(new.shape, old.shape))
+        new[block] = old[block]
+
+
 def resolve_device(name: str) -> torch.device:
     """``--device``: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; a
     CUDA device that is not there is a one-line error naming the choices."""
@@ -168,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-group-relation", dest="group_relation", action="store_false",
                     help="scene encoder: leave the group tokens' relation field empty (as the first scene weights; "
                          "the MMDiT then does not learn relations)")
+    ap.add_argument("--count-tokens", action="store_true",
+                    help="scene encoder: a count token per group beside its colour-shape token (see scene_text); "
+                         "--init-model may then name weights without them (see adopt_weights)")
     d = ShapesModelConfig()
     ap.add_argument("--layers", type=int, default=d.num_layers, help="MMDiT blocks of the model")
     ap.add_argument("--heads", type=int, default=d.num_attention_heads, help="attention heads")
@@ -217,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     model_cfg = ShapesModelConfig(num_layers=args.layers, num_attention_heads=args.heads,
                                   attention_head_dim=args.head_dim, text_dim=args.text_dim,
                                   text_encoder=args.text_encoder, group_relation=args.group_relation,
-                                  position_code=args.position_code, cell_offset_bias=args.cell_offset_bias)
+                                  position_code=args.position_code, cell_offset_bias=args.cell_offset_bias,
+                                  count_tokens=args.count_tokens)
     model = ShapesFlowModel(model_cfg)
     if args.init_transformer and args.init_model:
         raise SystemExit("give one of --init-transformer (the MMDiT only) and --init-model (every weight)")
@@ -226,7 +252,10 @@ def main(argv: list[str] | None = None) -> None:
         init = ShapesFlowModel.load(folder)
         target, source = (model, init) if args.init_model else (model.transformer, init.transformer)
         try:
-            target.load_state_dict(source.state_dict())
+            if args.init_model and init.cfg.count_tokens != model_cfg.count_tokens:
+                adopt_weights(target, source.state_dict())
+            else:
+                target.load_state_dict(source.state_dict())
         except RuntimeError as exc:
             raise SystemExit(f"{option} {folder}: its weights do not fit the model that --layers/--heads/--head-dim/"
                              f"--text-dim/--position-code/--cell-offset-bias ask for ({str(exc).splitlines()[0]})") from None

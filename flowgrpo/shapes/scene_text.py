@@ -27,10 +27,18 @@ builds the conditioning from the parse instead:
   position codes changed nothing. With the side in the group token, "which cells does this group
   go to" is one query-key match, and the same probe showed the left/right column skew after 500
   steps (docs/shapes_world.md). ``group_relation=False`` reads prompts as the first scene weights did.
+* **Count tokens (``count_tokens=True``).** Two more slots, one per group, hold that group's count
+  alone (role "subject count" / "object count" + the count field), and the group tokens leave their
+  count field null. The frozen encoder keeps the count a direction of its own either way, but the
+  MMDiT runs every text token through its own MLP block after block, where a count summed into the
+  colour-shape token comes out entangled with them (measured:
+  ``benchmarks/experiments/counting/count_directions.py``); in a token of its own only attention
+  can combine it with the glyph. Weights without the key load with False.
 * The empty prompt (classifier-free guidance's unconditional branch) is the all-null slot layout.
 
-``SceneTokenizer(prompts)`` -> ``ids [B, 3, 5]`` long (per slot: role, count, colour, shape,
-relation; 0 = null); ``SceneTextEncoder(ids)`` -> ``(hidden [B, 3, text_dim], pooled [B, text_dim])``.
+``SceneTokenizer(prompts)`` -> ``ids [B, S, 5]`` long (per slot: role, count, colour, shape,
+relation; 0 = null; S = 3, or 5 with count tokens); ``SceneTextEncoder(ids)`` -> ``(hidden [B, S,
+text_dim], pooled [B, text_dim])``.
 """
 
 from __future__ import annotations
@@ -42,14 +50,21 @@ from ..errors import UserError
 from .prompts import parse_prompt
 from .world import COLORS, FLIPPED, NUMBERS, RELATIONS, SHAPES, VOCAB
 
-#: slot roles (index 0 = the null slot of an empty prompt)
-ROLES = ("<null>", "subject", "object", "relation", "<none>")
+#: slot roles (index 0 = the null slot of an empty prompt); the last two only with count tokens, so
+#: that weights without them keep their 5-row role table
+ROLES = ("<null>", "subject", "object", "relation", "<none>", "subject count", "object count")
+COUNT_ROLES = 2
 COUNTS = ("<none>", "1", *map(str, NUMBERS))
 COLOUR_FIELD = ("<none>", "any", *COLORS)
 SHAPE_FIELD = ("<none>", *SHAPES)
 RELATION_FIELD = ("<none>", "<no relation>", *RELATIONS)
 FIELDS = (ROLES, COUNTS, COLOUR_FIELD, SHAPE_FIELD, RELATION_FIELD)
-NUM_SLOTS = 3
+NUM_SLOTS = 3  # without count tokens
+
+
+def num_slots(count_tokens: bool) -> int:
+    """Tokens per prompt: two groups and the relation, plus a count token per group when asked."""
+    return NUM_SLOTS + (2 if count_tokens else 0)
 
 
 class VocabularyError(UserError, ValueError):
@@ -72,26 +87,28 @@ class SceneVocabularyError(VocabularyError):
 
 
 class SceneTokenizer:
-    """Prompts -> slot field ids ``[B, 3, 5]`` long (role, count, colour, shape, relation; 0 = null).
+    """Prompts -> slot field ids ``[B, S, 5]`` long (role, count, colour, shape, relation; 0 = null).
 
-    ``group_relation``: the group slots carry the relation from their own side (the subject the
+    ``count_tokens``: a count token per group after the relation (S = 5), the group tokens' count
+    field left null; False: S = 3, the count in the group token. ``group_relation``: the group slots carry the relation from their own side (the subject the
     prompt's relation, the object its opposite); False leaves their relation field null, as the
     first scene weights were trained. ``""`` (the unconditional prompt) gives the all-null layout. A
     prompt outside the grammar raises :class:`SceneVocabularyError` with the parser's reason and the
     vocabulary."""
 
-    def __init__(self, group_relation: bool = True):
+    def __init__(self, group_relation: bool = True, count_tokens: bool = False):
         self.group_relation = group_relation
+        self.count_tokens = count_tokens
 
     def __call__(self, prompts: list[str]) -> Tensor:
-        return torch.tensor([self.slots(p, self.group_relation) for p in prompts],
-                            dtype=torch.long).view(len(prompts), NUM_SLOTS, len(FIELDS))
+        return torch.tensor([self.slots(p, self.group_relation, self.count_tokens) for p in prompts],
+                            dtype=torch.long).view(len(prompts), num_slots(self.count_tokens), len(FIELDS))
 
     @staticmethod
-    def slots(prompt: str, group_relation: bool = True) -> list[list[int]]:
-        """The [3][5] field ids of one prompt."""
+    def slots(prompt: str, group_relation: bool = True, count_tokens: bool = False) -> list[list[int]]:
+        """The [S][5] field ids of one prompt (S = :func:`num_slots`)."""
         if not prompt.strip():
-            return [[0] * len(FIELDS) for _ in range(NUM_SLOTS)]
+            return [[0] * len(FIELDS) for _ in range(num_slots(count_tokens))]
         try:
             spec = parse_prompt(" ".join(prompt_words(prompt)))
         except VocabularyError:
@@ -101,48 +118,54 @@ class SceneTokenizer:
                                        "(docs/shapes_world.md)") from None
         # the relation from each group's side: A is "left of" B exactly when B is "right of" A
         sides = (spec.relation, FLIPPED[spec.relation]) if (spec.relation and group_relation) else (None, None)
-        rows = []
+        rows, counts = [], []
         for i in range(2):
             if i < len(spec.objects):
                 o = spec.objects[i]
-                rows.append([ROLES.index("subject" if i == 0 else "object"), COUNTS.index(str(o.count)),
+                count = COUNTS.index(str(o.count))
+                rows.append([ROLES.index("subject" if i == 0 else "object"), 0 if count_tokens else count,
                              COLOUR_FIELD.index(o.color or "any"), SHAPE_FIELD.index(o.shape),
                              RELATION_FIELD.index(sides[i]) if sides[i] else 0])
+                counts.append([ROLES.index("subject count" if i == 0 else "object count"), count, 0, 0, 0])
             else:
                 rows.append([ROLES.index("<none>"), 0, 0, 0, 0])
+                counts.append([ROLES.index("<none>"), 0, 0, 0, 0])
         rel = RELATION_FIELD.index(spec.relation) if spec.relation else RELATION_FIELD.index("<no relation>")
         rows.append([ROLES.index("relation"), 0, 0, 0, rel])
-        return rows
+        return rows + counts if count_tokens else rows
 
     @staticmethod
-    def labels(prompt: str) -> list[str]:
-        """The kind of each of the 3 slots ("<group>", "<none>", "<relation>"): the probe
+    def labels(prompt: str, count_tokens: bool = False) -> list[str]:
+        """The kind of each slot ("<group>", "<none>", "<relation>", "<count>"): the probe
         (:func:`flowgrpo.shapes.probe.pair_sensitivity`) matches tokens within a kind, so two group
         tokens count as the same only if they match in either order (the MMDiT's joint attention gives
         text tokens no position: a permutation of them is invisible to it)."""
         if not prompt.strip():
-            return ["<null>"] * NUM_SLOTS
+            return ["<null>"] * num_slots(count_tokens)
         n = len(parse_prompt(prompt.replace(",", " ")).objects)
-        return ["<group>"] * n + ["<none>"] * (2 - n) + ["<relation>"]
+        groups = ["<group>"] * n + ["<none>"] * (2 - n)
+        return groups + ["<relation>"] + ([g.replace("group", "count") for g in groups] if count_tokens else [])
 
 
 class SceneTextEncoder(nn.Module):
     """Field embeddings -> per-slot MLP -> ``layers`` Transformer layers; pooled = Linear(concat(slots)).
 
-    ``forward(ids [B, 3, 5])`` -> ``(hidden [B, 3, dim], pooled [B, dim])``."""
+    ``forward(ids [B, S, 5])`` -> ``(hidden [B, S, dim], pooled [B, dim])``; S = ``num_slots(count_tokens)``."""
 
-    def __init__(self, dim: int, layers: int = 2, heads: int = 4):
+    def __init__(self, dim: int, layers: int = 2, heads: int = 4, count_tokens: bool = False):
         super().__init__()
-        self.fields = nn.ModuleList(nn.Embedding(len(f), dim) for f in FIELDS)
+        sizes = [len(f) for f in FIELDS]
+        sizes[0] -= 0 if count_tokens else COUNT_ROLES
+        self.fields = nn.ModuleList(nn.Embedding(n, dim) for n in sizes)
         self.mix = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
         layer = nn.TransformerEncoderLayer(dim, nhead=heads, dim_feedforward=2 * dim, batch_first=True,
                                            norm_first=True, dropout=0.0)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
-        self.pool = nn.Linear(NUM_SLOTS * dim, dim)
+        self.pool = nn.Linear(num_slots(count_tokens) * dim, dim)
 
     def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        h = sum(emb(ids[..., k]) for k, emb in enumerate(self.fields))  # [B, 3, dim]
+        h = sum(emb(ids[..., k]) for k, emb in enumerate(self.fields))  # [B, S, dim]
         h = h + self.mix(h)  # nonlinear within a slot: colour x shape x count, before slots exchange anything
         h = self.norm(self.encoder(h))
         return h, self.pool(h.flatten(1))
