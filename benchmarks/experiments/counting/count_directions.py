@@ -5,10 +5,11 @@ hold at both counts, take the difference of the subject group's vector at the tw
 count is represented apart from colour and shape, these differences point the same way whatever the
 group is ("three" minus "two" is one vector), and their mean pairwise cosine is near 1. Read at:
 
-* ``text_group`` / ``pooled``: the frozen scene encoder's group token and pooled vector;
+* ``text_group`` / ``pooled``: the frozen scene encoder's token that holds the count (the group token,
+  or the subject's count token in a model with count tokens) and pooled vector;
 * ``ctx_proj``: the transformer's context projection of the group token;
 * ``temb``: the timestep + pooled embedding that modulates every block (adaLN);
-* ``blockK_ctx``: the group token's context-stream state after MMDiT block K (the last block keeps no
+* ``blockK_ctx``: that token's context-stream state after MMDiT block K (the last block keeps no
   context output), with one fixed noise image for every prompt, at ``sigma`` 0.9 and 0.5.
 
 A value that falls inside the transformer says its per-token layers mix the count with the colour
@@ -63,11 +64,12 @@ def measure(weights: str | None, sigmas=(0.9, 0.5), seed: int = 0) -> dict[str, 
         # diffusers' joint block returns (context, image); the last one keeps no context (None)
         hooks.append(block.register_forward_hook(
             lambda m, a, o, k=k: caught.__setitem__(f"block{k}_ctx", o[0]) if o[0] is not None else None))
-    out = {"weights": desc}
+    slot = 3 if model.cfg.count_tokens else 0  # the subject's count token, else its group token
+    out = {"weights": desc, "count_slot": slot}
     try:
         with torch.no_grad():
             hidden, pooled = model.encode([s.prompt for s in specs])
-            out["text_group"] = direction_consistency(hidden[:, 0], specs)
+            out["text_group"] = direction_consistency(hidden[:, slot], specs)
             out["pooled"] = direction_consistency(pooled, specs)
             noise = torch.randn(1, *policy.latent_shape, generator=torch.Generator().manual_seed(seed))
             for sigma in sigmas:
@@ -75,7 +77,7 @@ def measure(weights: str | None, sigmas=(0.9, 0.5), seed: int = 0) -> dict[str, 
                 model.predict(noise.expand(len(specs), *noise.shape[1:]), torch.full((len(specs),), sigma),
                               hidden, pooled)
                 for name, value in caught.items():
-                    vec = value if name == "temb" else value[:, 0]
+                    vec = value if name == "temb" else value[:, slot]
                     out[f"sigma{sigma}:{name}"] = direction_consistency(vec, specs)
     finally:
         for h in hooks:
@@ -92,7 +94,7 @@ def main(argv=None) -> None:
     rows = [measure(None if w == "base" else w) for w in a.weights]
     for r in rows:
         print(r["weights"])
-        print("  " + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "weights"))
+        print("  " + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k not in ("weights", "count_slot")))
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 
