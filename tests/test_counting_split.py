@@ -83,3 +83,19 @@ def test_count_directions_are_one_when_the_count_is_added_apart_and_fall_when_it
     assert directions.direction_consistency(additive, specs) == pytest.approx(1.0, abs=1e-9)
     mixed = torch.tanh(3 * additive) * torch.stack([colour[s.objects[0].color] for s in specs])
     assert directions.direction_consistency(mixed, specs) < 0.5
+
+
+def test_plot_draws_every_result_from_the_json_files(split, tmp_path):
+    import json
+
+    res = {pool: {"accuracy": 0.9, "per_prompt": {"two red squares": 0.5, "four yellow triangles": 0.25}}
+           for pool in ("train", "heldout")}
+    files = []
+    for name in ("a", "b"):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(res))
+    split.main(["--plot", str(tmp_path / "p.png"), *map(str, files)])
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        split.main(["--plot", str(tmp_path / "q.png")])  # no result to draw: an argparse error, nothing written
+    assert not (tmp_path / "q.png").exists()

@@ -14,6 +14,7 @@ Also per count (2, 3, 4): the accuracy on each pool, which says whether one numb
 (a count the model cannot draw) or only on unseen colour-shape pairs (a count it cannot transfer).
 
     python benchmarks/experiments/counting/counting_split.py --weights RUN_OR_WEIGHTS --seeds 32 --out F.json
+    python benchmarks/experiments/counting/counting_split.py --plot F.png A.json B.json ...   # per-prompt bars
 """
 
 from __future__ import annotations
@@ -69,12 +70,46 @@ def measure(policy, shift: float, seeds: int, base_seed: int = 70000) -> dict:
     return out
 
 
+def plot(results: list[dict], labels: list[str], out: Path) -> None:
+    """Accuracy of every held-out counting prompt, one bar per result, with each result's training-pool
+    accuracy as a dashed line of its colour: the gap between the two is the generalisation gap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prompts = list(results[0]["heldout"]["per_prompt"])
+    width = 0.8 / len(results)
+    fig, ax = plt.subplots(figsize=(10, 4.4))
+    for k, (res, label) in enumerate(zip(results, labels)):
+        bars = ax.bar([i + k * width for i in range(len(prompts))], [res["heldout"]["per_prompt"][p] for p in prompts],
+                      width, label=label)
+        ax.axhline(res["train"]["accuracy"], color=bars.patches[0].get_facecolor(), ls="--", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(prompts))])
+    ax.set_xticklabels([p.replace(" ", "\n", 1) for p in prompts], fontsize=7)
+    ax.set_ylabel("correct (held-out prompt)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, ncol=min(len(results), 7), loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    ax.set_title("Held-out counting prompts (bars) against the trained ones (dashed), per model")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", default=None, help="a run folder, checkpoint or weights folder (default: shipped)")
     ap.add_argument("--seeds", type=int, default=32, help="samples per prompt")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
+    ap.add_argument("--plot", nargs="+", default=None, metavar=("PNG", "JSON"),
+                    help="instead of measuring: draw PNG from the JSON results given after it (labels: file stems)")
     a = ap.parse_args(argv)
+    if a.plot:
+        if len(a.plot) < 2:
+            ap.error("--plot needs the PNG to write and at least one JSON result")
+        files = [Path(f) for f in a.plot[1:]]
+        plot([json.loads(f.read_text()) for f in files], [f.stem for f in files], Path(a.plot[0]))
+        return
     torch.set_num_threads(1)
     policy, shift, desc = load_shapes_policy(a.weights)
     with torch.no_grad():
