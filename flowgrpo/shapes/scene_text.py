@@ -90,9 +90,9 @@ class SceneTokenizer:
     """Prompts -> slot field ids ``[B, S, 5]`` long (role, count, colour, shape, relation; 0 = null).
 
     ``count_tokens``: a count token per group after the relation (S = 5), the group tokens' count
-    field left null; False: S = 3, the count in the group token. ``group_relation``: the group slots carry the relation from their own side (the subject the
-    prompt's relation, the object its opposite); False leaves their relation field null, as the
-    first scene weights were trained. ``""`` (the unconditional prompt) gives the all-null layout. A
+    field left null; False: S = 3, the count in the group token. ``group_relation``: the group slots
+    carry the relation from their own side (the subject the prompt's relation, the object its
+    opposite); False leaves their relation field null, as the first scene weights were trained. ``""`` (the unconditional prompt) gives the all-null layout. A
     prompt outside the grammar raises :class:`SceneVocabularyError` with the parser's reason and the
     vocabulary."""
 
