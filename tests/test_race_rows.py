@@ -11,7 +11,6 @@ import pytest
 
 from flowgrpo.benchmarks.bench_e2e import CurvePoint
 
-
 from conftest import load_experiment
 
 

@@ -154,9 +154,8 @@ class SceneTextEncoder(nn.Module):
 
     def __init__(self, dim: int, layers: int = 2, heads: int = 4, count_tokens: bool = False):
         super().__init__()
-        sizes = [len(f) for f in FIELDS]
-        sizes[0] -= 0 if count_tokens else COUNT_ROLES
-        self.fields = nn.ModuleList(nn.Embedding(n, dim) for n in sizes)
+        roles = len(ROLES) - (0 if count_tokens else COUNT_ROLES)
+        self.fields = nn.ModuleList(nn.Embedding(n, dim) for n in (roles, *map(len, FIELDS[1:])))
         self.mix = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
         layer = nn.TransformerEncoderLayer(dim, nhead=heads, dim_feedforward=2 * dim, batch_first=True,
                                            norm_first=True, dropout=0.0)

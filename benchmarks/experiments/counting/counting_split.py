@@ -52,7 +52,7 @@ def measure(policy, shift: float, seeds: int, base_seed: int = 70000) -> dict:
     out = {}
     for pool, specs in zip(("train", "heldout"), split_specs("counting")):
         prompts = [s.prompt for s in specs for _ in range(seeds)]
-        # every sample its own noise; the held-out pool's seeds continue where the training pool's stop
+        # every sample its own noise; the held-out pool's seeds start 10,000 later, so no noise is shared
         start = base_seed + (0 if pool == "train" else 10_000)
         imgs = to_uint8(generate_ode(policy, prompts, list(range(start, start + len(prompts))), shift=shift))
         modes, per_prompt, per_count = Counter(), {}, {}

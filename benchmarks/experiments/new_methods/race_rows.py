@@ -16,8 +16,8 @@ paused). Resumable: finished runs are reused, interrupted ones resumed.
   teacher trains ``--teacher-minutes`` (every tag routed to it through ``default_teacher``), then the
   student trains the rest of ``--minutes`` from the base (``cold_start=none``: with one teacher the
   preset's merge would be the teacher itself, and the row would measure nothing of the distillation)
-  at the teacher's lr (the shapes recipe's for shapes-nft). The row's curve is the teacher's up to its minutes, then the student's, offset
-  by them: the model one would ship at each moment of the pipeline.
+  at the teacher's lr (the shapes recipe's for shapes-nft). The row's curve is the teacher's up to its
+  minutes, then the student's, offset by them: the model one would ship at each moment of the pipeline.
 
 The rows are tabulated by the race's own summary (``bench_e2e.summarize``): ``e2e.csv``, ``e2e.png``,
 ``e2e.json`` and ``lr_screen.csv`` in ``--out``.
