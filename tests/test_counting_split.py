@@ -99,3 +99,22 @@ def test_plot_draws_every_result_from_the_json_files(split, tmp_path):
     with pytest.raises(SystemExit):
         split.main(["--plot", str(tmp_path / "q.png")])  # no result to draw: an argparse error, nothing written
     assert not (tmp_path / "q.png").exists()
+
+
+def test_colour_free_rl_trains_the_world_with_the_share(monkeypatch, tmp_path):
+    """The script hands the trainer the world's prompt source with its share of colour-free counting
+    draws (the run's seed kept), and refuses a run that does not draw from the world."""
+    import flowgrpo
+    from flowgrpo.shapes.prompts import free_counting_specs
+
+    script = load_experiment("counting/colour_free_rl.py")
+    got = {}
+    monkeypatch.setattr(flowgrpo, "train", lambda trainer: got.setdefault("trainer", trainer) and {})
+    script.main(["--share", "1.0", "train.seed=4", f"log.out_dir={tmp_path}"])
+    prompts = got["trainer"].prompts
+    assert prompts.seed == 4 and prompts.world.free_counting_share == 1.0
+    drawn = [parse_prompt(p) for it in range(20) for p in prompts.batch(it, 8)]
+    counting = [s for s in drawn if s.tag == "counting"]
+    assert counting and all(s in free_counting_specs() for s in counting)
+    with pytest.raises(SystemExit, match="data.prompts=shapes"):
+        script.main(["--share", "0.5", f"data.prompts={tmp_path / 'p.txt'}"])

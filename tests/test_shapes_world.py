@@ -14,10 +14,11 @@ from flowgrpo.evaluation import paired_gain
 from flowgrpo.shapes.evaluate import heldout_prompts, score_shapes
 from flowgrpo.rewards import build_reward
 from flowgrpo.shapes.pretrain import make_batch, parse_noise
-from flowgrpo.shapes.prompts import (factor_pairs, heldout_specs, is_heldout, parse_prompt,
-                                     seen_specs, split_specs)
+from flowgrpo.shapes.prompts import (FREE_COUNTING_SHARE, TrainingPrompts, factor_pairs, free_counting_specs,
+                                     heldout_specs, is_heldout, parse_prompt, sample_train_spec, seen_specs,
+                                     split_specs)
 from flowgrpo.shapes.verify import UNKNOWN, detect, verify
-from flowgrpo.shapes.world import (CELL, GRID, SHAPES, TAGS, VOCAB, ObjectSpec, SceneSpec, all_specs, draw, place,
+from flowgrpo.shapes.world import (CELL, GRID, NUMBERS, SHAPES, TAGS, VOCAB, ObjectSpec, SceneSpec, all_specs, draw, place,
                                    render, sample_spec, wrong_scene)
 
 
@@ -119,6 +120,34 @@ def test_heldout_prompts_are_never_trained_on():
     trained = [p for it in range(50) for p in PromptSource("shapes", seed=3).batch(it, 8)]
     assert not any(is_heldout(parse_prompt(p)) for p in trained)
     assert len({parse_prompt(p).tag for p in trained}) == len(TAGS)
+
+
+def test_colour_free_counting_prompts_train_the_count_and_never_show_a_held_out_scene():
+    free = free_counting_specs()
+    assert len(set(free)) == len(NUMBERS) * len(SHAPES)
+    assert all(parse_prompt(s.prompt) == s and s.objects[0].color is None for s in free)
+    held = split_specs("counting")[1]
+    assert held and all(o.color for s in held for o in s.objects) and not any(is_heldout(s) for s in free)
+    rng = np.random.default_rng(11)
+    assert FREE_COUNTING_SHARE == 0.0 and not any(sample_train_spec(rng, "counting") in free for _ in range(500))
+    drawn = [sample_train_spec(rng, "counting", 0.25) for _ in range(3000)]
+    assert abs(np.mean([s in free for s in drawn]) - 0.25) < 0.03
+    assert set(free) <= set(drawn) and not any(is_heldout(s) for s in drawn)
+    source = PromptSource("shapes", seed=1)
+    source.world = TrainingPrompts(1.0)
+    assert all(parse_prompt(p) in free for p in source.draw(0, 200).prompts if parse_prompt(p).tag == "counting")
+    _, captions = make_batch(rng, 400, drop_prob=0.0, noise=parse_noise("0"), free_counting_share=1.0)
+    assert any(parse_prompt(c) in free for c in captions)
+    assert all(parse_prompt(c) in free for c in captions if parse_prompt(c).tag == "counting")
+    # a colour-free group comes out in two colours at least, so none of its images satisfies a coloured
+    # counting prompt (a held-out one included), while the verifier accepts it for its own caption
+    rng = np.random.default_rng(12)
+    for spec in free * 30:
+        objs = place(spec, rng)
+        assert len({colour for _, colour, _, _ in objs}) > 1
+        img = draw(objs)
+        assert verify(spec, img)["correct"] == 1.0
+        assert not any(verify(h, img)["correct"] for h in all_specs("counting"))
 
 
 def test_caption_noise_rate_matches_the_setting():

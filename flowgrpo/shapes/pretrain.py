@@ -38,7 +38,7 @@ from ..errors import UserError
 from ..safe_load import load_tensors
 from ..samplers.schedule import shift_sigmas
 from .model import POSITION_CODES, TEXT_ENCODERS, ShapesFlowModel, ShapesModelConfig
-from .prompts import sample_train_spec
+from .prompts import FREE_COUNTING_SHARE, sample_train_spec
 from .world import CELL, GRID, TAGS, draw, place, wrong_scene
 
 # Probability that a training image violates its caption, per tag. With conditioning that can tell the
@@ -80,16 +80,18 @@ def parse_noise(text: str | None, defaults: dict[str, float] = DEFAULT_CAPTION_N
     return noise
 
 
-def make_batch(rng: np.random.Generator, batch: int, drop_prob: float,
-               noise: dict[str, float], tag_weights: dict[str, float] | None = None) -> tuple[torch.Tensor, list[str]]:
+def make_batch(rng: np.random.Generator, batch: int, drop_prob: float, noise: dict[str, float],
+               tag_weights: dict[str, float] | None = None,
+               free_counting_share: float = FREE_COUNTING_SHARE) -> tuple[torch.Tensor, list[str]]:
     """Training pairs: images [B, 3, 32, 32] in [-1, 1] and captions ('' with prob ``drop_prob``).
 
-    Tags are drawn in proportion to ``tag_weights`` (None: uniform). With probability ``noise[tag]``
-    the image shows a scene that violates its caption."""
+    Tags are drawn in proportion to ``tag_weights`` (None: uniform), and a counting draw is colour-free
+    with probability ``free_counting_share`` (:func:`~flowgrpo.shapes.prompts.sample_train_spec`). With
+    probability ``noise[tag]`` the image shows a scene that violates its caption."""
     p = None if tag_weights is None else np.array([tag_weights[t] for t in TAGS]) / sum(tag_weights[t] for t in TAGS)
     imgs, prompts = [], []
     for _ in range(batch):
-        spec = sample_train_spec(rng, None if p is None else TAGS[rng.choice(len(TAGS), p=p)])
+        spec = sample_train_spec(rng, None if p is None else TAGS[rng.choice(len(TAGS), p=p)], free_counting_share)
         shown = wrong_scene(spec, rng) if rng.random() < noise[spec.tag] else spec
         imgs.append(draw(place(shown, rng)))
         prompts.append("" if rng.random() < drop_prob else spec.prompt)
@@ -180,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "classifier-free guidance needs)")
     ap.add_argument("--tag-weights", default=None,
                     help="relative share of each tag in the batches, e.g. 'position=3' (default: position 3, others 1)")
+    ap.add_argument("--free-counting-share", type=float, default=FREE_COUNTING_SHARE,
+                    help="share of the counting captions that name no colour ('four triangles', see "
+                         "flowgrpo.shapes.prompts); default 0, the world the shipped weights were pretrained on")
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--eval-cfg", type=float, default=3.0, help="second guidance scale evaluated (besides 1)")
     ap.add_argument("--eval-prompts", type=int, default=66, help="held-out prompts per evaluation (2 seeds each)")
@@ -233,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     tag_weights = parse_noise(args.tag_weights, DEFAULT_TAG_WEIGHTS, "--tag-weights")
     if not 0.0 <= args.caption_dropout < 1.0:
         raise SystemExit(f"--caption-dropout must be in [0, 1), got {args.caption_dropout}")
+    if not 0.0 <= args.free_counting_share <= 1.0:
+        raise SystemExit(f"--free-counting-share must be in [0, 1], got {args.free_counting_share}")
     if min(tag_weights.values()) < 0 or sum(tag_weights.values()) <= 0:
         raise SystemExit(f"--tag-weights must be >= 0 with a positive sum, got {tag_weights}")
     out = Path(args.out)
@@ -294,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.time() - elapsed
     losses: list[float] = []
     while step < args.steps and time.time() - start < args.minutes * 60:
-        x0, prompts = make_batch(rng, args.batch, args.caption_dropout, noise, tag_weights)
+        x0, prompts = make_batch(rng, args.batch, args.caption_dropout, noise, tag_weights,
+                                 args.free_counting_share)
         sigma = shift_sigmas(torch.sigmoid(torch.randn(args.batch)), args.sigma_shift)
         eps = torch.randn_like(x0)
         s = cell_noise_levels(x0, sigma, args.lead_prob, lead_gen)

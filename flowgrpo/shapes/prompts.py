@@ -10,6 +10,15 @@ pretraining nor GRPO ever sees them. Each held-out prompt is an interpolation: e
 it combines within a group appears in some training prompt (:func:`factor_pairs`). ``single_object``
 has only three prompts, too few to split: its held-out samples use seen prompts with new seeds
 (reported apart as ``unseen`` = False).
+
+Training can also draw **colour-free counting prompts** ("four triangles", GenEval's own counting form:
+:func:`free_counting_specs`) as a share of the counting draws (``free_counting_share``; off by default).
+They train the count with its shape alone, where every coloured counting prompt ties it to one
+colour-shape pair. They sit outside the split (none is held out; the held-out pools are the coloured
+prompts' either way), and a colour-free group is never drawn in one colour
+(:func:`~flowgrpo.shapes.world.place`), so no training image shows a held-out prompt's scene. Measured
+in pretraining and in RL, they did not make the default's counting generalise
+(docs/results/counting_generalisation.md), so the default world leaves them out.
 """
 
 from __future__ import annotations
@@ -22,6 +31,10 @@ from .world import COLORS, NUMBERS, RELATIONS, SHAPES, TAGS, ObjectSpec, SceneSp
 
 HELDOUT_SEED = 20261122
 HELDOUT_FRACTION = 0.25
+#: default share of the counting draws of training (pretraining's and RL's) that are colour-free counting
+#: prompts (:func:`free_counting_specs`): none, the world as measured everywhere. 0.25 (about their share
+#: of the counting prompts, 9 of 37) did not help held-out counting: docs/results/counting_generalisation.md
+FREE_COUNTING_SHARE = 0.0
 UNSPLIT_TAGS = ("single_object",)  # too few prompts to hold any out
 _WORD_TO_NUMBER = {w: n for n, w in NUMBERS.items()}
 
@@ -129,9 +142,23 @@ def is_heldout(spec: SceneSpec) -> bool:
     return spec.tag not in UNSPLIT_TAGS and spec in split_specs(spec.tag)[1]
 
 
-def sample_train_spec(rng: np.random.Generator, tag: str | None = None) -> SceneSpec:
-    """A random *training* scene (uniform over tags, then over the tag's training pool)."""
+@lru_cache(maxsize=None)
+def free_counting_specs() -> tuple[SceneSpec, ...]:
+    """The colour-free counting prompts, "two circles" ... "four triangles" (count, then shape order):
+    training-only, outside :func:`split_specs` (see the module docstring)."""
+    return tuple(SceneSpec("counting", (ObjectSpec(s, None, n),)) for n in NUMBERS for s in SHAPES)
+
+
+def sample_train_spec(rng: np.random.Generator, tag: str | None = None,
+                      free_counting_share: float = FREE_COUNTING_SHARE) -> SceneSpec:
+    """A random *training* scene: uniform over tags, then over the tag's training pool; for counting, a
+    colour-free counting prompt (:func:`free_counting_specs`) with probability ``free_counting_share``.
+    At share 0 (the default) no random number is spent on the choice, so the draws are those of the
+    world without colour-free counting, the one the shipped weights were pretrained on."""
     tag = tag or TAGS[rng.integers(len(TAGS))]
+    if tag == "counting" and free_counting_share > 0 and rng.random() < free_counting_share:
+        free = free_counting_specs()
+        return free[rng.integers(len(free))]
     pool = split_specs(tag)[0]
     return pool[rng.integers(len(pool))]
 
@@ -164,11 +191,17 @@ def seen_specs(num_prompts: int = 64) -> list[SceneSpec]:
 
 class TrainingPrompts:
     """The training pools as a procedural prompt source (:class:`flowgrpo.data.PromptSource` with
-    ``data.prompts=shapes``): fresh prompts every draw, never a held-out one; keyed by the six tags."""
+    ``data.prompts=shapes``): fresh prompts every draw (:func:`sample_train_spec`, with
+    ``free_counting_share`` of the counting draws colour-free), never a held-out one; keyed by the six tags."""
 
     tags = TAGS
 
+    def __init__(self, free_counting_share: float = FREE_COUNTING_SHARE):
+        if not 0.0 <= free_counting_share <= 1.0:
+            raise ValueError(f"free_counting_share must be in [0, 1], got {free_counting_share}")
+        self.free_counting_share = free_counting_share
+
     def sample(self, rng: np.random.Generator, tag: str | None = None) -> tuple[str, str]:
         """(prompt, tag) of one training scene drawn with ``rng`` (of ``tag`` when given)."""
-        spec = sample_train_spec(rng, tag)
+        spec = sample_train_spec(rng, tag, self.free_counting_share)
         return spec.prompt, spec.tag

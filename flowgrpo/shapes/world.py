@@ -198,9 +198,24 @@ def relation_cells_kind(relation: str, a: tuple[int, int], b: tuple[int, int]) -
 def place(spec: SceneSpec, rng: np.random.Generator) -> list[tuple[str, str, int, int]]:
     """Random cells for the objects of ``spec``: ``[(shape, colour, row, col)]``, one object a cell.
 
-    Free colours are drawn at random; a relation, when given, holds between the first object of
-    group 0 and the first object of group 1.
+    Free colours are drawn at random, except that a group of two or more objects with a free colour
+    ("four triangles") never comes out in one colour: drawn again until it shows two colours at least.
+    Why: such a scene would be the image of a coloured prompt ("four yellow triangles") that may be
+    held out, under another caption. A relation, when given, holds between the first object of group 0
+    and the first object of group 1.
     """
+    while True:
+        objs = _place_once(spec, rng)
+        start, one_colour = 0, False
+        for o in spec.objects:
+            if o.color is None and o.count > 1:
+                one_colour |= len({col for _, col, _, _ in objs[start:start + o.count]}) == 1
+            start += o.count
+        if not one_colour:
+            return objs
+
+
+def _place_once(spec: SceneSpec, rng: np.random.Generator) -> list[tuple[str, str, int, int]]:
     objs = []
     for o in spec.objects:
         for _ in range(o.count):
