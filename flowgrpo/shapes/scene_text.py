@@ -92,9 +92,9 @@ class SceneTokenizer:
     ``count_tokens``: a count token per group after the relation (S = 5), the group tokens' count
     field left null; False: S = 3, the count in the group token. ``group_relation``: the group slots
     carry the relation from their own side (the subject the prompt's relation, the object its
-    opposite); False leaves their relation field null, as the first scene weights were trained. ``""`` (the unconditional prompt) gives the all-null layout. A
-    prompt outside the grammar raises :class:`SceneVocabularyError` with the parser's reason and the
-    vocabulary."""
+    opposite); False leaves their relation field null, as the first scene weights were trained.
+    ``""`` (the unconditional prompt) gives the all-null layout. A prompt outside the grammar raises
+    :class:`SceneVocabularyError` with the parser's reason and the vocabulary."""
 
     def __init__(self, group_relation: bool = True, count_tokens: bool = False):
         self.group_relation = group_relation
