@@ -25,6 +25,9 @@ EVALUATORS.register_lazy("unigenbench", "flowgrpo.unigenbench.evaluator:UniGenBe
 EVALUATORS.register_lazy("edit", "flowgrpo.evaluation.edit:EditEvaluator")
 EVALUATORS.register_lazy("bench", "flowgrpo.evaluation.bench:BenchEvaluator")
 
+#: the prefix of a tag's accuracy in a ``metrics.jsonl`` line (``eval_accuracy.counting``)
+TAG_METRIC = "eval_accuracy."
+
 
 @dataclass
 class EvalResult:
@@ -74,10 +77,19 @@ class EvalResult:
 
     def metrics(self) -> dict:
         """The entries of an evaluation during training in its ``metrics.jsonl`` line: ``eval_accuracy``,
-        ``eval_accuracy_se``, ``eval_accuracy_unseen``, ``eval_fidelity`` and each monitor as ``monitor.<name>``."""
+        ``eval_accuracy_se``, ``eval_accuracy_unseen``, ``eval_fidelity``, each tag's accuracy as
+        ``eval_accuracy.<tag>`` (:data:`TAG_METRIC`; the tag that lags shows while the run trains) and each
+        monitor as ``monitor.<name>``."""
         return {"eval_accuracy": self.accuracy, "eval_accuracy_se": self.accuracy_se,
-                "eval_accuracy_unseen": self.accuracy_unseen,
-                "eval_fidelity": self.fidelity, **{f"monitor.{k}": v for k, v in self.monitors.items()}}
+                "eval_accuracy_unseen": self.accuracy_unseen, "eval_fidelity": self.fidelity,
+                **{TAG_METRIC + tag: v for tag, v in self.per_tag.items()},
+                **{f"monitor.{k}": v for k, v in self.monitors.items()}}
+
+
+def per_tag_from_metrics(line: dict) -> dict[str, float]:
+    """The per-tag accuracies of a ``metrics.jsonl`` line written by :meth:`EvalResult.metrics` (tag ->
+    accuracy; empty for a line without an evaluation, or from a run before tags were logged)."""
+    return {key[len(TAG_METRIC):]: v for key, v in line.items() if key.startswith(TAG_METRIC)}
 
 
 class Evaluator(Protocol):

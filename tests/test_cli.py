@@ -153,8 +153,10 @@ def test_end_to_end_run_directory(cli_run_dir):
     assert s["eval_before"]["accuracy_se"] == pytest.approx(statistics.stdev(float(c) for c in before) / 2)
     assert curve[0] == {"iteration": 0, "train_seconds": 0.0, "accuracy": s["eval_before"]["accuracy"],
                         "accuracy_se": s["eval_before"]["accuracy_se"],
-                        "accuracy_unseen": s["eval_before"]["accuracy_unseen"], "fidelity": s["eval_before"]["fidelity"]}
+                        "accuracy_unseen": s["eval_before"]["accuracy_unseen"], "fidelity": s["eval_before"]["fidelity"],
+                        "per_tag": s["eval_before"]["per_tag"]}
     assert curve[-1]["accuracy"] == s["eval_after"]["accuracy"] and curve[-1]["iteration"] == RUN_ITERATIONS
+    assert curve[-1]["per_tag"] == s["eval_after"]["per_tag"]
     assert all(b["train_seconds"] >= a["train_seconds"] for a, b in zip(curve, curve[1:]))
     assert s["eval_before_seen"]["num_samples"] == s["eval_after_seen"]["num_samples"] == 4
 

@@ -78,3 +78,48 @@ def test_the_shapes_world_summary_names_its_evaluator(tmp_path, shapes_model_dir
     assert summary["eval_after"]["num_samples"] == cfg.eval.num_prompts * cfg.eval.seeds_per_prompt
     before = json.loads((tmp_path / "s" / "eval_before.json").read_text())
     assert len(before["correct"]) == summary["eval_before"]["num_samples"]
+
+
+def test_each_evaluation_logs_its_tags_and_a_resumed_run_keeps_them_in_its_curve(tmp_path, shapes_model_dir):
+    """``eval_accuracy.<tag>`` in every evaluation's metrics line; the summary's curve carries each
+    point's ``per_tag``, the points before a resume rebuilt from those lines."""
+    from flowgrpo.cli import main
+
+    over = tiny_overrides(shapes_model_dir, **{"eval.every": 1, "eval.num_prompts": 6, "log.trackers": "[]",
+                                               "log.out_dir": str(tmp_path), "log.run_name": "r"})
+    assert main(["train", *over]) == 0
+    run = tmp_path / "r"
+    assert main(["train", "--resume", str(run), "train.iterations=4"]) == 0
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    evaluated = [ln for ln in lines if "eval_accuracy" in ln]
+    summary = json.loads((run / "summary.json").read_text())
+    tags = set(summary["eval_before"]["per_tag"])
+    assert len(tags) >= 2
+    # one evaluation after each iteration but each run's last (iteration 1: the first run's final one, 3:
+    # the summary's own)
+    assert [ln["iteration"] for ln in evaluated] == [0, 2]
+    for ln in evaluated:
+        logged = {k.split(".", 1)[1]: v for k, v in ln.items() if k.startswith("eval_accuracy.")}
+        assert set(logged) == tags and all(0.0 <= v <= 1.0 for v in logged.values())
+    curve = summary["eval_curve"]
+    assert [c["iteration"] for c in curve] == [0, 1, 3, 4]
+    assert curve[0]["per_tag"] == summary["eval_before"]["per_tag"]
+    assert curve[-1]["per_tag"] == summary["eval_after"]["per_tag"]
+    for point, ln in zip(curve[1:-1], evaluated):  # point 1 comes from the first run's line, rebuilt on resume
+        assert point["per_tag"] == {k.split(".", 1)[1]: v for k, v in ln.items() if k.startswith("eval_accuracy.")}
+
+
+def test_the_accuracy_curve_draws_a_tag_panel_only_when_every_point_has_the_tags(tmp_path):
+    import imageio.v3 as iio
+
+    from flowgrpo.output.plots import save_accuracy_curve
+
+    tagged = [{"train_seconds": 60.0 * i, "accuracy": a, "per_tag": {"counting": a / 2, "position": a}}
+              for i, a in enumerate((0.4, 0.6, 0.7))]
+    untagged_point = [*tagged[:2], {k: v for k, v in tagged[2].items() if k != "per_tag"}]  # a resumed old run
+    widths = {}
+    for name, curve in (("tagged", tagged), ("mixed", untagged_point), ("one_tag", [
+            dict(c, per_tag={"counting": c["accuracy"]}) for c in tagged])):
+        save_accuracy_curve(tmp_path / f"{name}.png", curve, 32)
+        widths[name] = iio.imread(tmp_path / f"{name}.png").shape[1]
+    assert widths["tagged"] > 1.5 * widths["mixed"] and widths["mixed"] == widths["one_tag"]

@@ -20,6 +20,7 @@ import torch
 
 from ..disk import write_problem
 from ..errors import UserError
+from ..evaluators import per_tag_from_metrics
 from ..output.plots import save_accuracy_curve, save_labeled_grid, save_reward_curve
 from ..safe_load import load_tensors
 from ..callbacks import Callback
@@ -27,14 +28,17 @@ from . import EvalResult, paired_gain
 
 #: prompts in the before/after grid (each with its first seed)
 GRID_PROMPTS = 16
-#: what a curve point holds of an evaluation (its ``to_json`` keys; ``eval_<key>`` in ``metrics.jsonl``)
+#: what a curve point holds of an evaluation besides ``per_tag`` (its ``to_json`` keys; ``eval_<key>`` in
+#: ``metrics.jsonl``)
 CURVE_KEYS = ("accuracy", "accuracy_se", "accuracy_unseen", "fidelity")
 
 
 def _point(iteration: int, train_seconds: float, record: dict, prefix: str = "") -> dict:
-    """A curve point from an evaluation's JSON record (``prefix`` "eval_": from a metrics line)."""
+    """A curve point from an evaluation's JSON record (``prefix`` "eval_": from a metrics line), with
+    its ``per_tag`` accuracies (empty where a resumed run's older lines logged none)."""
+    per_tag = per_tag_from_metrics(record) if prefix else dict(record.get("per_tag") or {})
     return {"iteration": iteration, "train_seconds": train_seconds,
-            **{key: record.get(prefix + key) for key in CURVE_KEYS}}
+            **{key: record.get(prefix + key) for key in CURVE_KEYS}, "per_tag": per_tag}
 
 
 def _se_text(record: dict) -> str:

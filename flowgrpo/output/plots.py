@@ -93,19 +93,26 @@ def save_reward_curve(path: Path, records: list[dict], eval_points: list[tuple[i
 
 def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
     """Held-out accuracy against training minutes, with a +-1 standard-error band (each point's
-    ``accuracy_se`` where recorded, else binomial of an ``n_samples``-sample accuracy), the never-trained-prompts accuracy where measured, and the image
-    fidelity (``fidelity`` of the curve's entries, on the same 0-1 scale) where measured."""
+    ``accuracy_se`` where recorded, else binomial of an ``n_samples``-sample accuracy), the
+    never-trained-prompts accuracy where measured, and the image fidelity (``fidelity`` of the curve's
+    entries, on the same 0-1 scale) where measured. Where every point has its ``per_tag`` accuracies
+    (tag -> accuracy) for two tags or more, a second panel draws each tag's curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    tags = sorted(set().union(*(c.get("per_tag") or {} for c in curve))) if curve else []
+    by_tag = len(tags) >= 2 and all(set(c.get("per_tag") or {}) == set(tags) for c in curve)
+    if by_tag:
+        fig, (ax, ax_tags) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1.15, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
     t = np.array([c["train_seconds"] for c in curve]) / 60.0
     acc = np.array([c["accuracy"] for c in curve])
     binomial = np.sqrt(np.clip(acc * (1 - acc), 0, None) / max(1, n_samples))
     # the evaluator's own seed standard error where it gave one (runs before it was recorded: binomial)
     se = np.array([c["accuracy_se"] if c.get("accuracy_se") is not None else b for c, b in zip(curve, binomial)])
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.fill_between(t, acc - se, acc + se, color="tab:blue", alpha=0.2, label="+-1 s.e.")
     ax.plot(t, acc, "o-", color="tab:blue", label=f"held-out accuracy ({n_samples} samples)")
     unseen = [c.get("accuracy_unseen") for c in curve]
@@ -120,6 +127,14 @@ def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
+    if by_tag:
+        for tag in tags:
+            ax_tags.plot(t, [c["per_tag"][tag] for c in curve], "o-", ms=3, label=tag)
+        ax_tags.set_xlabel("training minutes (evaluation time excluded)")
+        ax_tags.set_ylabel("held-out accuracy of the tag")
+        ax_tags.set_ylim(0, 1)
+        ax_tags.grid(alpha=0.3)
+        ax_tags.legend(loc="lower right", fontsize=7, ncol=2)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
