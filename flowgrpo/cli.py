@@ -2,6 +2,7 @@
 
     flowgrpo train [--preset NAME] [--recipe NAME] [--config FILE] [key.sub=value ...] [--resume RUN_DIR]
     flowgrpo eval RUN_DIR_OR_CHECKPOINT [--json PATH]
+    flowgrpo compare RUN_DIR [RUN_DIR ...] [--within D] [--out DIR] [--json PATH]
     flowgrpo export RUN_DIR --to DIR [--fuse] [--checkpoint N] [--raw]
     flowgrpo sample RUN_DIR --prompts FILE --out DIR [--weights ema|raw] [--seed N] [--steps N] [--guidance G]
     flowgrpo presets | recipes
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("flowgrpo.realsize.cli", fromlist=["register"]).register(sub)  # flowgrpo realsize ...
     __import__("flowgrpo.commands.probe", fromlist=["register"]).register(sub)  # flowgrpo shapes probe
     __import__("flowgrpo.commands.sample", fromlist=["register"]).register(sub)  # flowgrpo sample
+    __import__("flowgrpo.commands.compare", fromlist=["register"]).register(sub)  # flowgrpo compare
     return ap
 
 
