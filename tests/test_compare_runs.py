@@ -80,6 +80,7 @@ def test_the_command_prints_the_table_and_writes_csv_png_json(tmp_path, capsys):
     assert main(["compare", *map(str, runs), "--out", str(out), "--json", str(tmp_path / "c.json")]) == 0
     printed = capsys.readouterr().out
     assert "finished" in printed and "training" in printed and "within 0.02 of their peak: 2 of 2" in printed
+    assert "counting" in printed and "position" in printed  # the tags' own table
     rows = list(csv.DictReader((out / "compare.csv").open()))
     assert [r["run"] for r in rows] == ["a", "t"] and float(rows[0]["latest"]) == 0.93
     assert float(rows[1]["tag_counting"]) == pytest.approx(0.6) and rows[0]["seed"] == "1"

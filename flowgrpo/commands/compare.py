@@ -202,6 +202,7 @@ def save_compare_figure(path: Path, records: list[RunRecord]) -> None:
         bars.set_ylabel("held-out accuracy of the tag (latest evaluation)")
         bars.set_ylim(0, 1)
         bars.grid(alpha=0.3, axis="y")
+        bars.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -215,18 +216,22 @@ def cmd_compare(args) -> int:
     rows = table_rows(records)
     tags = _tags(records)
     columns = ["run", "seed", "state", "iterations", "minutes", "before", "latest", "± s.e.", "peak", "at min",
-               "under peak", "fidelity", *tags]
+               "under peak", "fidelity"]
     keys = ["run", "seed", "state", "iterations", "minutes", "before", "latest", "latest_se", "peak", "peak_minute",
-            "under_peak", "fidelity", *(f"tag_{t}" for t in tags)]
+            "under_peak", "fidelity"]
+    tag_keys = [f"tag_{t}" for t in tags]
     s = spread(records, args.within)
     caption = "no run has an evaluation yet" if not s["n"] else (
         f"latest over {s['n']} run(s): mean {s['mean']:.3f}" + (f", sd {s['sd']:.3f}" if s["sd"] is not None else "")
         + f", range {s['min']:.3f}-{s['max']:.3f}; within {args.within:g} of their peak: {s['at_peak']} of {s['n']}")
     print_table(columns, [[_cell(row[k], k) for k in keys] for row in rows], title="held-out evaluation per run",
                 caption=caption, left=("run", "state"))
+    if tags:  # a table of its own: six tags beside twelve columns do not fit a terminal
+        print_table(["run", *tags], [[row["run"], *(_cell(row[k]) for k in tag_keys)] for row in rows],
+                    title="each tag, latest")
     if args.out:
         out = output_dir(args.out)
-        write_csv(out / "compare.csv", rows, keys)
+        write_csv(out / "compare.csv", rows, keys + tag_keys)
         save_compare_figure(out / "compare.png", records)
         print(f"wrote {out / 'compare.csv'} and {out / 'compare.png'}")
     write_json(args.json, {"runs": rows, "spread": s, "within": args.within})
