@@ -107,7 +107,8 @@ def read_run(path: str | Path) -> RunRecord:
     try:
         if summary_path.exists():
             s = json.loads(summary_path.read_text())
-            curve = [_point(c["train_seconds"] / 60, c) for c in s.get("eval_curve") or [] if c.get("accuracy") is not None]
+            curve = [_point(c["train_seconds"] / 60, c) for c in s.get("eval_curve") or []
+                     if c.get("accuracy") is not None]
             if curve and s.get("eval_after") and not curve[-1].per_tag:  # runs before the curve kept its tags
                 curve[-1] = _point(curve[-1].minutes, s["eval_after"])
             if curve and s.get("eval_before") and not curve[0].per_tag:
@@ -117,9 +118,11 @@ def read_run(path: str | Path) -> RunRecord:
         lines = _lines(metrics_path)
         before_path = run / "eval_before.json"
         curve = [_point(0.0, json.loads(before_path.read_text()))] if before_path.exists() else []
-        curve += [_point(ln["train_seconds"] / 60, {"accuracy": ln["eval_accuracy"], "accuracy_se": ln.get("eval_accuracy_se"),
-                                                    "fidelity": ln.get("eval_fidelity")}, per_tag_from_metrics(ln))
-                  for ln in lines if ln.get("eval_accuracy") is not None]
+        for ln in lines:
+            if ln.get("eval_accuracy") is not None:
+                record = {"accuracy": ln["eval_accuracy"], "accuracy_se": ln.get("eval_accuracy_se"),
+                          "fidelity": ln.get("eval_fidelity")}
+                curve.append(_point(ln["train_seconds"] / 60, record, per_tag_from_metrics(ln)))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{run}: cannot read its evaluations: {exc}") from None
     last = lines[-1] if lines else {}
@@ -133,8 +136,8 @@ def spread(records: list[RunRecord], within: float = DEFAULT_WITHIN) -> dict:
     latest = [r.latest.accuracy for r in records if r.latest is not None]
     if not latest:
         return {"n": 0}
-    return {"n": len(latest), "mean": statistics.fmean(latest), "sd": statistics.stdev(latest) if len(latest) > 1 else None,
-            "min": min(latest), "max": max(latest),
+    return {"n": len(latest), "mean": statistics.fmean(latest),
+            "sd": statistics.stdev(latest) if len(latest) > 1 else None, "min": min(latest), "max": max(latest),
             "at_peak": sum(r.under_peak <= within + 1e-12 for r in records if r.latest is not None)}
 
 
