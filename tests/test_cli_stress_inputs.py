@@ -461,3 +461,19 @@ def test_divergence_names_the_first_broken_weight(tiny_config):
     with torch.no_grad():
         param.view(-1)[0] = float("inf")
     assert _divergence(trainer, out) == f"trainable weight {name} holds NaN or infinite values"
+
+
+def test_a_metrics_file_torn_mid_line_is_read_and_resumed_without_its_torn_tail(tmp_path):
+    """A run killed while writing a line leaves it half-written: readers skip it, a resume drops it
+    with the lines past the checkpoint, and a corrupt line before the last is one error naming it."""
+    from flowgrpo.trainer.metrics import read_metrics
+
+    rows = [{"iteration": i, "loss": 0.5 * i} for i in range(3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"iteration": 3, "lo')
+    assert read_metrics(tmp_path) == rows
+    MetricsLogger(tmp_path, resume_iteration=1).close()
+    assert strict_json_lines(path) == rows[:2]
+    path.write_text(json.dumps(rows[0]) + "\n{oops\n" + json.dumps(rows[1]) + "\n")
+    with pytest.raises(UserError, match="metrics.jsonl: line 2 is not JSON"):
+        read_metrics(tmp_path)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..evaluators import per_tag_from_metrics
+from ..trainer.metrics import read_metrics
 
 #: how close to its peak a run's latest evaluation counts as "at the peak", by default
 DEFAULT_WITHIN = 0.02
@@ -67,20 +68,6 @@ class RunRecord:
         return None if self.latest is None else self.peak.accuracy - self.latest.accuracy
 
 
-def _lines(path: Path) -> list[dict]:
-    """``metrics.jsonl``'s lines; a torn last line (a run writing it now) is left out."""
-    out = []
-    text = path.read_text() if path.exists() else ""
-    rows = [ln for ln in text.splitlines() if ln.strip()]
-    for i, ln in enumerate(rows):
-        try:
-            out.append(json.loads(ln))
-        except json.JSONDecodeError:
-            if i < len(rows) - 1:
-                raise UserError(f"{path}: line {i + 1} is not JSON") from None
-    return out
-
-
 def _point(minutes: float, record: dict, per_tag: dict | None = None) -> CurvePoint:
     return CurvePoint(minutes, float(record["accuracy"]), record.get("accuracy_se"), record.get("fidelity"),
                       dict(per_tag if per_tag is not None else record.get("per_tag") or {}))
@@ -115,7 +102,7 @@ def read_run(path: str | Path) -> RunRecord:
                 curve[0] = _point(0.0, s["eval_before"])
             return RunRecord(run.name, _seed(run), True, int(s.get("iterations") or 0),
                              float(s.get("train_seconds") or 0.0) / 60, tuple(curve))
-        lines = _lines(metrics_path)
+        lines = read_metrics(run)
         before_path = run / "eval_before.json"
         curve = [_point(0.0, json.loads(before_path.read_text()))] if before_path.exists() else []
         for ln in lines:

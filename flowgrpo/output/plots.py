@@ -102,7 +102,7 @@ def save_accuracy_curve(path: Path, curve: list[dict], n_samples: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tags = sorted(set().union(*(c.get("per_tag") or {} for c in curve))) if curve else []
+    tags = sorted(set().union(*(c.get("per_tag") or {} for c in curve)))
     by_tag = len(tags) >= 2 and all(set(c.get("per_tag") or {}) == set(tags) for c in curve)
     if by_tag:
         fig, (ax, ax_tags) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1.15, 1]})

@@ -27,9 +27,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, accelerator=None, resume_iteration: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_iteration is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("iteration", -1) <= resume_iteration]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            kept = [r for r in read_metrics(run_dir) if r.get("iteration", -1) <= resume_iteration]
+            self.path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
         self._fh = self.path.open("a")
         self.accelerator = accelerator if accelerator is not None and accelerator.trackers else None
 
@@ -87,7 +86,19 @@ def json_safe(value):
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The lines of ``RUN_DIR/metrics.jsonl`` (none when it is missing). A torn last line (a run writing
+    it now, or killed mid-line) is left out; any other line that is not JSON is a UserError naming it."""
+    from ..errors import UserError
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    out = []
+    for i, ln in enumerate(rows):
+        try:
+            out.append(json.loads(ln))
+        except json.JSONDecodeError:
+            if i < len(rows) - 1:
+                raise UserError(f"{path}: line {i + 1} is not JSON") from None
+    return out
