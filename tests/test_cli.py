@@ -140,6 +140,7 @@ def test_end_to_end_run_directory(cli_run_dir):
 
     s = json.loads((d / "summary.json").read_text())
     assert s["iterations"] == RUN_ITERATIONS and s["train_seconds"] > 0
+    assert all(0 < r["cpu_s"] for r in rows) and 0 < s["cores_used"] < 4  # CPU-seconds per wall-second
     assert s["eval_before"]["num_samples"] == s["eval_after"]["num_samples"] == 4
     # the base evaluation recomputed from its per-sample verdicts (kept in eval_before.json)
     before = json.loads((d / "eval_before.json").read_text())["correct"]

@@ -16,7 +16,7 @@ RUN_DIR/
   reward_curve.png     reward against iteration with held-out accuracy points
   accuracy_curve.png   held-out accuracy (+-1 s.e. band) and image fidelity against training minutes
   summary.json         eval_before/after (held-out), eval_*_seen, accuracy_gain, gain_se,
-                       eval_curve, iterations, train_seconds, ...
+                       eval_curve, iterations, train_seconds, cores_used (flowgrpo.trainer.core_share), ...
 
 The loop below is the recipe; each concern around it is a part (a :class:`~flowgrpo.callbacks.Callback`
 on the events users' callbacks see): the time budget, sample grids, the divergence guard, checkpoints
@@ -31,10 +31,12 @@ process writes the run directory, logs, prints and draws the progress bar (:mod:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from ..config import RunConfig
 from ..evaluation.in_training import InTrainingEvaluation
+from .core_share import cores_used, shared_core_note
 from .monitor import monitored_evaluator
 from .progress import bar_fields, progress_bar
 from .lr_schedule import LearningRateSchedule
@@ -84,9 +86,11 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
             task = bar.add_task(**bar_fields(label, trainer.iteration, total, run.train_seconds, budget))
             while trainer.iteration < total and not run.dp.broadcast(events.stop_reason is not None):
                 run.iteration_started, start = run.train_seconds, run.clock()
+                cpu = time.process_time()
                 result = trainer.iteration_step()
                 run.add_seconds(run.clock() - start)  # grids and evaluations after this are not training
                 result.metrics["train_seconds"] = run.train_seconds
+                result.metrics["cpu_s"] = time.process_time() - cpu  # beside iter_s: the share of a core it got
                 _fire(parts, "on_step_end", trainer, result)  # grids; an evaluation adds its metrics
                 if run.main:
                     events.step_end(trainer, result)
@@ -105,8 +109,12 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
             return mine
         records = run.records()
         summary.update({"iterations": trainer.iteration, "train_seconds": run.train_seconds,
+                        "cores_used": cores_used(records),
                         "nan_rewards_dropped": int(sum(r.get("nan_rewards_dropped", 0) for r in records)),
                         "final_metrics": records[-1] if records else {}})
         run.write_json("summary.json", summary)
+        note = shared_core_note(cfg.train.clock, cfg.train.threads, summary["cores_used"])
+        if note:
+            print(note, flush=True)
         events.train_end(trainer, summary)
         return summary
