@@ -35,7 +35,7 @@ def _training(root, name, accs, torn=True):
     (run / "eval_before.json").write_text(json.dumps({"accuracy": accs[0], "accuracy_se": 0.015, "per_tag": {"counting": 0.4}}))
     lines = []
     for it in range(12):
-        ln = {"iteration": it, "train_seconds": 30.0 * (it + 1), "loss": 0.5}
+        ln = {"iteration": it, "train_seconds": 30.0 * (it + 1), "loss": 0.5, "cpu_s": 0.5, "iter_s": 1.0 + it % 2}
         if it % 4 == 3 and (it // 4 + 1) < len(accs):
             a = accs[it // 4 + 1]
             ln.update({"eval_accuracy": a, "eval_accuracy_se": 0.01, "eval_fidelity": 0.97,
@@ -62,6 +62,7 @@ def test_a_run_still_training_reads_its_evaluations_so_far_past_a_torn_last_line
     assert [p.accuracy for p in rec.curve] == [0.5, 0.7, 0.8, 0.75]
     assert [p.minutes for p in rec.curve] == pytest.approx([0.0, 2.0, 4.0, 6.0])
     assert rec.curve[2].per_tag == {"counting": pytest.approx(0.6)} and rec.under_peak == pytest.approx(0.05)
+    assert rec.cores_used == pytest.approx(6.0 / 18.0)  # CPU over wall of the iterations so far (shared cores)
 
 
 def test_the_spread_counts_runs_at_their_peak(tmp_path):
@@ -84,6 +85,7 @@ def test_the_command_prints_the_table_and_writes_csv_png_json(tmp_path, capsys):
     rows = list(csv.DictReader((out / "compare.csv").open()))
     assert [r["run"] for r in rows] == ["a", "t"] and float(rows[0]["latest"]) == 0.93
     assert float(rows[1]["tag_counting"]) == pytest.approx(0.6) and rows[0]["seed"] == "1"
+    assert rows[0]["cores_used"] == "" and float(rows[1]["cores_used"]) == pytest.approx(1 / 3)  # a run before cpu_s: blank
     assert (out / "compare.png").stat().st_size > 0
     assert json.loads((tmp_path / "c.json").read_text())["spread"]["n"] == 2
 
@@ -104,5 +106,5 @@ def test_a_real_run_reads_as_its_summary_says(cli_run_dir, capsys):
     s = json.loads((cli_run_dir / "summary.json").read_text())
     assert rec.finished and rec.iterations == s["iterations"]
     assert rec.curve[0].accuracy == s["eval_before"]["accuracy"] and rec.latest.accuracy == s["eval_after"]["accuracy"]
-    assert rec.latest.per_tag == s["eval_after"]["per_tag"]
+    assert rec.latest.per_tag == s["eval_after"]["per_tag"] and rec.cores_used == s["cores_used"] > 0
     assert main(["compare", str(cli_run_dir)]) == 0 and cli_run_dir.name in capsys.readouterr().out

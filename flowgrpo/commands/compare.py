@@ -5,7 +5,8 @@ own peak, how wide is the spread, and which tag lags. For every run folder, fini
 ``summary.json``) or still training (its ``eval_before.json`` and the evaluations in
 ``metrics.jsonl`` so far), one row: accuracy before, latest (the final evaluation of a finished run)
 with its seed standard error, the peak and when it came, latest minus peak, fidelity and each
-tag's accuracy. Under the table: the mean, standard deviation and range of the latest accuracy
+tag's accuracy, and the cores the run's iterations got (CPU-seconds per wall-second: a one-thread run
+under 1 shared its core, so its CPU-minutes bought fewer iterations). Under the table: the mean, standard deviation and range of the latest accuracy
 over the runs, and how many ended within ``--within`` of their peak. ``--out DIR`` also writes
 ``compare.csv`` and ``compare.png`` (the curves, and the tags of each run's latest evaluation).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..evaluators import per_tag_from_metrics
+from ..trainer.core_share import cores_used
 from ..trainer.metrics import read_metrics
 
 #: how close to its peak a run's latest evaluation counts as "at the peak", by default
@@ -42,7 +44,10 @@ class CurvePoint:
 @dataclass(frozen=True)
 class RunRecord:
     """What ``compare`` reads of one run folder. ``curve`` starts at the evaluation before training
-    and is in training-time order; ``finished``: the run wrote its ``summary.json``."""
+    and is in training-time order; ``finished``: the run wrote its ``summary.json``; ``cores_used``: its
+    iterations' CPU-seconds per wall-second (:mod:`flowgrpo.trainer.core_share`; None for runs written
+    before it was logged): under 1 for a one-thread run that shared its core, whose CPU-minutes then
+    bought fewer iterations."""
 
     name: str
     seed: int | None
@@ -50,6 +55,7 @@ class RunRecord:
     iterations: int
     minutes: float
     curve: tuple[CurvePoint, ...]
+    cores_used: float | None = None
 
     @property
     def latest(self) -> CurvePoint | None:
@@ -101,7 +107,7 @@ def read_run(path: str | Path) -> RunRecord:
             if curve and s.get("eval_before") and not curve[0].per_tag:
                 curve[0] = _point(0.0, s["eval_before"])
             return RunRecord(run.name, _seed(run), True, int(s.get("iterations") or 0),
-                             float(s.get("train_seconds") or 0.0) / 60, tuple(curve))
+                             float(s.get("train_seconds") or 0.0) / 60, tuple(curve), s.get("cores_used"))
         lines = read_metrics(run)
         before_path = run / "eval_before.json"
         curve = [_point(0.0, json.loads(before_path.read_text()))] if before_path.exists() else []
@@ -114,7 +120,7 @@ def read_run(path: str | Path) -> RunRecord:
         raise UserError(f"{run}: cannot read its evaluations: {exc}") from None
     last = lines[-1] if lines else {}
     return RunRecord(run.name, _seed(run), False, int(last.get("iteration", -1)) + 1,
-                     float(last.get("train_seconds") or 0.0) / 60, tuple(curve))
+                     float(last.get("train_seconds") or 0.0) / 60, tuple(curve), cores_used(lines))
 
 
 def spread(records: list[RunRecord], within: float = DEFAULT_WITHIN) -> dict:
@@ -138,7 +144,7 @@ def table_rows(records: list[RunRecord]) -> list[dict]:
     for r in records:
         latest, peak = r.latest, r.peak
         row = {"run": r.name, "seed": r.seed, "state": "finished" if r.finished else "training",
-               "iterations": r.iterations, "minutes": round(r.minutes, 2),
+               "iterations": r.iterations, "minutes": round(r.minutes, 2), "cores_used": r.cores_used,
                "before": r.curve[0].accuracy if r.curve else None,
                "latest": latest.accuracy if latest else None, "latest_se": latest.se if latest else None,
                "peak": peak.accuracy if peak else None, "peak_minute": round(peak.minutes, 2) if peak else None,
@@ -156,7 +162,7 @@ def _cell(x, key: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     if isinstance(x, float):
-        return f"{x:.1f}" if key in _MINUTE_KEYS else f"{x:.3f}"
+        return f"{x:.1f}" if key in _MINUTE_KEYS else f"{x:.2f}" if key == "cores_used" else f"{x:.3f}"
     return str(x)
 
 
@@ -205,9 +211,9 @@ def cmd_compare(args) -> int:
     records = [read_run(p) for p in args.runs]
     rows = table_rows(records)
     tags = _tags(records)
-    columns = ["run", "seed", "state", "iterations", "minutes", "before", "latest", "± s.e.", "peak", "at min",
+    columns = ["run", "seed", "state", "iterations", "minutes", "cores", "before", "latest", "± s.e.", "peak", "at min",
                "under peak", "fidelity"]
-    keys = ["run", "seed", "state", "iterations", "minutes", "before", "latest", "latest_se", "peak", "peak_minute",
+    keys = ["run", "seed", "state", "iterations", "minutes", "cores_used", "before", "latest", "latest_se", "peak", "peak_minute",
             "under_peak", "fidelity"]
     tag_keys = [f"tag_{t}" for t in tags]
     s = spread(records, args.within)
