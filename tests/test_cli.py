@@ -22,6 +22,7 @@ from flowgrpo.cli import main
 from flowgrpo.config import RunConfig, preset_names, read_preset
 from flowgrpo.config import help as config_help
 from flowgrpo.shapes.prompts import parse_prompt
+from flowgrpo.trainer.core_share import cores_used
 
 
 def one_line_error(rc: int, err: str, *needles: str) -> None:
@@ -140,7 +141,7 @@ def test_end_to_end_run_directory(cli_run_dir):
 
     s = json.loads((d / "summary.json").read_text())
     assert s["iterations"] == RUN_ITERATIONS and s["train_seconds"] > 0
-    assert all(0 < r["cpu_s"] for r in rows) and 0 < s["cores_used"] < 4  # CPU-seconds per wall-second
+    assert all(0 < r["cpu_s"] for r in rows) and 0 < cores_used(rows) < 4  # CPU-seconds per wall-second
     assert s["eval_before"]["num_samples"] == s["eval_after"]["num_samples"] == 4
     # the base evaluation recomputed from its per-sample verdicts (kept in eval_before.json)
     before = json.loads((d / "eval_before.json").read_text())["correct"]

@@ -11,6 +11,8 @@ import yaml
 
 from flowgrpo.cli import main
 from flowgrpo.commands.compare import read_run, spread
+from flowgrpo.trainer.core_share import cores_used
+from flowgrpo.trainer.metrics import read_metrics
 
 
 def _finished(root, name, seed, accs, tags=("counting", "position")):
@@ -35,7 +37,8 @@ def _training(root, name, accs, torn=True):
     (run / "eval_before.json").write_text(json.dumps({"accuracy": accs[0], "accuracy_se": 0.015, "per_tag": {"counting": 0.4}}))
     lines = []
     for it in range(12):
-        ln = {"iteration": it, "train_seconds": 30.0 * (it + 1), "loss": 0.5, "cpu_s": 0.5, "iter_s": 1.0 + it % 2}
+        ln = {"iteration": it, "train_seconds": 30.0 * (it + 1), "loss": 0.5,
+              "cpu_s": 0.5, "iter_s": 1.0 + it % 2}
         if it % 4 == 3 and (it // 4 + 1) < len(accs):
             a = accs[it // 4 + 1]
             ln.update({"eval_accuracy": a, "eval_accuracy_se": 0.01, "eval_fidelity": 0.97,
@@ -85,7 +88,8 @@ def test_the_command_prints_the_table_and_writes_csv_png_json(tmp_path, capsys):
     rows = list(csv.DictReader((out / "compare.csv").open()))
     assert [r["run"] for r in rows] == ["a", "t"] and float(rows[0]["latest"]) == 0.93
     assert float(rows[1]["tag_counting"]) == pytest.approx(0.6) and rows[0]["seed"] == "1"
-    assert rows[0]["cores_used"] == "" and float(rows[1]["cores_used"]) == pytest.approx(1 / 3)  # a run before cpu_s: blank
+    # a run written before cpu_s was logged: blank
+    assert rows[0]["cores_used"] == "" and float(rows[1]["cores_used"]) == pytest.approx(1 / 3)
     assert (out / "compare.png").stat().st_size > 0
     assert json.loads((tmp_path / "c.json").read_text())["spread"]["n"] == 2
 
@@ -106,5 +110,5 @@ def test_a_real_run_reads_as_its_summary_says(cli_run_dir, capsys):
     s = json.loads((cli_run_dir / "summary.json").read_text())
     assert rec.finished and rec.iterations == s["iterations"]
     assert rec.curve[0].accuracy == s["eval_before"]["accuracy"] and rec.latest.accuracy == s["eval_after"]["accuracy"]
-    assert rec.latest.per_tag == s["eval_after"]["per_tag"] and rec.cores_used == s["cores_used"] > 0
+    assert rec.latest.per_tag == s["eval_after"]["per_tag"] and rec.cores_used == cores_used(read_metrics(cli_run_dir)) > 0
     assert main(["compare", str(cli_run_dir)]) == 0 and cli_run_dir.name in capsys.readouterr().out

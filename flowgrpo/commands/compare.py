@@ -6,8 +6,9 @@ own peak, how wide is the spread, and which tag lags. For every run folder, fini
 ``metrics.jsonl`` so far), one row: accuracy before, latest (the final evaluation of a finished run)
 with its seed standard error, the peak and when it came, latest minus peak, fidelity and each
 tag's accuracy, and the cores the run's iterations got (CPU-seconds per wall-second: a one-thread run
-under 1 shared its core, so its CPU-minutes bought fewer iterations). Under the table: the mean, standard deviation and range of the latest accuracy
-over the runs, and how many ended within ``--within`` of their peak. ``--out DIR`` also writes
+under 1 shared its core, so its CPU-minutes bought fewer iterations). Under the table: the mean,
+standard deviation and range of the latest accuracy over the runs, and how many ended within
+``--within`` of their peak. ``--out DIR`` also writes
 ``compare.csv`` and ``compare.png`` (the curves, and the tags of each run's latest evaluation).
 """
 
@@ -107,7 +108,8 @@ def read_run(path: str | Path) -> RunRecord:
             if curve and s.get("eval_before") and not curve[0].per_tag:
                 curve[0] = _point(0.0, s["eval_before"])
             return RunRecord(run.name, _seed(run), True, int(s.get("iterations") or 0),
-                             float(s.get("train_seconds") or 0.0) / 60, tuple(curve), s.get("cores_used"))
+                             float(s.get("train_seconds") or 0.0) / 60, tuple(curve),
+                             cores_used(read_metrics(run)))
         lines = read_metrics(run)
         before_path = run / "eval_before.json"
         curve = [_point(0.0, json.loads(before_path.read_text()))] if before_path.exists() else []
@@ -211,10 +213,10 @@ def cmd_compare(args) -> int:
     records = [read_run(p) for p in args.runs]
     rows = table_rows(records)
     tags = _tags(records)
-    columns = ["run", "seed", "state", "iterations", "minutes", "cores", "before", "latest", "± s.e.", "peak", "at min",
-               "under peak", "fidelity"]
-    keys = ["run", "seed", "state", "iterations", "minutes", "cores_used", "before", "latest", "latest_se", "peak", "peak_minute",
-            "under_peak", "fidelity"]
+    columns = ["run", "seed", "state", "iterations", "minutes", "cores", "before", "latest", "± s.e.", "peak",
+               "at min", "under peak", "fidelity"]
+    keys = ["run", "seed", "state", "iterations", "minutes", "cores_used", "before", "latest", "latest_se", "peak",
+            "peak_minute", "under_peak", "fidelity"]
     tag_keys = [f"tag_{t}" for t in tags]
     s = spread(records, args.within)
     caption = "no run has an evaluation yet" if not s["n"] else (

@@ -136,7 +136,7 @@ _GRPO_ATTRS = {old.split(".")[1]: new[0].split(".")[2] for old, new in
 class TrainConfig:
     iterations: int = _f(100, "outer iterations (rollout + update)", ge=1)
     max_minutes: float = _f(0.0, "stop after this many minutes of training wall-clock (0 = no limit)", ge=0.0)
-    clock: Literal["wall", "cpu"] = _f("wall", "what train.max_minutes and eval.every_minutes count: wall (wall-clock) | cpu (the process's CPU time, for comparing recipes on a busy machine: runs sharing it get the same budget while each keeps a core to itself; processes time-sliced on one core spend more CPU time on the same work, so a run that got under 0.85 of its cores (cores_used in metrics.jsonl and summary.json) says so when it ends)")
+    clock: Literal["wall", "cpu"] = _f("wall", "what train.max_minutes and eval.every_minutes count: wall (wall-clock) | cpu (the process's CPU time, for comparing recipes on a busy machine: runs sharing it get the same budget while each keeps a core to itself; processes time-sliced on one core spend more CPU time on the same work, so a run that got under 0.85 of its cores (the CPU-seconds over the wall-seconds of its iterations: cpu_s and iter_s in metrics.jsonl) says so when it ends)")
     lr: float = _f(3e-4, "AdamW learning rate", gt=0.0)
     lr_schedule: Literal["constant", "cosine", "linear"] = _f("constant", "learning rate over the run, as a fraction of train.lr: constant | cosine | linear (from 1 down to train.lr_final, over the run's progress: the larger of the iterations and the train.max_minutes done; flowgrpo.trainer.lr_schedule)")
     lr_final: float = _f(0.1, "the learning rate at the run's end as a fraction of train.lr, for train.lr_schedule cosine | linear", ge=0.0, le=1.0)

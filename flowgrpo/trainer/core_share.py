@@ -1,6 +1,7 @@
-"""How much of the machine a run got: its iterations' CPU-seconds per wall-second (``cores_used`` in
-``summary.json``, from the ``cpu_s`` and ``iter_s`` of each ``metrics.jsonl`` line), and the note a run on
-the CPU clock prints when it shared its cores.
+"""How much of the machine a run got: its iterations' CPU-seconds per wall-second (:func:`cores_used`,
+from the ``cpu_s`` and ``iter_s`` of each ``metrics.jsonl`` line; ``flowgrpo compare``'s ``cores``
+column), and the note a run on the CPU clock prints when it shared its cores. Both per-iteration
+figures are timings (``*_s``): they differ between runs of the same seed, and nothing else depends on them.
 
 Why a CPU-clocked run needs it: ``train.clock=cpu`` gives each run its budget in its own CPU time, so
 that runs sharing a machine get the same budget. That holds only while each process keeps a core to

@@ -16,7 +16,7 @@ RUN_DIR/
   reward_curve.png     reward against iteration with held-out accuracy points
   accuracy_curve.png   held-out accuracy (+-1 s.e. band) and image fidelity against training minutes
   summary.json         eval_before/after (held-out), eval_*_seen, accuracy_gain, gain_se,
-                       eval_curve, iterations, train_seconds, cores_used (flowgrpo.trainer.core_share), ...
+                       eval_curve, iterations, train_seconds, ...
 
 The loop below is the recipe; each concern around it is a part (a :class:`~flowgrpo.callbacks.Callback`
 on the events users' callbacks see): the time budget, sample grids, the divergence guard, checkpoints
@@ -109,11 +109,10 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
             return mine
         records = run.records()
         summary.update({"iterations": trainer.iteration, "train_seconds": run.train_seconds,
-                        "cores_used": cores_used(records),
                         "nan_rewards_dropped": int(sum(r.get("nan_rewards_dropped", 0) for r in records)),
                         "final_metrics": records[-1] if records else {}})
         run.write_json("summary.json", summary)
-        note = shared_core_note(cfg.train.clock, cfg.train.threads, summary["cores_used"])
+        note = shared_core_note(cfg.train.clock, cfg.train.threads, cores_used(records))
         if note:
             print(note, flush=True)
         events.train_end(trainer, summary)
