@@ -1,14 +1,15 @@
 """How much of the machine a run got: its iterations' CPU-seconds per wall-second (:func:`cores_used`,
 from the ``cpu_s`` and ``iter_s`` of each ``metrics.jsonl`` line; ``flowgrpo compare``'s ``cores``
 column), and the note a run on the CPU clock prints when it shared its cores. Both per-iteration
-figures are timings (``*_s``): they differ between runs of the same seed, and nothing else depends on them.
+figures are timings (``*_s``): they differ between runs of the same seed, and nothing else depends on
+them.
 
 Why a CPU-clocked run needs it: ``train.clock=cpu`` gives each run its budget in its own CPU time, so
 that runs sharing a machine get the same budget. That holds only while each process keeps a core to
-itself. Processes time-sliced on one core evict each other's caches, and the same work then costs more
-CPU time: on the 2-core VM this project is measured on, one forward pass of the shapes model took 0.072
-CPU-seconds alone and 0.122 beside two other one-thread training runs (1.7x). A budget of CPU minutes
-then buys fewer iterations, and recipes compared that way are compared unfairly.
+itself. Processes time-sliced on one core spend more CPU time on the same work, most likely by evicting
+each other's caches: on the 2-core VM this project is measured on, one forward pass of the shapes model
+took 0.072 CPU-seconds alone and 0.122 beside two other one-thread training runs (1.7x). A budget of
+CPU minutes then buys fewer iterations, and recipes compared that way are compared unfairly.
 """
 
 from __future__ import annotations
