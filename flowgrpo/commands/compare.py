@@ -99,6 +99,7 @@ def read_run(path: str | Path) -> RunRecord:
     if not run.is_dir() or not (summary_path.exists() or metrics_path.exists()):
         raise UserError(f"{run}: not a run folder (no summary.json or metrics.jsonl)")
     try:
+        lines = read_metrics(run)  # the core share of either kind of run; the curve of one still training
         if summary_path.exists():
             s = json.loads(summary_path.read_text())
             curve = [_point(c["train_seconds"] / 60, c) for c in s.get("eval_curve") or []
@@ -108,9 +109,7 @@ def read_run(path: str | Path) -> RunRecord:
             if curve and s.get("eval_before") and not curve[0].per_tag:
                 curve[0] = _point(0.0, s["eval_before"])
             return RunRecord(run.name, _seed(run), True, int(s.get("iterations") or 0),
-                             float(s.get("train_seconds") or 0.0) / 60, tuple(curve),
-                             cores_used(read_metrics(run)))
-        lines = read_metrics(run)
+                             float(s.get("train_seconds") or 0.0) / 60, tuple(curve), cores_used(lines))
         before_path = run / "eval_before.json"
         curve = [_point(0.0, json.loads(before_path.read_text()))] if before_path.exists() else []
         for ln in lines:

@@ -90,7 +90,9 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
                 result = trainer.iteration_step()
                 run.add_seconds(run.clock() - start)  # grids and evaluations after this are not training
                 result.metrics["train_seconds"] = run.train_seconds
-                result.metrics["cpu_s"] = time.process_time() - cpu  # beside iter_s: the share of a core it got
+                # beside iter_s, the share of a core the iteration got; measured here, not in iteration_step,
+                # whose metrics callers compare across runs after dropping the timings they know by name
+                result.metrics["cpu_s"] = time.process_time() - cpu
                 _fire(parts, "on_step_end", trainer, result)  # grids; an evaluation adds its metrics
                 if run.main:
                     events.step_end(trainer, result)
