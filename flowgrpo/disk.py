@@ -157,14 +157,25 @@ def _remove_empty(folders: list[Path]) -> None:
             folder.rmdir()
 
 
+#: the longest file or folder name, in bytes, that Linux's and macOS's file systems take (NAME_MAX)
+NAME_MAX_BYTES = 255
+
+
 def check_inside(parent: str | Path, name: str, key: str, parent_key: str) -> None:
     """Refuse, in one ConfigError naming ``key``, a ``name`` whose folder ``parent/name`` is not a
     folder inside ``parent`` (config key ``parent_key``): an absolute path (``Path(parent) / "/abs"`` is
     ``/abs``), a ``..`` component, a NUL, ``parent`` itself, or a folder that resolves elsewhere
-    (through a symlink) would write outside it."""
+    (through a symlink) would write outside it; and a name no file system takes or no shell shows: a
+    control character (a newline makes a folder that ``ls`` and logs print as two lines), or a path
+    component longer than :data:`NAME_MAX_BYTES` bytes."""
     problem = None
+    longest = max((len(part.encode(errors="surrogateescape")) for part in PurePath(name).parts), default=0)
     if "\0" in name:
         problem = "holds a NUL character"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in name):
+        problem = "holds a control character"
+    elif longest > NAME_MAX_BYTES:
+        problem = f"has a component of {longest} bytes (file systems take {NAME_MAX_BYTES})"
     elif PurePath(name).is_absolute():
         problem = "is an absolute path"
     elif ".." in PurePath(name).parts:

@@ -67,9 +67,30 @@ class Reply:
         except ValueError:
             return f"HTTP {self.status_code}"
 
+    @property
+    def redirect(self) -> str | None:
+        """For a 3xx answer, a phrase saying so ("answered HTTP 307, a redirect to URL, ..."); None
+        otherwise. These clients never follow redirects (httpx's default): a request that carries a
+        bearer token must not be replayed to an address the server picks, and a changed endpoint is
+        the user's to set."""
+        if not 300 <= self.status_code < 400:
+            return None
+        where = self.headers.get("location")
+        to = f", a redirect to {where[:200]}," if where else ", a redirect"
+        return f"answered HTTP {self.status_code}{to} which is not followed: use the address it names"
+
     def json(self) -> Any:
-        """The body parsed as JSON (ValueError when it is not)."""
-        return json.loads(self.content)
+        """The body parsed as strict JSON: ValueError when it is not JSON, when it holds ``NaN`` or
+        ``Infinity`` (Python's extensions, not JSON), or when it nests deeper than the parser's
+        recursion allows (a hostile answer of 100,000 brackets)."""
+        try:
+            return json.loads(self.content, parse_constant=_refuse_constant)
+        except RecursionError:
+            raise ValueError("the JSON nests too deeply") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON (a failed value is null)")
 
 
 def max_response_bytes(max_response_mb: float, option: str) -> int:

@@ -219,6 +219,8 @@ class ChatClient:
         except ResponseRefused as e:
             raise JudgeEndpointError(f"judge endpoint {self.url} {e}; refused (judge option max_response_mb="
                                      f"{self.max_response_mb:g})") from None
+        if resp.redirect:
+            raise JudgeEndpointError(f"judge endpoint {self.url} {resp.redirect} (base_url)")
         if resp.status_code in (401, 403, 404):
             raise JudgeEndpointError(f"judge endpoint {self.url} answered HTTP {resp.status_code} "
                                      f"(check base_url, model {self.model!r} and api_key_env): {resp.text[:200]}")

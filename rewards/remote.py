@@ -148,13 +148,16 @@ class RemoteReward:
             if resp.status_code == 429 or resp.status_code >= 500:
                 reason = f"HTTP {resp.status_code}: {_server_reason(resp)}"
                 continue
+            if resp.redirect:
+                raise UserError(f"reward server {self.endpoint} {resp.redirect} (reward.options.remote.url)")
             if resp.status_code >= 400:
                 raise UserError(f"reward server {self.endpoint} refused the request "
                                 f"(HTTP {resp.status_code}): {one_line(_server_reason(resp))}")
             try:
                 return resp.json()
-            except ValueError:
-                raise UserError(f"reward server {self.endpoint} answered with something other than JSON") from None
+            except ValueError as exc:
+                raise UserError(f"reward server {self.endpoint} answered with something other than JSON "
+                                f"({one_line(exc, 120)})") from None
         raise RewardUnavailableError(f"reward server {self.endpoint} unavailable after {attempts} attempt(s): "
                                      f"{one_line(reason)}")
 

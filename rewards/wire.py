@@ -72,9 +72,18 @@ def json_floats(values: Tensor) -> list[float | None]:
 
 def parse_floats(values, n: int, what: str) -> Tensor:
     """The inverse of :func:`json_floats`: a list of ``n`` numbers or ``null`` -> float32 [n] (null:
-    NaN). Anything else raises ValueError naming ``what``."""
+    NaN). Anything else raises ValueError naming ``what``: a non-number, and a number that is not a
+    finite float32 (``1e39``, ``1e400``): the protocol's failed sample is ``null``, and a score that
+    turned into inf here would silently drop its sample as if it had failed."""
     if not isinstance(values, list) or len(values) != n:
         raise ValueError(f"{what} is not a list of {n} numbers")
     if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
         raise ValueError(f"{what} holds something other than numbers and null")
-    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+    try:
+        out = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+    except OverflowError:  # an integer beyond float64
+        raise ValueError(f"{what} holds a number beyond float32's range") from None
+    given = torch.tensor([v is not None for v in values], dtype=torch.bool)
+    if not bool(torch.isfinite(out[given]).all()):
+        raise ValueError(f"{what} holds a number that is not a finite float32 (a failed sample is null)")
+    return out

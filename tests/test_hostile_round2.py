@@ -117,6 +117,8 @@ def test_a_poisoned_pretraining_state_is_refused(tmp_path):
     ("a/../../escaped", "has a '..' component"),
     (".", "is log.out_dir itself"),
     ("link/escaped", "resolves to"),
+    ("a" * 256, "has a component of 256 bytes"),  # was a traceback (OSError: File name too long)
+    ('"run\\tname"', "holds a control character"),  # YAML's escape: a tab inside the name
 ])
 def test_a_run_name_outside_out_dir_is_refused_before_anything_is_written(name, needle, shapes_model_dir, tmp_path,
                                                                          capsys):

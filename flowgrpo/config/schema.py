@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -154,8 +155,8 @@ class TrainConfig:
     ema_decay: float = _f(0.9, "EMA decay per iteration", ge=0.0, lt=1.0)
     ema_device: Literal["auto", "cpu"] = _f("auto", "where the EMA of the trainable weights lives: auto (beside them, on the run's device) | cpu (in CPU memory: one device-to-host copy of the trainable weights per iteration; useful for full fine-tuning, where the EMA is a whole weight copy); one process or DDP only (FSDP shards it with the weights)")
     old_policy_device: Literal["auto", "cpu"] = _f("auto", "where the objective's lagging copies of the trainable weights live (DiffusionNFT's old policy, AWM's rollout weights and EMA reference, DGPO's EMA, CRD's old and sampling policies): auto (beside them, on the run's device) | cpu (in CPU memory, and the live weights wait there while a copy runs: each old-policy forward copies the weights to the device and back; useful for full fine-tuning, where each copy is a whole weight copy); one process or DDP only (FSDP shards them with the weights)")
-    seed: int = _f(0, "seed of every random choice (prompts, noise, subsets); runs are reproducible")
-    threads: int = _f(0, "torch CPU threads (0 = torch default)")
+    seed: int = _f(0, "seed of every random choice (prompts, noise, subsets); runs are reproducible", ge=0, le=2**63 - 1)
+    threads: int = _f(0, "torch CPU threads (0 = torch default); at most the machine's CPU count", ge=0)
     deterministic: bool = _f(True, "torch deterministic algorithms (resume reproduces an uninterrupted run)")
 
 
@@ -303,6 +304,14 @@ def _check_guard_log_prob(cfg: RunConfig) -> None:
                           "use sampler.cps_log_prob=gaussian (under Guard the mse ratio would equal it)")
 
 
+def _check_threads(threads: int) -> None:
+    """More threads than CPUs never run faster; torch crashes at 100,000 (SIGSEGV), stalls at 10,000."""
+    cpus = os.cpu_count() or 1
+    if threads > cpus:
+        raise ConfigError(f"config key 'train.threads' = {threads} is more than this machine's {cpus} CPUs: "
+                          f"use at most {cpus}, or 0 for torch's default")
+
+
 def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_training: bool = True) -> None:
     """Value checks beyond types: choices (every ``Literal`` field), ranges, names, strategy options.
     ``model_folder_may_be_absent``: a ``model.name`` that names nothing yet is let through (``config
@@ -316,6 +325,8 @@ def validate(cfg: RunConfig, *, model_folder_may_be_absent: bool = False, for_tr
     if cfg.log.run_name:  # the default (preset + time stamp) is always inside
         check_inside(cfg.log.out_dir, cfg.log.run_name, "log.run_name", "log.out_dir")
     check_ranges(cfg)
+    if for_training:  # not for a finished run's config evaluated on a smaller machine
+        _check_threads(cfg.train.threads)
     _check_adam_betas(cfg.train.adam_betas)
     if for_training and not cfg.reward.weights:
         raise ConfigError("config key 'reward.weights' needs at least one reward")

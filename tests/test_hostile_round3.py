@@ -1,0 +1,140 @@
+"""Issue 43, hostile inputs found by this project's own probing after the second round passed:
+answers a reward server or a judge should never send, and config values that crashed the trainer.
+
+* a reward server answering ``Infinity``, ``NaN``, ``1e400`` or a score beyond float32 (``1e39``):
+  refused as a malformed answer in one line. Before, ``Infinity`` and ``1e39`` became inf and the
+  sample was silently dropped as if it had failed; ``null`` stays the protocol's failed sample;
+* an answer nested 100,000 brackets deep: one line (was a RecursionError traceback);
+* a 307 redirect: one line naming the status and the address, not followed (the request may carry
+  a bearer token), and not retried;
+* ``train.seed=-5`` and ``2**70`` (tracebacks from numpy and torch), ``train.threads=100000`` (SIGSEGV
+  in torch): refused at config time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("httpx")
+
+from test_hostile_http import IMAGES, RawHTTP, chat, head  # noqa: E402
+
+from flowgrpo.config import load_config  # noqa: E402
+from flowgrpo.config.schema import validate  # noqa: E402
+from flowgrpo.errors import ConfigError, UserError  # noqa: E402
+from flowgrpo.rewards import build_reward  # noqa: E402
+from flowgrpo.rewards.http_client import Reply  # noqa: E402
+from flowgrpo.rewards.openai_client import JudgeEndpointError  # noqa: E402
+from flowgrpo.rewards.remote import RemoteReward  # noqa: E402
+from flowgrpo.rewards.wire import parse_floats  # noqa: E402
+
+
+def answer_with(body: bytes):
+    """A RawHTTP answer: 200 with ``body`` as JSON."""
+    return lambda method, path, n: [head(length=len(body)) + body]
+
+
+# --------------------------------------------------------------------------- strict JSON and scores
+
+
+@pytest.mark.parametrize("text", [b"[NaN]", b"[Infinity]", b'{"scores": [-Infinity, 1]}'])
+def test_nan_and_infinity_are_not_json(text):
+    with pytest.raises(ValueError, match="is not JSON"):
+        Reply(200, {}, text).json()
+
+
+def test_deep_nesting_is_a_value_error_not_a_recursion_error():
+    with pytest.raises(ValueError, match="nests too deeply"):
+        Reply(200, {}, b"[" * 100_000 + b"]" * 100_000).json()
+    assert Reply(200, {}, b'{"scores": [0.5, null]}').json() == {"scores": [0.5, None]}
+
+
+@pytest.mark.parametrize("value", [1e39, -1e39, float("inf"), 10**400])
+def test_a_score_that_is_no_finite_float32_is_refused(value):
+    with pytest.raises(ValueError, match="scores holds a number"):
+        parse_floats([0.5, value], 2, "scores")
+
+
+def test_null_stays_the_failed_sample_and_float32_extremes_pass():
+    out = parse_floats([None, 3.0e38, -1], 3, "scores")
+    assert torch.isnan(out[0]) and out[1].item() == pytest.approx(3.0e38) and out[2].item() == -1
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b'{"scores": [Infinity, 0.5]}', "Infinity is not JSON"),
+    (b'{"scores": [NaN, 0.5]}', "NaN is not JSON"),
+    (b'{"scores": [1e400, 0.5]}', "scores holds a number that is not a finite float32"),
+    (b'{"scores": [1e39, 0.5]}', "scores holds a number that is not a finite float32"),
+    (b'{"scores": [0.5, 0.5], "components": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests too deeply"),
+])
+def test_a_reward_server_answering_no_finite_scores_is_named_in_one_line(body, needle):
+    with RawHTTP(answer_with(body)) as srv:
+        remote = RemoteReward(srv.url, retries=2, backoff=0.01)
+        with pytest.raises(UserError) as err:
+            remote(IMAGES, ["a", "b"])
+        remote.close()
+    assert needle in str(err.value) and srv.url in str(err.value) and "\n" not in str(err.value)
+    assert srv.requests == 1  # a malformed answer is not retried
+
+
+# --------------------------------------------------------------------------- redirects
+
+
+def redirect(method, path, n):
+    yield head("307 Temporary Redirect", "Location: http://127.0.0.1:9/elsewhere", length=0)
+
+
+def test_a_reward_servers_redirect_is_named_and_not_followed(monkeypatch):
+    monkeypatch.setenv("HOSTILE_TOKEN", "secret")
+    with RawHTTP(redirect) as srv:
+        remote = RemoteReward(srv.url, token_env="HOSTILE_TOKEN", retries=2, backoff=0.01)
+        with pytest.raises(UserError, match=r"answered HTTP 307, a redirect to http://127\.0\.0\.1:9/elsewhere, "
+                                            r"which is not followed.*reward\.options\.remote\.url"):
+            remote(IMAGES, ["a", "b"])
+        remote.close()
+    assert srv.requests == 1
+
+
+def test_a_judges_redirect_stops_the_judge_in_one_line():
+    with RawHTTP(redirect) as srv:
+        judge = build_reward("judge", model="m", base_url=srv.url + "/v1", retries=2, backoff=0.01)
+        with pytest.raises(JudgeEndpointError, match="answered HTTP 307, a redirect to .*not followed"):
+            judge(IMAGES[:1], ["a"])
+        judge.close()
+    assert srv.requests == 1
+
+
+def test_a_judge_still_reads_an_ordinary_answer():
+    with RawHTTP(lambda method, path, n: [chat("Score: 7")]) as srv:
+        judge = build_reward("judge", model="m", base_url=srv.url + "/v1", retries=0)
+        assert judge(IMAGES[:1], ["a"]).scores.tolist() == [pytest.approx(0.7)]
+        judge.close()
+
+
+# --------------------------------------------------------------------------- seeds and threads
+
+
+@pytest.mark.parametrize("seed", [-5, 2**63, 2**70])
+def test_a_seed_outside_torchs_range_is_refused_at_config_time(seed):
+    with pytest.raises(ConfigError, match=r"'train.seed' must be >= 0 and <= 9223372036854775807"):
+        load_config("shapes", None, [f"train.seed={seed}"])
+
+
+def test_the_largest_seed_is_kept():
+    assert load_config("shapes", None, [f"train.seed={2**63 - 1}"]).train.seed == 2**63 - 1
+
+
+def test_more_threads_than_cpus_are_refused_for_training_only(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert load_config("shapes", None, ["train.threads=4"]).train.threads == 4
+    with pytest.raises(ConfigError, match=r"'train.threads' = 100000 is more than this machine's 4 CPUs: use at most 4"):
+        load_config("shapes", None, ["train.threads=100000"])
+    with pytest.raises(ConfigError, match=r"'train.threads' must be >= 0"):
+        load_config("shapes", None, ["train.threads=-1"])
+    cfg = load_config("shapes", None, ["train.threads=4"])
+    cfg.train.threads = 64  # a finished run's config from a larger machine: evaluating it here is fine
+    validate(cfg, for_training=False)
+    with pytest.raises(ConfigError, match="'train.threads' = 64"):
+        validate(cfg)
+
