@@ -13,6 +13,10 @@ from torch import Tensor
 
 from .sde import DEFAULT_NOISE_LEVEL, LOG_PROB_CONVENTIONS, sde_kind
 
+#: the most denoising steps a rollout, an evaluation or ``flowgrpo sample`` takes. Published recipes
+#: use 10-50 (DDPM's 1000 is the most any sampler uses); a rollout keeps every step's latents, so a
+#: mistyped 1e6 would grow past any machine's memory before its first image instead of failing
+MAX_STEPS = 1000
 ODE_SOLVERS = ("euler", "dpm2")  # dpm2: DPM-Solver++(2M) midpoint, samplers/solvers.py
 #: How the K > 1 SDE children of one node draw their noise (BranchGRPO's branching noise):
 #: "iid" independent standard normals; "shared" the marginal-preserving branching noise

@@ -138,3 +138,15 @@ def test_more_threads_than_cpus_are_refused_for_training_only(monkeypatch):
     with pytest.raises(ConfigError, match="'train.threads' = 64"):
         validate(cfg)
 
+
+
+# --------------------------------------------------------------------------- step counts
+
+
+@pytest.mark.parametrize("key", ["sampler.num_steps", "eval.num_steps"])
+def test_a_step_count_past_any_sampler_is_refused_before_the_rollout_grows(key):
+    # sampler.num_steps=1000000 took the trainer past 2 GiB in two minutes, still growing: a rollout
+    # keeps every step's latents
+    with pytest.raises(ConfigError, match=rf"'{key}' must be >= 1 and <= 1000, got 1000000"):
+        load_config("shapes", None, [f"{key}=1000000"])
+    assert load_config("shapes", None, [f"{key}=1000"]) is not None

@@ -108,7 +108,8 @@ def test_sample_errors_are_one_line_and_write_nothing(sd3_run, tmp_path, capsys)
     cases = [
         (["--out", str(busy)], "not an empty folder"),
         (["--out", str(tmp_path / "a"), "--checkpoint", "7"], "available: 1, 2"),
-        (["--out", str(tmp_path / "b"), "--steps", "0"], "--steps must be at least 1"),
+        (["--out", str(tmp_path / "b"), "--steps", "0"], "--steps must be in 1..1000, got 0"),
+        (["--out", str(tmp_path / "b"), "--steps", "100000000"], "--steps must be in 1..1000, got 100000000"),
         (["--out", str(tmp_path / "c"), "--guidance", "nan"], "--guidance must be a finite number"),
         (["--out", str(tmp_path / "d"), "--prompts", str(tmp_path / "none.txt")], "prompt file not found"),
         (["--out", str(tmp_path / "e"), "--prompts", str(refs)], "takes no reference images"),

@@ -36,6 +36,7 @@ from torch import Tensor
 from ..disk import check_new_folder, new_folder
 from ..errors import UserError
 from ..output.drawing import draw, noise_seed
+from ..samplers.plan import MAX_STEPS
 
 #: prompts shown in ``grid.png`` (all are written as files)
 GRID_PROMPTS = 16
@@ -67,8 +68,8 @@ def _check_options(opts: SampleOptions) -> list[dict]:
 
     if opts.weights not in (None, "ema", "raw"):
         raise UserError(f"--weights must be ema or raw, got {opts.weights!r}")
-    if opts.steps is not None and opts.steps < 1:
-        raise UserError(f"--steps must be at least 1, got {opts.steps}")
+    if opts.steps is not None and not 1 <= opts.steps <= MAX_STEPS:
+        raise UserError(f"--steps must be in 1..{MAX_STEPS}, got {opts.steps}")
     if opts.guidance is not None and not (math.isfinite(opts.guidance) and opts.guidance >= 0):
         raise UserError(f"--guidance must be a finite number >= 0, got {opts.guidance}")
     if not 1 <= opts.images_per_prompt <= 100:

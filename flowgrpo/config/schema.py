@@ -22,6 +22,7 @@ from ..objectives import check_objective_keys, objective_help, with_objective_op
 from ..objectives.options import check_objective_options
 from ..policies.base import TrainMode
 from ..policies.base.lora import DEFAULT_LORA_INIT, DEFAULT_TARGETS, check_lora_settings
+from ..samplers.plan import MAX_STEPS
 from ..samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
 from .layers import RECIPE_METHOD, Composed, compose, deep_merge
 from .renames import RENAMED_KEYS, move_renamed
@@ -62,7 +63,7 @@ class ModelConfig:
 @dataclass
 class SamplerConfig:
     strategy: str = _f("flow_grpo", "sampling strategy (plan per iteration): see `flowgrpo.samplers.STRATEGIES`; its options are `strategy.*`")
-    num_steps: int = _f(10, "denoising steps T of a rollout", ge=1)
+    num_steps: int = _f(10, "denoising steps T of a rollout", ge=1, le=MAX_STEPS)
     noise_level: float = _f(DEFAULT_NOISE_LEVEL, "SDE noise level a (flow_grpo, cps) or eta (dance)", ge=0.0)
     sde_kind: SDEKindName = _f("flow_grpo", "SDE discretisation (flowgrpo.samplers.sde)")
     cps_log_prob: LogProbConvention = _f("gaussian", "log-prob of CPS steps: gaussian (the transition's Gaussian density, as every other kind) | mse (Flow-GRPO-Fast's -mean((x' - mu)^2), a Gaussian with std 1/sqrt(2) up to a constant)")
@@ -166,7 +167,7 @@ class EvalConfig:
     num_prompts: int = _f(64, "held-out prompts", ge=1)
     seen: bool = _f(True, "also evaluate on prompts from the training pools before and after (reported as eval_*_seen)")
     seeds_per_prompt: int = _f(4, "fixed seeds per held-out prompt", ge=1)
-    num_steps: int = _f(20, "ODE steps for evaluation", ge=1)
+    num_steps: int = _f(20, "ODE steps for evaluation", ge=1, le=MAX_STEPS)
     every: int = _f(0, "evaluate every N iterations during training (0 = only before and after)", ge=0)
     every_minutes: float = _f(0.0, "evaluate every N minutes of training wall-clock (0 = off); the clock is paused while evaluating", ge=0.0)
     options: dict = _f({}, "options of the selected evaluator (e.g. eval.options.judge_url=... for unigenbench); the evaluator lists its valid options on a miss")

@@ -201,8 +201,12 @@ def generate_folder(model: str, prompt_set: PromptSet, out: str | Path, opts: Ge
 
     if not 1 <= opts.images_per_prompt <= 100:
         raise UserError(f"--images-per-prompt must be in 1..100, got {opts.images_per_prompt}")
-    if opts.batch_size < 1 or (opts.steps is not None and opts.steps < 1):
-        raise UserError("--batch-size and --steps must be at least 1")
+    if opts.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {opts.batch_size}")
+    from ..samplers.plan import MAX_STEPS
+
+    if opts.steps is not None and not 1 <= opts.steps <= MAX_STEPS:
+        raise UserError(f"--steps must be in 1..{MAX_STEPS}, got {opts.steps}")
     prompts = prompt_set.limited(opts.limit)
     cfg, desc = resolve_model(model, opts.overrides)  # before anything is written: a model it refuses leaves no folder
     out = Path(out)
