@@ -8,7 +8,12 @@ answers a reward server or a judge should never send, and config values that cra
 * a 307 redirect: one line naming the status and the address, not followed (the request may carry
   a bearer token), and not retried;
 * ``train.seed=-5`` and ``2**70`` (tracebacks from numpy and torch), ``train.threads=100000`` (SIGSEGV
-  in torch): refused at config time.
+  in torch), ``sampler.num_steps=1000000`` (2 GiB in two minutes, growing): refused at config time;
+* ``data.trees_per_prompt=100000000`` (24 GiB, then SIGKILL), ``data.prompts_per_iteration`` and the
+  evaluation's sizes likewise: refused before the run folder exists when the rollout's latents or the
+  evaluation's images alone exceed the machine's memory;
+* ``model.lora_rank=100000000`` (a 51 GB allocation, a traceback): refused above min(in, out) of the
+  widest targeted layer; ``reward.waves=100000000`` (a hang): as many waves as groups.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ import torch
 
 pytest.importorskip("httpx")
 
+from conftest import tiny_overrides  # noqa: E402
+from test_cli_errors import one_line_error  # noqa: E402
 from test_hostile_http import IMAGES, RawHTTP, chat, head  # noqa: E402
+
+from flowgrpo.cli import main  # noqa: E402
 
 from flowgrpo.config import load_config  # noqa: E402
 from flowgrpo.config.schema import validate  # noqa: E402
@@ -150,3 +159,42 @@ def test_a_step_count_past_any_sampler_is_refused_before_the_rollout_grows(key):
     with pytest.raises(ConfigError, match=rf"'{key}' must be >= 1 and <= 1000, got 1000000"):
         load_config("shapes", None, [f"{key}=1000000"])
     assert load_config("shapes", None, [f"{key}=1000"]) is not None
+
+
+# --------------------------------------------------------------------------- sizes no machine holds
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("data.trees_per_prompt", 100_000_000, "for the rollout's latents alone"),  # was 24 GiB and a SIGKILL
+    ("data.prompts_per_iteration", 1_000_000_000, "for the rollout's latents alone"),
+    ("eval.num_prompts", 1_000_000_000, "for the evaluation's images alone"),
+    ("eval.seeds_per_prompt", 100_000_000, "for the evaluation's images alone"),
+])
+def test_a_run_no_machine_holds_is_refused_before_its_folder_exists(key, value, needle, shapes_model_dir, tmp_path,
+                                                                    capsys):
+    out = tmp_path / "runs"
+    rc = main(["train", *tiny_overrides(shapes_model_dir, **{"log.trackers": "[]", key: value}), f"log.out_dir={out}"])
+    one_line_error(rc, capsys.readouterr().err, f"{key}={value}", needle, "more than this machine's")
+    assert not out.exists()
+
+
+def test_the_floor_is_checked_against_the_machines_memory(shapes_model_dir, tmp_path, monkeypatch, capsys):
+    """The tiny run's rollout (2 prompts x 4 trees x 5 latents of 3 x 32 x 32 float32: 480 KiB) passes
+    on a machine of 1 MiB and is refused on one of 256 KiB: the check reads the machine, not a constant."""
+    import flowgrpo.trainer.memory_floor as floor
+
+    args = ["train", *tiny_overrides(shapes_model_dir, **{"log.trackers": "[]", "eval.num_prompts": 1,
+                                                          "eval.evaluator": "none"}), f"log.out_dir={tmp_path}"]
+    monkeypatch.setattr(floor, "machine_bytes", lambda device: 256 << 10)
+    one_line_error(main(args), capsys.readouterr().err, "data.trees_per_prompt=4", "more than this machine's")
+    monkeypatch.setattr(floor, "machine_bytes", lambda device: 1 << 20)
+    assert main(args) == 0
+
+
+def test_a_lora_rank_above_every_targeted_layer_is_refused(shapes_model_dir, tmp_path, capsys):
+    # was a 51 GB allocation and a RuntimeError traceback; the shapes transformer's widest min(in, out) is 128
+    base = ["train", *tiny_overrides(shapes_model_dir, **{"log.trackers": "[]", "train.iterations": 1}),
+            "model.train_mode=lora", f"log.out_dir={tmp_path}"]
+    one_line_error(main([*base, "model.lora_rank=100000000"]), capsys.readouterr().err,
+                   "'model.lora_rank' = 100000000 is above min(in, out) = 128", "use at most 128")
+    assert main([*base, "model.lora_rank=128"]) == 0

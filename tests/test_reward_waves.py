@@ -57,6 +57,7 @@ def test_waves_cut_on_group_boundaries_into_about_equal_parts():
     assert wave_ranges(range(0, 12), 3, 4) == [range(0, 3), range(3, 6), range(6, 9), range(9, 12)]
     assert wave_ranges(range(0, 12), 3, 1) == [range(0, 12)]
     assert wave_ranges(range(0, 12), 3, 9) == [range(0, 3), range(3, 6), range(6, 9), range(9, 12)]  # 4 groups
+    assert wave_ranges(range(0, 12), 3, 10**8) == wave_ranges(range(0, 12), 3, 9)  # was 1e8 loop turns (a hang)
     assert wave_ranges(range(4, 9), 4, 3) == [range(4, 8), range(8, 9)]  # a shard that starts mid-group
     assert wave_ranges(range(1, 3), 4, 2) == [range(1, 3)]  # inside one group: no cut
     for trees, per, w in ((range(0, 64), 8, 3), (range(5, 40), 5, 4)):

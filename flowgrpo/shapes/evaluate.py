@@ -135,6 +135,11 @@ class ShapesEvaluator:
         self.num_prompts, self.seeds_per_prompt = eval_cfg.num_prompts, eval_cfg.seeds_per_prompt
         self.num_steps, self.shift = eval_cfg.num_steps, shift
 
+    def samples_held(self) -> int:
+        """Samples whose images one evaluation holds at once: all of them (``generate_ode`` returns
+        [N, 3, H, W]); :mod:`flowgrpo.trainer.memory_floor` refuses a count the machine cannot hold."""
+        return self.num_prompts * self.seeds_per_prompt
+
     def evaluate(self, policy, split: str = "heldout", keep_images: bool = False) -> EvalResult:
         return evaluate_policy(policy, self.num_prompts, self.seeds_per_prompt, self.num_steps, self.shift,
                                return_images=keep_images, split=split)

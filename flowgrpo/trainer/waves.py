@@ -39,6 +39,9 @@ def wave_ranges(trees: range, trees_per_prompt: int, waves: int) -> list[range]:
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
     cuts = [t for t in range(trees.start + 1, trees.stop) if t % trees_per_prompt == 0]
+    # more waves than groups cut at every group boundary: capped, so reward.waves=100000000 does not
+    # loop 1e8 times (it hung the trainer) for the same cuts
+    waves = min(waves, len(cuts) + 1)
     chosen = []
     for k in range(1, waves):
         if not cuts:

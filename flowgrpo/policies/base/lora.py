@@ -115,9 +115,22 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets, name: str = "de
     from peft import LoraConfig
 
     model.requires_grad_(False)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=resolve_targets(model, targets),
-                        init_lora_weights=check_lora_init(init))
+    resolved = resolve_targets(model, targets)
+    _check_rank(model, rank, resolved)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=resolved, init_lora_weights=check_lora_init(init))
     model.add_adapter(config, adapter_name=name)
+
+
+def _check_rank(model: nn.Module, rank: int, resolved) -> None:
+    """A ConfigError naming ``model.lora_rank`` when it exceeds min(in, out) of every targeted linear
+    layer: B A then has full rank already, so more only adds parameters (rank 100,000,000 asked
+    peft for a 51 GB matrix and ended in an allocator traceback)."""
+    widths = [min(m.in_features, m.out_features) for n, m in model.named_modules()
+              if isinstance(m, nn.Linear) and target_matches(n, resolved)]
+    if widths and rank > max(widths):
+        raise ConfigError(f"config key 'model.lora_rank' = {rank} is above min(in, out) = {max(widths)} of the widest "
+                          f"layer it targets in {type(model).__name__}, where a LoRA already has full rank: use at most "
+                          f"{max(widths)}")
 
 
 @contextlib.contextmanager
