@@ -198,3 +198,8 @@ def test_a_lora_rank_above_every_targeted_layer_is_refused(shapes_model_dir, tmp
     one_line_error(main([*base, "model.lora_rank=100000000"]), capsys.readouterr().err,
                    "'model.lora_rank' = 100000000 is above min(in, out) = 128", "use at most 128")
     assert main([*base, "model.lora_rank=128"]) == 0
+
+
+def test_flowgrpo_eval_refuses_an_evaluation_no_machine_holds(cli_run_dir, capsys):
+    rc = main(["eval", str(cli_run_dir), "eval.num_prompts=1000000000"])  # was a hang, growing
+    one_line_error(rc, capsys.readouterr().err, "eval.num_prompts=1000000000", "for the evaluation's images alone")

@@ -47,6 +47,7 @@ def cmd_eval(args) -> int:
     from ..disk import check_output_file, write_text_atomically
     from ..evaluation import build_evaluator
     from ..trainer.checkpoint import load_trained_policy
+    from ..trainer.memory_floor import check_evaluation_floor
 
     # before the evaluation (minutes): a --json path that cannot be written would lose its result
     out = check_output_file(args.json, "--json") if args.json else None
@@ -55,6 +56,7 @@ def cmd_eval(args) -> int:
     evaluator, note = build_evaluator(cfg.eval, policy, cfg.sampler.shift)
     if evaluator is None:
         raise UserError(note)
+    check_evaluation_floor(cfg, policy, evaluator, next(policy.parameters()).device)
     # the JSON keeps the per-sample verdicts ("correct"), so two evaluations can be compared sample by sample
     res = evaluator.evaluate(policy).to_json(with_correct=True)
     res["checkpoint"] = str(ckpt)

@@ -40,8 +40,8 @@ def rollout_floor_bytes(prompts: int, trees: int, steps: int, latent_shape: tupl
 
 
 def check_memory_floor(cfg, policy, evaluator, device: torch.device) -> None:
-    """Refuse (UserError naming the keys) a run whose rollout, or whose evaluation where the evaluator
-    holds every sample (``samples_held`` of the shapes world's), needs more memory than ``device`` has."""
+    """Refuse (UserError naming the keys) a run whose rollout needs more memory than ``device`` has,
+    or whose evaluation does (:func:`check_evaluation_floor`)."""
     from ..errors import UserError
 
     total = machine_bytes(device)
@@ -56,11 +56,23 @@ def check_memory_floor(cfg, policy, evaluator, device: torch.device) -> None:
             f"samples of {s.num_steps + 1} latents {list(shape)} (sampler.num_steps={s.num_steps}) need "
             f"{need / GIB:.3g} GiB for the rollout's latents alone, more than this machine's {total / GIB:.3g} GiB "
             f"({device.type}): lower them")
+    check_evaluation_floor(cfg, policy, evaluator, device)
+
+
+def check_evaluation_floor(cfg, policy, evaluator, device: torch.device) -> None:
+    """Refuse (UserError naming ``eval.num_prompts`` and ``eval.seeds_per_prompt``) an evaluation whose
+    evaluator holds every sample's image at once (``samples_held``, the shapes world's) when those
+    images alone need more memory than ``device`` has; ``flowgrpo eval`` checks it too."""
+    from ..errors import UserError
+
     held = getattr(evaluator, "samples_held", None)
-    if held is not None:
-        need = held() * math.prod(shape) * LATENT_BYTES
-        if need > total:
-            raise UserError(
-                f"eval.num_prompts={cfg.eval.num_prompts} x eval.seeds_per_prompt={cfg.eval.seeds_per_prompt} "
-                f"images {list(shape)} need {need / GIB:.3g} GiB for the evaluation's images alone, more than this "
-                f"machine's {total / GIB:.3g} GiB ({device.type}): lower them")
+    total = machine_bytes(device)
+    if held is None or total is None:
+        return
+    shape = tuple(policy.latent_shape)
+    need = held() * math.prod(shape) * LATENT_BYTES
+    if need > total:
+        raise UserError(
+            f"eval.num_prompts={cfg.eval.num_prompts} x eval.seeds_per_prompt={cfg.eval.seeds_per_prompt} "
+            f"images {list(shape)} need {need / GIB:.3g} GiB for the evaluation's images alone, more than this "
+            f"machine's {total / GIB:.3g} GiB ({device.type}): lower them")
