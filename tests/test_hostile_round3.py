@@ -203,3 +203,18 @@ def test_a_lora_rank_above_every_targeted_layer_is_refused(shapes_model_dir, tmp
 def test_flowgrpo_eval_refuses_an_evaluation_no_machine_holds(cli_run_dir, capsys):
     rc = main(["eval", str(cli_run_dir), "eval.num_prompts=1000000000"])  # was a hang, growing
     one_line_error(rc, capsys.readouterr().err, "eval.num_prompts=1000000000", "for the evaluation's images alone")
+
+
+# --------------------------------------------------------------------------- serve-reward's limits
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--max-body-mb", "nan", "--max-body-mb must be a finite number > 0, got nan"),  # was a traceback
+    ("--body-timeout-s", "inf", "--body-timeout-s must be a finite number > 0, got inf"),
+    ("--max-batch", "0", "--max-batch must be a finite number > 0, got 0"),
+    ("--window-ms", "-5", "--window-ms must be a finite number >= 0, got -5"),
+    ("--port", "70000", "--port must be in 0..65535, got 70000"),
+])
+def test_serve_reward_names_the_limit_it_refuses(flag, value, needle, capsys):
+    rc = main(["serve-reward", "--reward", "jpeg_compressibility", flag, value])
+    one_line_error(rc, capsys.readouterr().err, needle)

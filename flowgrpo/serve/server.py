@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import math
 import os
 import socket
 import subprocess
@@ -137,6 +138,17 @@ def run_server(app, sock: socket.socket, log_level: str = "info", header_timeout
         raise UserError("the reward server failed to start")
 
 
+def _check_limits(**values) -> None:
+    """A UserError naming the first of ``serve-reward``'s numeric flags out of its range: ``port`` in
+    0..65535, ``window_ms`` >= 0, every other one > 0, all finite (``--max-body-mb nan`` passed every
+    comparison and ended in a traceback)."""
+    for name, value in values.items():
+        low_ok = value >= 0 if name in ("port", "window_ms") else value > 0
+        if not (math.isfinite(value) and low_ok and (name != "port" or value <= 65535)):
+            need = {"port": "in 0..65535", "window_ms": "a finite number >= 0"}.get(name, "a finite number > 0")
+            raise UserError(f"--{name.replace('_', '-')} must be {need}, got {value:g}")
+
+
 def serve_reward(reward: str, options: list[str] = (), host: str = "127.0.0.1", port: int = 8000,
                  token_env: str | None = None, max_batch: int = 32, window_ms: float = 5.0,
                  max_body_mb: float = DEFAULT_MAX_BODY_MB, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
@@ -154,12 +166,10 @@ def serve_reward(reward: str, options: list[str] = (), host: str = "127.0.0.1", 
     except ImportError:
         raise UserError("the reward server needs fastapi and uvicorn: pip install 'flowgrpo[remote]'") from None
     token = resolve_token(host, token_env)
-    if (max_batch < 1 or max_body_mb <= 0 or max_image_pixels < 1 or max_decoded_mb <= 0 or max_images < 1
-            or body_timeout_s <= 0 or queue_timeout_s <= 0 or header_timeout_s <= 0 or max_connections < 1
-            or window_ms < 0 or not 0 <= port <= 65535):
-        raise UserError("max_batch, max_body_mb, max_image_pixels, max_decoded_mb, max_images, body_timeout_s, "
-                        "queue_timeout_s, header_timeout_s and max_connections must be positive, window_ms >= 0, "
-                        "port in 0..65535")
+    _check_limits(port=port, window_ms=window_ms, max_batch=max_batch, max_body_mb=max_body_mb,
+                  max_image_pixels=max_image_pixels, max_decoded_mb=max_decoded_mb, max_images=max_images,
+                  body_timeout_s=body_timeout_s, max_inflight_mb=max_inflight_mb, max_bodies_mb=max_bodies_mb,
+                  queue_timeout_s=queue_timeout_s, header_timeout_s=header_timeout_s, max_connections=max_connections)
     if max_inflight_mb < max_decoded_mb or max_bodies_mb < max_body_mb:
         raise UserError(f"--max-inflight-mb ({max_inflight_mb:g}) must be at least --max-decoded-mb "
                         f"({max_decoded_mb:g}) and --max-bodies-mb ({max_bodies_mb:g}) at least --max-body-mb "
