@@ -24,6 +24,7 @@ called as each request finishes, so a caller can record results as they arrive.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -99,8 +100,13 @@ class ChatClient:
                  max_tokens: int = 512, max_response_mb: float = DEFAULT_MAX_RESPONSE_MB):
         if not base_url or not model:
             raise ConfigError("an OpenAI-compatible judge needs base_url and model")
-        if int(max_concurrency) < 1 or int(retries) < 0 or float(timeout) <= 0 or float(backoff) < 0:
-            raise ConfigError("judge options need max_concurrency >= 1, retries >= 0, timeout > 0, backoff >= 0")
+        for name, value, low, strict in (("max_concurrency", max_concurrency, 1, False), ("retries", retries, 0, False),
+                                         ("timeout", timeout, 0, True), ("backoff", backoff, 0, False),
+                                         ("max_tokens", max_tokens, 1, False)):
+            # NaN passes every comparison: it reached asyncio ("deadline must not be NaN") as a traceback
+            if not (math.isfinite(float(value)) and (float(value) > low if strict else float(value) >= low)):
+                raise ConfigError(f"judge option {name} must be a finite number {'>' if strict else '>='} {low}, "
+                                  f"got {value!r}")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.api_key_env = api_key_env

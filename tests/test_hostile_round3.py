@@ -218,3 +218,27 @@ def test_flowgrpo_eval_refuses_an_evaluation_no_machine_holds(cli_run_dir, capsy
 def test_serve_reward_names_the_limit_it_refuses(flag, value, needle, capsys):
     rc = main(["serve-reward", "--reward", "jpeg_compressibility", flag, value])
     one_line_error(rc, capsys.readouterr().err, needle)
+
+
+# --------------------------------------------------------------------------- the judge's numbers
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--timeout", "nan", "--timeout must be a finite number of seconds > 0, got nan"),  # was a traceback
+    ("--timeout", "-1", "--timeout must be a finite number of seconds > 0"),  # was "cannot reach the judge"
+    ("--images-per-prompt", "0", "--images-per-prompt must be at least 1, got 0"),  # was "none of the 0 images"
+    ("--max-tokens", "0", "--max-tokens must be at least 1, got 0"),  # was accepted
+    ("--workers", "0", "--workers must be at least 1, got 0"),
+])
+def test_unigenbench_score_names_a_bad_number_before_asking_the_judge(flag, value, needle, tmp_path, capsys):
+    rc = main(["unigenbench", "score", str(tmp_path), "--set", "en", "--judge-url", "http://127.0.0.1:9/v1",
+               "--limit", "1", "--quiet", "--out", str(tmp_path / "res"), flag, value])
+    one_line_error(rc, capsys.readouterr().err, needle)
+    assert not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("option, value", [("timeout", float("nan")), ("max_tokens", 0), ("retries", -1),
+                                           ("backoff", float("inf"))])
+def test_a_judge_option_out_of_range_is_named(option, value):
+    with pytest.raises(ConfigError, match=f"judge option {option} must be a finite number"):
+        build_reward("judge", model="m", base_url="http://127.0.0.1:9/v1", **{option: value})

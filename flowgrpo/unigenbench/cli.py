@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+from ..errors import UserError
 from .prompts import SETS
 
 
@@ -73,6 +75,12 @@ def _cmd_score(args) -> int:
     from .prompts import load_prompt_set
     from .score import JudgeOptions, score_folder
 
+    for flag, value, low in (("--workers", args.workers, 1), ("--retries", args.retries, 0),
+                             ("--max-tokens", args.max_tokens, 1), ("--images-per-prompt", args.images_per_prompt, 1)):
+        if value < low:
+            raise UserError(f"{flag} must be at least {low}, got {value}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):  # NaN reached asyncio as a traceback
+        raise UserError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     results = Path(args.out) if args.out else Path(args.images) / f"results_{args.set}"
     opts = JudgeOptions(url=args.judge_url, model=args.judge_model, api_key_env=args.api_key_env,
                         workers=args.workers, timeout=args.timeout, retries=args.retries, max_tokens=args.max_tokens,
