@@ -242,3 +242,20 @@ def test_unigenbench_score_names_a_bad_number_before_asking_the_judge(flag, valu
 def test_a_judge_option_out_of_range_is_named(option, value):
     with pytest.raises(ConfigError, match=f"judge option {option} must be a finite number"):
         build_reward("judge", model="m", base_url="http://127.0.0.1:9/v1", **{option: value})
+
+
+# --------------------------------------------------------------------------- float32's range in training
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.lr=1e300", "the optimizer step overflows float32 (train.lr=1e+300)"),  # was a RuntimeError traceback
+    ("train.lr=1e38", "the optimizer step overflows float32 (train.lr=1e+38)"),  # lr / (1 - beta1) > float32 max
+    # was a run that trained on nothing: reward_mean NaN on every line, exit 0
+    ("reward.weights={shapes: 1e308}", "the weighted sum of the rewards is not a finite float32 for 8 samples"),
+])
+def test_a_number_past_float32_in_training_is_one_line(override, needle, shapes_model_dir, tmp_path, capsys):
+    # the shipped weights: the random model's groups all score alike, so it never takes an optimizer step
+    shipped = [o for o in tiny_overrides(shapes_model_dir, **{"log.trackers": "[]", "train.iterations": 1,
+                                                              "eval.evaluator": "none"}) if not o.startswith("model.path=")]
+    rc = main(["train", *shipped, override, f"log.out_dir={tmp_path}"])
+    one_line_error(rc, capsys.readouterr().err, needle)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..errors import UserError
+
 
 @dataclass
 class AdvantageResult:
@@ -92,6 +94,11 @@ def combine_rewards(rewards: dict[str, Tensor], weights: dict[str, float], group
         if mode == "normalize_then_sum" and len(weights) > 1:
             r, _, _ = group_zscore(r, groups, mask, "group", eps, clip=float("inf"), unbiased=unbiased)
         total = total + w * r
+    overflow = mask & ~torch.isfinite(total)
+    if overflow.any():  # every reward finite, their weighted sum not: float32 overflowed (a weight of 1e308)
+        raise UserError(f"the weighted sum of the rewards is not a finite float32 for {int(overflow.sum())} samples "
+                        f"whose every reward is finite (reward.weights={dict(weights)}): scale the weights or the "
+                        "rewards down")
     return total
 
 

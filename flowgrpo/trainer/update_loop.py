@@ -101,7 +101,13 @@ def run_update(ctx: UpdateContext, objective: Objective, engine, idle_pass=None)
                     _check_finite(float(term.detach()), name, ctx)
                     engine.backward(term)
                     collect.add_extra(name, term)
-            norm = engine.step(params, tc.max_grad_norm)
+            try:
+                norm = engine.step(params, tc.max_grad_norm)
+            except RuntimeError as exc:  # AdamW's lr / (1 - beta1) past float32's range (train.lr=1e38)
+                if "without overflow" not in str(exc):
+                    raise
+                raise NonFiniteError(f"iteration {ctx.collected.iteration}: the optimizer step overflows float32 "
+                                     f"(train.lr={tc.lr:g}); the update was not applied. Lower train.lr") from None
             _check_finite(norm, "gradient norm", ctx)
             collect.grad_norms.append(norm)
             objective.after_step(ctx)
