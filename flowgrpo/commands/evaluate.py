@@ -47,7 +47,7 @@ def cmd_eval(args) -> int:
     from ..disk import check_output_file, write_text_atomically
     from ..evaluation import build_evaluator
     from ..trainer.checkpoint import load_trained_policy
-    from ..trainer.memory_floor import check_evaluation_floor
+    from ..memory_floor import check_evaluation_floor
 
     # before the evaluation (minutes): a --json path that cannot be written would lose its result
     out = check_output_file(args.json, "--json") if args.json else None

@@ -137,7 +137,7 @@ class ShapesEvaluator:
 
     def samples_held(self) -> int:
         """Samples whose images one evaluation holds at once: all of them (``generate_ode`` returns
-        [N, 3, H, W]); :mod:`flowgrpo.trainer.memory_floor` refuses a count the machine cannot hold."""
+        [N, 3, H, W]); :mod:`flowgrpo.memory_floor` refuses a count the machine cannot hold."""
         return self.num_prompts * self.seeds_per_prompt
 
     def evaluate(self, policy, split: str = "heldout", keep_images: bool = False) -> EvalResult:

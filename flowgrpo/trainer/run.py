@@ -66,14 +66,16 @@ def train(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, tra
     The run folder is locked while the run writes it (:mod:`.run_lock`): a second run on it is refused."""
     from ..policies.diffusers.common import show_library_progress
     from ..realsize.forecast import print_memory_forecast
-    from .memory_floor import check_memory_floor
+    from ..memory_floor import check_memory_floor
 
     show_library_progress(cfg.log.progress)  # diffusers' and transformers' own bars follow log.progress
     if trainer is None:
         trainer = Trainer(cfg)  # first, so that bad input fails before a run directory exists
     cfg, events = trainer.cfg, trainer.callbacks  # the parts' config (a rewards part may set reward.weights)
     evaluator, eval_note = monitored_evaluator(cfg, trainer)  # eval.evaluator, measuring the monitors
-    check_memory_floor(cfg, trainer.policy, evaluator, trainer.accelerator.device)  # before the run folder
+    trees = cfg.data.prompts_per_iteration * cfg.data.trees_per_prompt  # before the run folder:
+    check_memory_floor(cfg, trainer.policy, evaluator, trainer.accelerator.device,
+                       share=len(trainer.dp.tree_shard(trees)) / trees)
     with open_run(trainer, run_dir, resume) as run:
         parts = run_parts(run, evaluator, eval_note)
         if run.main:

@@ -39,10 +39,12 @@ def rollout_floor_bytes(prompts: int, trees: int, steps: int, latent_shape: tupl
     return prompts * trees * (steps + 1) * math.prod(latent_shape) * LATENT_BYTES
 
 
-def check_memory_floor(cfg, policy, evaluator, device: torch.device) -> None:
+def check_memory_floor(cfg, policy, evaluator, device: torch.device, share: float = 1.0) -> None:
     """Refuse (UserError naming the keys) a run whose rollout needs more memory than ``device`` has,
-    or whose evaluation does (:func:`check_evaluation_floor`)."""
-    from ..errors import UserError
+    or whose evaluation does (:func:`check_evaluation_floor`). ``share``: the fraction of the
+    iteration's trees this process rolls out; counted on a GPU, whose memory is its own, not on the
+    host, whose memory the processes share."""
+    from .errors import UserError
 
     total = machine_bytes(device)
     if total is None:
@@ -50,6 +52,8 @@ def check_memory_floor(cfg, policy, evaluator, device: torch.device) -> None:
     shape = tuple(policy.latent_shape)
     d, s = cfg.data, cfg.sampler
     need = rollout_floor_bytes(d.prompts_per_iteration, d.trees_per_prompt, s.num_steps, shape)
+    if device.type == "cuda":
+        need = int(need * share)
     if need > total:
         raise UserError(
             f"data.prompts_per_iteration={d.prompts_per_iteration} x data.trees_per_prompt={d.trees_per_prompt} "
@@ -63,7 +67,7 @@ def check_evaluation_floor(cfg, policy, evaluator, device: torch.device) -> None
     """Refuse (UserError naming ``eval.num_prompts`` and ``eval.seeds_per_prompt``) an evaluation whose
     evaluator holds every sample's image at once (``samples_held``, the shapes world's) when those
     images alone need more memory than ``device`` has; ``flowgrpo eval`` checks it too."""
-    from ..errors import UserError
+    from .errors import UserError
 
     held = getattr(evaluator, "samples_held", None)
     total = machine_bytes(device)
