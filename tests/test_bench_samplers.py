@@ -79,6 +79,18 @@ def test_equal_leaves_per_prompt(tmp_path):
         assert cfg.model.name == "sd3-tiny" and cfg.reward.weights == {"jpeg_compressibility": 1.0}
 
 
+def test_every_benchmarked_preset_resolves(tmp_path):
+    """`flowgrpo bench samplers` with no arguments ran every preset and stopped at flow-opd, which
+    needs teacher runs ("loss.flow_opd.teachers is empty ..."): each preset it runs must configure."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    from flowgrpo.trainer.trainer import Trainer
+
+    for preset in bench_presets():
+        cfg, _, _ = bench_config(preset, prompts_file=str(prompts), prompts_per_iteration=2)
+        Trainer(cfg)  # the objective's own checks (flow-opd's teachers) run here, not in load_config
+
+
 def test_tree_nfe_counts_follow_the_plan(tmp_path):
     """branch-grpo-mix (K = 2 at steps 0, 3, 6; SDE window 0..2): one 8-leaf tree per prompt."""
     t = 7
