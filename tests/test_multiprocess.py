@@ -258,6 +258,17 @@ def test_num_processes_2_writes_the_same_summary_as_1_process(shapes_model_dir, 
     assert len((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_a_2_process_run_with_a_tracker_ends_on_every_rank(shapes_model_dir, tmp_path):
+    """The default tracker (tensorboard) on 2 processes: the main rank's logger once ended it with
+    accelerate's end_training(), which also destroys the process group, and rank 1 then lost contact at
+    its closing barrier ("killed by SIGTERM; ranks [1] then stopped", exit 2). The other 2-process tests
+    run with log.trackers=[]."""
+    two = _cli(["train", "--num-processes", "2", *_run_overrides(shapes_model_dir, tmp_path, "tb", 1)[1:],
+                "log.trackers=[tensorboard]"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "lost contact" not in two.stderr and list((tmp_path / "tb" / "tensorboard").rglob("events.out.tfevents.*"))
+
+
 def test_a_rank_without_rows_trains_with_the_others(shapes_model_dir, tmp_path):
     """2 prompts x 4 trees on 2 processes: each rank rolls out one prompt's group (trees 0-3, 4-7).
     The default preset (DiffusionNFT, rows=signal) trains only groups with reward spread, so a rank can

@@ -66,7 +66,11 @@ class MetricsLogger:
             return
         self._fh.close()
         if self.accelerator is not None:
-            self.accelerator.end_training()
+            # each tracker's finish() only: accelerate's end_training() also destroys the process group, and
+            # this runs on the main rank alone, so the other ranks met a dead group at their closing barrier
+            # (every multi-process run with a tracker, the default tensorboard included, ended that way)
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
 
 
 def json_safe(value):
