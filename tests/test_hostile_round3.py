@@ -30,7 +30,7 @@ from test_hostile_http import IMAGES, RawHTTP, chat, head  # noqa: E402
 from flowgrpo.cli import main  # noqa: E402
 
 from flowgrpo.config import load_config  # noqa: E402
-from flowgrpo.config.schema import validate  # noqa: E402
+from flowgrpo.config.validation import validate  # noqa: E402
 from flowgrpo.errors import ConfigError, UserError  # noqa: E402
 from flowgrpo.rewards import build_reward  # noqa: E402
 from flowgrpo.rewards.http_client import Reply  # noqa: E402

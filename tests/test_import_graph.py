@@ -120,8 +120,8 @@ def test_the_scanner_sees_relative_and_late_imports():
     assert "flowgrpo.samplers.steps" in g
     # samplers/forest_sampler.py: "from .steps import ..." at module level
     assert "flowgrpo.samplers.steps" in g["flowgrpo.samplers.forest_sampler"]
-    # config.schema's validate imports the registries inside a function
-    assert "flowgrpo.policies" in g["flowgrpo.config.schema"]
+    # config.validation's validate imports the registries inside a function
+    assert "flowgrpo.policies" in g["flowgrpo.config.validation"]
 
 
 def test_the_cycle_finder_finds_a_planted_cycle():

@@ -1,7 +1,8 @@
 """The run configuration, one package:
 
 * :mod:`~flowgrpo.config.schema`: the dataclasses (:class:`RunConfig` and its sections), how a mapping
-  is applied to them, :func:`load_config` / :func:`compose_config` and :func:`validate`;
+  is applied to them, :func:`load_config` / :func:`compose_config`;
+* :mod:`~flowgrpo.config.validation`: :func:`validate`, the value checks beyond types;
 * :mod:`~flowgrpo.config.layers`: which keys a method preset and a recipe own, how the layers compose
   (defaults <- recipe <- preset <- the recipe's settings for that method <- file <- overrides) and which
   layer set each value; overrides ``key.sub=value``;
@@ -36,8 +37,8 @@ from .schema import (
     compose_config,
     load_config,
     to_dict,
-    validate,
 )
+from .validation import validate
 
 __all__ = [
     "DEFAULT_PRESET", "RANGES", "RECIPE_METHOD", "AdvantageConfig", "ConfigKeyRenamedWarning", "EvalConfig",

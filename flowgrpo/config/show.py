@@ -123,7 +123,8 @@ def render(composed) -> str:
 
 def show_config(preset, recipe, config_file, overrides) -> int:
     """Print the resolved, validated configuration of these layers with each key's source."""
-    from .schema import compose_config, validate
+    from .schema import compose_config
+    from .validation import validate
 
     composed = compose_config(preset, config_file, overrides, recipe)
     missing = absent_model_folder(composed.config.model)
