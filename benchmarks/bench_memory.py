@@ -154,10 +154,23 @@ def run_recipe_memory(json_path=None, *, recipes: list[str] | None = None, gpus:
     and without FSDP. Prints the rich table; writes the JSON ``{"gpus", "rows": [...]}`` (every row has
     ``transformer_params``, ``lora_params`` and ``per_gpu`` bytes); ``markdown``: a file whose
     ``memory-table`` markers get the markdown table in between (the file is left alone without them)."""
-    from flowgrpo.realsize.table import markdown_table, memory_rows, print_table, replace_marked
+    from flowgrpo.errors import UserError
+    from flowgrpo.realsize.configs import recipe_names
+    from flowgrpo.realsize.table import has_markers, markdown_table, memory_row, print_table, replace_marked
 
-    rows = memory_rows(recipes, gpus, resolution=resolution or None, frames=frames or None,
-                       micro_batch=micro_batch or None)
+    if markdown and not has_markers(markdown):
+        raise UserError(f"--markdown {markdown}: not a text file holding the lines <!-- memory-table:begin --> and "
+                        "<!-- memory-table:end -->, between which the table goes")
+    rows = []
+    for recipe in recipes or recipe_names():
+        try:
+            rows.append(memory_row(recipe, gpus, resolution=resolution or None, frames=frames or None,
+                                   micro_batch=micro_batch or None))
+        except (ValueError, RuntimeError) as exc:  # the model's own shape checks at a size it cannot take
+            sizes = ", ".join(f"{k} {v}" for k, v in (("resolution", resolution), ("frames", frames),
+                                                        ("micro-batch", micro_batch)) if v)
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"recipe {recipe} cannot be sized at {sizes or 'its own sizes'}: {first}") from None
     result = {"gpus": gpus, "rows": rows}
     write_json(json_path, result)
     if not quiet:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
+import math
 from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
 
 
 @dataclass(frozen=True)
@@ -75,15 +78,74 @@ def add_bench_parser(sub) -> None:
     b.set_defaults(fn=run_bench_command)
 
 
+#: the option flags and their unset values; a flag differing from it was given (``nan`` and negatives too)
+_OPTION_UNSET = {"repeats": 0, "flow_grpo": None, "minutes": 0.0, "device": None, "tiny": False, "stages": None,
+                 "time_budget": 0.0, "recipe": None, "all_recipes": False, "gpus": 0, "markdown": None,
+                 "resolution": 0, "frames": 0, "micro_batch": 0}
+#: the memory flags that size a recipe, meaningless for the measured tiny runs
+_RECIPE_ONLY = ("gpus", "markdown", "resolution", "frames", "micro_batch")
+#: the largest --repeats; a guard against a typo turning a benchmark into an endless loop
+MAX_REPEATS = 10_000
+
+
+def _flag(name: str) -> str:
+    return "--all" if name == "all_recipes" else "--" + name.replace("_", "-")
+
+
+def check_bench_flags(args: argparse.Namespace) -> None:
+    """A UserError naming the first bad flag of ``flowgrpo bench``, before anything runs.
+
+    Refused: a flag the chosen benchmark does not take (it was silently ignored); ``--repeats``
+    outside 0..MAX_REPEATS; ``--minutes`` / ``--time-budget`` negative or not finite (NaN passed every
+    comparison); ``--gpus`` below 0; ``--resolution`` not a multiple of 16 (every recipe's VAE and
+    patching need it) or ``--frames`` not 4k + 1 (the video VAEs compress time 4x, keeping the first
+    frame); the memory sizing flags without ``--recipe`` / ``--all``; an unknown ``--recipe``;
+    ``--out`` an existing file and ``--json`` an existing folder."""
+    entry = BENCHMARKS[args.what]
+    taken = set(entry.options) | ({"flow_grpo"} if args.what == "reference" else set())
+    for name, unset in _OPTION_UNSET.items():
+        value = getattr(args, name, unset)
+        if value != unset and name not in taken:  # NaN != anything: a NaN flag counts as given
+            takes = ", ".join([_flag(n) for n in _OPTION_UNSET if n in taken] + ["--out", "--json"])
+            raise UserError(f"bench {args.what} does not take {_flag(name)} (its flags: {takes})")
+    if not 0 <= args.repeats <= MAX_REPEATS:
+        raise UserError(f"--repeats must be in 0..{MAX_REPEATS} (0: the benchmark's default), got {args.repeats}")
+    for name in ("minutes", "time_budget"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise UserError(f"{_flag(name)} must be a finite number >= 0 (0: the benchmark's default), got {value:g}")
+    for name in ("gpus", "resolution", "frames", "micro_batch"):
+        if getattr(args, name) < 0:
+            raise UserError(f"{_flag(name)} must be >= 0 (0: the recipe's own), got {getattr(args, name)}")
+    if args.resolution % 16:
+        raise UserError(f"--resolution must be a multiple of 16 (the VAE's 8x and the 2x2 patches), "
+                        f"got {args.resolution}")
+    if args.frames and (args.frames - 1) % 4:
+        raise UserError(f"--frames must be 4k + 1 (the video VAEs compress time 4x, keeping the first frame), "
+                        f"got {args.frames}")
+    if args.what == "memory":
+        given = [n for n in _RECIPE_ONLY if getattr(args, n)]
+        if given and not (args.recipe or args.all_recipes):
+            raise UserError(f"{_flag(given[0])} sizes a recipe: add --recipe NAME or --all")
+        if args.recipe:
+            from ..realsize.configs import recipe_names
+
+            if args.recipe not in recipe_names():
+                raise UserError(f"--recipe {args.recipe!r} is not a sized recipe; valid: {', '.join(recipe_names())}")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file; give a folder (created if missing)")
+    if args.json is not None and Path(args.json).is_dir():
+        raise UserError(f"--json {args.json} is a folder; give a file path")
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the benchmark ``args.what``; its CSV/PNG go into ``--out`` (None: the current directory)."""
     entry = BENCHMARKS[args.what]
+    check_bench_flags(args)
     leading = []
     if args.what == "reference":
         if not args.flow_grpo:
-            print("flowgrpo: bench reference needs --flow-grpo PATH (a checkout of github.com/yifan123/flow_grpo)",
-                  file=sys.stderr)
-            return 2
+            raise UserError("bench reference needs --flow-grpo PATH (a checkout of github.com/yifan123/flow_grpo)")
         leading = [args.flow_grpo]
     run = getattr(importlib.import_module(f"flowgrpo.benchmarks.{entry.module}"), entry.function)
     options = {name: getattr(args, name) for name in entry.options if getattr(args, name, None)}
@@ -93,7 +155,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
         try:
             options["stages"] = parse_stages(options["stages"])
         except ValueError as exc:
-            print(f"flowgrpo: bench gpu --stages: {exc}", file=sys.stderr)
-            return 2
+            raise UserError(f"bench gpu --stages: {exc}") from None
     run(*leading, args.json, **{entry.out_keyword: args.out}, **options)
     return 0

@@ -172,15 +172,25 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_MARKED = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+
+
+def has_markers(path: str | Path) -> bool:
+    """Whether ``path`` is a text file holding the ``memory-table`` begin and end markers, in order."""
+    path = Path(path)
+    try:
+        return path.is_file() and bool(_MARKED.search(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def replace_marked(path: str | Path, content: str) -> bool:
     """Replace what lies between the ``memory-table`` markers of ``path`` by ``content``; False (file
     untouched) when the file or either marker is missing."""
     path = Path(path)
-    if not path.is_file():
+    if not has_markers(path):
         return False
     text = path.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        return False
+    pattern = _MARKED
     path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{content.rstrip()}\n{END}", text, count=1), encoding="utf-8")
     return True
