@@ -117,6 +117,30 @@ def evaluator_options(eval_cfg, defaults: dict, evaluator: str) -> dict:
     return {**defaults, **opts}
 
 
+def seeded_drawing_options(opts: dict, eval_cfg) -> tuple[int, int]:
+    """``(seed, batch_size)`` of an evaluator that draws from :func:`~flowgrpo.output.drawing.noise_seed`
+    (bench, edit): ``eval.options.seed`` an integer in 0..2^40 - 1, ``eval.options.batch_size`` one >= 1,
+    and ``eval.seeds_per_prompt`` / ``eval.num_prompts`` within the ranges whose seeds stay distinct;
+    else a ConfigError naming the key (a string seed was a ValueError traceback, batch size 0 one from
+    ``range``)."""
+    from .errors import ConfigError
+    from .output.drawing import MAX_IMAGES_PER_PROMPT, MAX_PROMPTS, MAX_SEED
+
+    values = {}
+    for key, low, high in (("seed", 0, MAX_SEED), ("batch_size", 1, None)):
+        value = opts[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+            need = f"an integer in {low}..2^40 - 1" if high else f"an integer >= {low}"
+            raise ConfigError(f"eval.options.{key} must be {need}, got {value!r}")
+        values[key] = value
+    if eval_cfg.seeds_per_prompt > MAX_IMAGES_PER_PROMPT:
+        raise ConfigError(f"eval.seeds_per_prompt must be at most {MAX_IMAGES_PER_PROMPT} for this evaluator "
+                          f"(its noise seeds would repeat), got {eval_cfg.seeds_per_prompt}")
+    if eval_cfg.num_prompts > MAX_PROMPTS:
+        raise ConfigError(f"eval.num_prompts must be at most {MAX_PROMPTS} for this evaluator, got {eval_cfg.num_prompts}")
+    return values["seed"], values["batch_size"]
+
+
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
     """Mean and standard error of the per-sample change ``after - before`` (same prompts and seeds)."""
     d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)

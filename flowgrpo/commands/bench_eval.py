@@ -204,12 +204,14 @@ def _score_missing(scorer, folder: Path, rows: list[dict], items: list[tuple[int
 def run_bench(target: str, opts: BenchOptions) -> dict:
     """Run the benchmark on ``target`` into ``opts.out`` (see the module docstring); returns ``bench.json``'s dict."""
     from ..data import load_prompt_file
+    from ..output.drawing import check_draw_flags
 
     bench = get_bench(opts.bench)
     prompts = bench_prompts(bench, opts.prompts)  # --prompts, else the shipped set; before any model loads
     rows = load_prompt_file(prompts)
     if opts.max_prompts:
         rows = rows[:opts.max_prompts]
+    check_draw_flags(num_prompts=len(rows), source=str(prompts))
     variants = model_variants(target, opts.base, opts.model_overrides)
     steps = opts.steps or variants[0].steps
     per_prompt = opts.images_per_prompt or bench.images_per_prompt

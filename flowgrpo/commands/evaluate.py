@@ -41,9 +41,11 @@ def cmd_eval(args) -> int:
     """Run ``flowgrpo eval`` (see the module docstring)."""
     if args.bench:
         return _cmd_bench(args)
-    for flag in ("prompts", "out", "base"):
-        if getattr(args, flag):
-            raise UserError(f"--{flag} belongs to a benchmark: add --bench NAME")
+    for flag, unset in (("prompts", None), ("out", None), ("base", None), ("option", []), ("seed", 0),
+                        ("steps", None), ("images_per_prompt", None), ("max_prompts", None), ("batch_size", 4)):
+        if getattr(args, flag) != unset:  # the held-out evaluation takes its sizes from eval.* (was silently ignored)
+            raise UserError(f"--{flag.replace('_', '-')} belongs to a benchmark: add --bench NAME "
+                            "(the held-out evaluation takes eval.KEY=VALUE settings)")
     from ..disk import check_output_file, write_text_atomically
     from ..evaluation import build_evaluator
     from ..trainer.checkpoint import load_trained_policy
@@ -84,6 +86,7 @@ def _print_accuracy_table(res: dict, ckpt) -> None:
 def _cmd_bench(args) -> int:
     from .bench_eval import BenchOptions, run_bench
     from ..benches.suites import bench_prompts, get_bench
+    from ..output.drawing import check_draw_flags
     from ..serve.server import parse_options
 
     bench = get_bench(args.bench)  # an unknown name lists the valid ones before anything loads
@@ -91,6 +94,12 @@ def _cmd_bench(args) -> int:
         raise UserError("--evaluator and --json belong to the held-out evaluation; a benchmark writes into --out")
     if not args.out:
         raise UserError(f"--bench {args.bench} needs --out DIR")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file; give a folder (a rerun into it resumes)")
+    check_draw_flags(seed=args.seed, images_per_prompt=args.images_per_prompt, steps=args.steps,
+                     batch_size=args.batch_size)
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise UserError(f"--max-prompts must be at least 1, got {args.max_prompts}")
     # --prompts, else the benchmark's shipped set; a benchmark that ships none needs --prompts (one line)
     bench_prompts(bench, args.prompts)
     opts = BenchOptions(bench=args.bench, prompts=args.prompts, out=args.out, base=args.base, seed=args.seed,

@@ -44,7 +44,7 @@ def resumed_config(run_dir: Path, preset: str | None = None, recipe: str | None 
     """The recorded configuration of ``run_dir`` with what ``--config`` / ``overrides`` change among
     :data:`CONTINUE_KEYS` (named in a note unless ``quiet``), validated; a UserError for a ``preset``
     or ``recipe`` other than the recorded one and for any other key they change (module docstring)."""
-    from ..config import apply_dict, parse_override, validate
+    from ..config import apply_overrides, apply_dict, validate
     from ..trainer.checkpoint import read_run_config
 
     recorded = read_run_config(run_dir)
@@ -55,8 +55,7 @@ def resumed_config(run_dir: Path, preset: str | None = None, recipe: str | None 
         data = _config_file(config_file)
         _check_same(run_dir, f"--config {config_file}'s base:", data.pop("base", None), recorded.preset, "method")
         apply_dict(cfg, data)
-    for override in overrides:
-        apply_dict(cfg, parse_override(override))
+    apply_overrides(cfg, overrides)
     validate(cfg)
     changes = changed_keys(recorded, cfg)
     refused = [c for c in changes if c[0] not in CONTINUE_KEYS]

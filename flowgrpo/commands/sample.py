@@ -35,8 +35,7 @@ from torch import Tensor
 
 from ..disk import check_new_folder, new_folder
 from ..errors import UserError
-from ..output.drawing import draw, noise_seed
-from ..samplers.plan import MAX_STEPS
+from ..output.drawing import check_draw_flags, draw, noise_seed
 
 #: prompts shown in ``grid.png`` (all are written as files)
 GRID_PROMPTS = 16
@@ -68,20 +67,13 @@ def _check_options(opts: SampleOptions) -> list[dict]:
 
     if opts.weights not in (None, "ema", "raw"):
         raise UserError(f"--weights must be ema or raw, got {opts.weights!r}")
-    if opts.steps is not None and not 1 <= opts.steps <= MAX_STEPS:
-        raise UserError(f"--steps must be in 1..{MAX_STEPS}, got {opts.steps}")
     if opts.guidance is not None and not (math.isfinite(opts.guidance) and opts.guidance >= 0):
         raise UserError(f"--guidance must be a finite number >= 0, got {opts.guidance}")
-    if not 1 <= opts.images_per_prompt <= 100:
-        raise UserError(f"--images-per-prompt must be in 1..100, got {opts.images_per_prompt}")
-    if opts.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {opts.batch_size}")
-    if not 0 <= opts.seed < 2**40:
-        raise UserError(f"--seed must be in 0..2^40, got {opts.seed}")
+    check_draw_flags(seed=opts.seed, images_per_prompt=opts.images_per_prompt, steps=opts.steps,
+                     batch_size=opts.batch_size)
     check_new_folder(opts.out, "--out")
     rows = load_prompt_file(opts.prompts)
-    if len(rows) > 100_000:
-        raise UserError(f"{opts.prompts} holds {len(rows)} prompts; at most 100000 are sampled in one call")
+    check_draw_flags(num_prompts=len(rows), source=opts.prompts)
     return rows
 
 

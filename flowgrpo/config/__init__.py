@@ -34,6 +34,7 @@ from .schema import (
     SamplerConfig,
     TrainConfig,
     apply_dict,
+    apply_overrides,
     compose_config,
     load_config,
     to_dict,
@@ -43,6 +44,6 @@ from .validation import validate
 __all__ = [
     "DEFAULT_PRESET", "RANGES", "RECIPE_METHOD", "AdvantageConfig", "ConfigKeyRenamedWarning", "EvalConfig",
     "LossConfig", "ModelConfig", "RewardConfig", "RunConfig", "SamplerConfig", "TrainConfig", "apply_dict",
-    "compose_config", "load_config", "parse_override", "preset_names", "read_preset", "recipe_names", "to_dict",
+    "apply_overrides", "compose_config", "load_config", "parse_override", "preset_names", "read_preset", "recipe_names", "to_dict",
     "validate",
 ]

@@ -21,7 +21,7 @@ from ..policies.base import TrainMode
 from ..policies.base.lora import DEFAULT_LORA_INIT, DEFAULT_TARGETS
 from ..samplers.plan import MAX_STEPS
 from ..samplers.sde import DEFAULT_NOISE_LEVEL, LogProbConvention, SDEKindName
-from .layers import RECIPE_METHOD, Composed, compose, deep_merge
+from .layers import RECIPE_METHOD, Composed, compose, deep_merge, parse_override
 from .renames import RENAMED_KEYS, move_renamed
 from .validation import validate
 
@@ -210,12 +210,19 @@ class RunConfig:
 # --------------------------------------------------------------------------- merging and validation
 
 
+#: option mappings that a layer merges key by key: (section, key, what the mapping holds)
+_MERGED_OPTIONS = (("reward", "options", "reward name -> options"), ("eval", "options", "option -> value"),
+                   ("monitor", "reward_options", "reward name -> options"))
+
+
 def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
     """Merge a nested dict into ``cfg`` in place, refusing unknown keys and wrong types.
 
-    On a :class:`RunConfig`: renamed keys are moved (with a warning), ``reward.options`` merges key
-    by key, and a layer that selects another ``sampler.strategy`` starts the ``strategy`` options
-    from that strategy's defaults.
+    On a :class:`RunConfig`: renamed keys are moved (with a warning); ``reward.options``,
+    ``eval.options`` and ``monitor.reward_options`` merge key by key, so ``eval.options.seed=3``
+    keeps a recipe's ``eval.options.bench``; a layer that selects another ``sampler.strategy`` /
+    ``eval.evaluator`` starts the ``strategy`` / ``eval.options`` from empty (another's options
+    would be unknown keys to it).
     """
     if isinstance(cfg, RunConfig) and isinstance(data, dict):
         data = move_renamed(data)
@@ -223,23 +230,36 @@ def apply_dict(cfg: Any, data: dict, prefix: str = "") -> None:
         new_strategy = sampler.get("strategy") if isinstance(sampler, dict) else None
         if new_strategy is not None and new_strategy != cfg.sampler.strategy:
             cfg.strategy = {}
+        evaluation = data.get("eval")
+        new_evaluator = evaluation.get("evaluator") if isinstance(evaluation, dict) else None
+        if new_evaluator is not None and new_evaluator != cfg.eval.evaluator:
+            cfg.eval.options = {}
         options = data.pop("strategy", None)
-        reward = data.get("reward")
-        reward_options = reward.pop("options", None) if isinstance(reward, dict) else None
+        merged = [(section, key, what, data[section].pop(key)) for section, key, what in _MERGED_OPTIONS
+                  if isinstance(data.get(section), dict) and key in data[section]]
         merge_into(cfg, data, prefix)
         if isinstance(cfg.reward.weights, dict):  # a file's `w: 1e-2` is a string to YAML 1.1, as in coerce
             cfg.reward.weights = {k: float(v) if isinstance(v, str) and as_number(v) is not None else v
                                   for k, v in cfg.reward.weights.items()}
-        if reward_options is not None:  # per-reward options merge key by key, like the strategy's
-            if not isinstance(reward_options, dict):
-                raise ConfigError("config key 'reward.options' must be a mapping of reward name -> options")
-            deep_merge(cfg.reward.options, reward_options)
+        for section, key, what, value in merged:  # like the strategy's options, below
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{section}.{key}' must be a mapping of {what}")
+            deep_merge(getattr(getattr(cfg, section), key), value)
         if options is not None:
             if not isinstance(options, dict):
                 raise ConfigError(f"config section 'strategy' must be a mapping, got {type(options).__name__}")
             cfg.strategy.update(options)  # strategy options merge, so a preset can set a subset
         return
     merge_into(cfg, data, prefix)
+
+
+def apply_overrides(cfg: Any, overrides) -> None:
+    """Apply ``key.sub=value`` ``overrides`` to ``cfg`` as one layer, as :func:`load_config` does (two
+    ``eval.options.*`` overrides both count, whatever their order)."""
+    merged: dict = {}
+    for override in overrides:
+        deep_merge(merged, parse_override(override))
+    apply_dict(cfg, merged)
 
 
 # --------------------------------------------------------------------------- composing

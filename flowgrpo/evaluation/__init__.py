@@ -21,10 +21,11 @@ one before, during and after a training run.
 
 from __future__ import annotations
 
-from ..evaluators import EVALUATORS, EvalResult, Evaluator, evaluator_options, paired_gain, seed_standard_error
+from ..evaluators import (EVALUATORS, EvalResult, Evaluator, evaluator_options, paired_gain, seed_standard_error,
+                          seeded_drawing_options)
 
 __all__ = ["EVALUATORS", "EvalResult", "Evaluator", "build_evaluator", "evaluator_options", "paired_gain",
-           "seed_standard_error"]
+           "seed_standard_error", "seeded_drawing_options"]
 
 
 

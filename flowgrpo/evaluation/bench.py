@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError, UserError
-from . import EvalResult, evaluator_options
+from . import EvalResult, evaluator_options, seeded_drawing_options
 from ..benches.scoring import build_scorer, summarise
 from ..benches.suites import bench_prompts, get_bench
 
@@ -35,6 +35,7 @@ class BenchEvaluator:
         from ..data import load_prompt_file
 
         opts = evaluator_options(eval_cfg, DEFAULTS, "bench")
+        self.seed, self.batch_size = seeded_drawing_options(opts, eval_cfg)
         if not opts["bench"]:
             raise ConfigError("eval.evaluator=bench needs eval.options.bench (a benchmark name) and, where the "
                               "benchmark ships none, eval.options.prompts (its held-out prompt file)")
@@ -49,7 +50,6 @@ class BenchEvaluator:
         n = min(int(eval_cfg.num_prompts), len(rows))
         self.rows = [rows[(i * len(rows)) // n] for i in range(n)]
         self.scorer = build_scorer(self.bench, opts["metric_options"])
-        self.seed, self.batch_size = int(opts["seed"]), int(opts["batch_size"])
         self.per_prompt, self.steps, self.shift = int(eval_cfg.seeds_per_prompt), int(eval_cfg.num_steps), shift
 
     def evaluate(self, policy, split: str = "heldout", keep_images: bool = False) -> EvalResult:

@@ -13,11 +13,13 @@ result's ``score`` is the mean reward and ``per_tag`` follows the file's ``tag``
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from ..errors import ConfigError, UserError
-from . import EvalResult, evaluator_options
+from . import EvalResult, evaluator_options, seeded_drawing_options
 
 #: eval.options of the edit evaluator and their defaults
 DEFAULTS = {"prompts": None, "reward": "edit_consistency", "reward_options": {}, "threshold": 0.5, "seed": 0,
@@ -34,6 +36,7 @@ class EditEvaluator:
         from ..data import load_prompt_file
 
         opts = evaluator_options(eval_cfg, DEFAULTS, "edit")
+        self.seed, self.batch_size = seeded_drawing_options(opts, eval_cfg)
         if not opts["prompts"]:
             raise ConfigError("eval.evaluator=edit needs eval.options.prompts: a .jsonl file of held-out edit "
                               "prompts whose lines name their reference image (\"image\": path)")
@@ -46,10 +49,10 @@ class EditEvaluator:
         if not isinstance(opts["reward_options"], dict):
             raise ConfigError("eval.options.reward_options must be a mapping of option -> value")
         self.reward = build_reward(str(opts["reward"]), **opts["reward_options"])
-        self.threshold, self.seed = float(opts["threshold"]), int(opts["seed"])
-        self.batch_size = int(opts["batch_size"])
-        if self.batch_size < 1:
-            raise ConfigError("eval.options.batch_size must be at least 1")
+        threshold = opts["threshold"]
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+            raise ConfigError(f"eval.options.threshold must be a finite number, got {threshold!r}")
+        self.threshold = float(threshold)
         self.seeds_per_prompt, self.steps, self.shift = int(eval_cfg.seeds_per_prompt), int(eval_cfg.num_steps), shift
 
     def items(self) -> list[tuple[int, int]]:

@@ -326,10 +326,9 @@ def load_trained_policy(target: Path, only_model: str | None = None, *, prefer_e
         raise UserError(f"{target} is neither a run directory nor a checkpoint folder")
     cfg = read_run_config(run_dir, for_training=False)  # the rewards and the objective are not rebuilt
     if overrides:
-        from ..config import apply_dict, parse_override, validate
+        from ..config import apply_overrides, validate
 
-        for override in overrides:
-            apply_dict(cfg, parse_override(override))
+        apply_overrides(cfg, overrides)
         validate(cfg, for_training=False)
     if only_model is not None and cfg.model.name != only_model:
         raise UserError(f"{run_dir} trained model {cfg.model.name!r}; only {only_model!r} runs are read here")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..images import png_bytes
+from ..output.drawing import check_draw_flags, noise_seed
 from .judgements import file_sha256
 from .prompts import BenchPrompt, PromptSet
 
@@ -47,11 +48,6 @@ class GenerateOptions:
     batch_size: int = 4
     limit: int | None = None
     overrides: list[str] = field(default_factory=list)
-
-
-def image_seed(seed: int, index: int, j: int) -> int:
-    """The noise seed of image ``j`` of prompt ``index`` (independent of batching and of ``--images-per-prompt``)."""
-    return (seed * 100_000 + index) * 100 + j
 
 
 def _png_path(out: Path, prompt: BenchPrompt, j: int) -> Path:
@@ -76,7 +72,7 @@ def resolve_model(model: str, overrides: list[str]):
     """(config, description) for a model name / pipeline folder or a run directory (nothing is loaded;
     a run's description names its newest intact checkpoint, whose weights :func:`build_generator` loads).
     The shapes-world model is refused: its closed vocabulary cannot read UniGenBench's prompts."""
-    from ..config import apply_dict, load_config, parse_override, validate
+    from ..config import apply_overrides, load_config, validate
     from ..policies import resolve_adapter
 
     path = Path(model)
@@ -86,8 +82,7 @@ def resolve_model(model: str, overrides: list[str]):
         from ..trainer.checkpoint import latest_checkpoint, read_run_config
 
         cfg = read_run_config(path, for_training=False)
-        for ov in overrides:
-            apply_dict(cfg, parse_override(ov))
+        apply_overrides(cfg, overrides)
         validate(cfg, for_training=False)
         ckpt = latest_checkpoint(path)
         if ckpt is None:
@@ -168,7 +163,8 @@ def render_batches(policy, groups: list[list[tuple[BenchPrompt, int]]], seed: in
     """Yield (batch, images [B, 3, H, W] float in [0, 1] on the CPU) for each batch of (prompt, j) in ``groups``.
 
     Euler ODE over ``policy.sigma_grid(steps, shift)`` with the policy's guidance; step math in
-    float32, the model in its own dtype; image (prompt, j) starts from the noise of :func:`image_seed`."""
+    float32, the model in its own dtype; image (prompt, j) starts from the noise of
+    :func:`~flowgrpo.output.drawing.noise_seed` (independent of batching and of ``--images-per-prompt``)."""
     import torch
 
     from ..samplers.solvers import solve_ode
@@ -178,7 +174,7 @@ def render_batches(policy, groups: list[list[tuple[BenchPrompt, int]]], seed: in
     sigmas = policy.sigma_grid(steps, shift)
     for batch in groups:
         noise = torch.stack([torch.randn(policy.latent_shape, generator=torch.Generator().manual_seed(
-            image_seed(seed, p.index, j))) for p, j in batch]).to(device)
+            noise_seed(seed, p.index, j))) for p, j in batch]).to(device)
         with torch.no_grad():
             cond = policy.encode_prompts([p.prompt for p, _ in batch])
 
@@ -199,14 +195,8 @@ def generate_folder(model: str, prompt_set: PromptSet, out: str | Path, opts: Ge
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    if not 1 <= opts.images_per_prompt <= 100:
-        raise UserError(f"--images-per-prompt must be in 1..100, got {opts.images_per_prompt}")
-    if opts.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {opts.batch_size}")
-    from ..samplers.plan import MAX_STEPS
-
-    if opts.steps is not None and not 1 <= opts.steps <= MAX_STEPS:
-        raise UserError(f"--steps must be in 1..{MAX_STEPS}, got {opts.steps}")
+    check_draw_flags(seed=opts.seed, images_per_prompt=opts.images_per_prompt, steps=opts.steps,
+                     batch_size=opts.batch_size)
     prompts = prompt_set.limited(opts.limit)
     cfg, desc = resolve_model(model, opts.overrides)  # before anything is written: a model it refuses leaves no folder
     out = Path(out)

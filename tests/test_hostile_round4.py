@@ -1,0 +1,110 @@
+"""Issue 43, a fourth round of the project's own probing: the drawing commands' flags and the
+evaluators' options.
+
+* ``flowgrpo eval RUN --bench geneval --images-per-prompt 100000000`` was killed by the kernel (the
+  (prompt, image) list alone outgrew the machine) and ``--images-per-prompt 101`` drew images whose
+  noise seeds repeat: ``sample``, ``eval --bench`` and ``unigenbench generate`` now share one check
+  beside :func:`~flowgrpo.output.drawing.noise_seed` (its ranges: seed, images per prompt, prompts);
+* ``eval --bench ... --out FILE`` was a NotADirectoryError traceback;
+* the held-out ``flowgrpo eval RUN --seed 5`` / ``--steps 3`` / ``--batch-size 8`` exited 0 having
+  ignored the flag;
+* two ``eval.options.*`` overrides: the second replaced the first under ``flowgrpo eval``,
+  ``--resume`` and ``unigenbench generate`` (overrides applied one by one), and under any command
+  ``eval.options.seed=3`` on the sd35-geneval recipe wiped its ``eval.options.bench`` (the mapping was
+  replaced, not merged as ``reward.options`` is);
+* ``eval.options.seed=abc`` / ``batch_size=0`` of the bench evaluator were tracebacks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowgrpo.cli import main
+from flowgrpo.config import RunConfig, apply_dict, apply_overrides, load_config
+from flowgrpo.output.drawing import MAX_IMAGES_PER_PROMPT, MAX_SEED, noise_seed
+
+from test_cli_errors import one_line_error
+
+
+def test_noise_seeds_are_distinct_over_the_checked_ranges():
+    """The ranges the shared check enforces are the ones within which no two images share a seed."""
+    corners = [(s, i, j) for s in (0, 1, MAX_SEED) for i in (0, 1, 99_999) for j in (0, 1, MAX_IMAGES_PER_PROMPT - 1)]
+    seeds = [noise_seed(*c) for c in corners]
+    assert len(set(seeds)) == len(corners)
+    assert max(seeds) < 2**64
+    torch.Generator().manual_seed(max(seeds))  # takes it (a seed >= 2^64 is a RuntimeError)
+    assert noise_seed(0, 0, MAX_IMAGES_PER_PROMPT) == noise_seed(0, 1, 0)  # one image more per prompt collides
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--images-per-prompt", "100000000", "--images-per-prompt must be in 1..100, got 100000000"),  # was OOM-killed
+    ("--images-per-prompt", "101", "--images-per-prompt must be in 1..100"),  # seeds would repeat
+    ("--seed", "-5", "--seed must be in 0..2^40, got -5"),
+    ("--steps", "0", "--steps must be in 1..1000"),
+    ("--batch-size", "0", "--batch-size must be at least 1"),
+    ("--max-prompts", "0", "--max-prompts must be at least 1"),
+])
+def test_eval_bench_flags_are_checked_before_a_model_loads(flag, value, needle, tmp_path, capsys):
+    rc = main(["eval", str(tmp_path / "no_model"), "--bench", "geneval", "--out", str(tmp_path / "o"), flag, value])
+    one_line_error(rc, capsys.readouterr().err, needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_eval_bench_out_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "f").write_text("keep")
+    rc = main(["eval", str(tmp_path), "--bench", "geneval", "--out", str(tmp_path / "f")])
+    one_line_error(rc, capsys.readouterr().err, "--out", "is a file")
+    assert (tmp_path / "f").read_text() == "keep"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--seed", "5"], "--seed"), (["--steps", "3"], "--steps"), (["--batch-size", "8"], "--batch-size"),
+    (["--images-per-prompt", "2"], "--images-per-prompt"), (["--option", "a=b"], "--option"),
+])
+def test_held_out_eval_refuses_a_benchmark_flag_it_would_ignore(argv, flag, tmp_path, capsys):
+    rc = main(["eval", str(tmp_path), *argv])
+    one_line_error(rc, capsys.readouterr().err, f"{flag} belongs to a benchmark: add --bench NAME")
+
+
+def test_unigenbench_generate_checks_its_seed(tmp_path, capsys):
+    rc = main(["unigenbench", "generate", "--model", str(tmp_path), "--set", "en", "--out", str(tmp_path / "o"),
+               "--seed", "-1", "--quiet"])
+    one_line_error(rc, capsys.readouterr().err, "--seed must be in 0..2^40, got -1")
+
+
+def test_eval_options_merge_key_by_key_and_restart_with_another_evaluator():
+    cfg = RunConfig()
+    apply_overrides(cfg, ["eval.options.seed=3", "eval.evaluator=bench", "eval.options.bench=geneval"])
+    assert cfg.eval.options == {"bench": "geneval", "seed": 3}  # one layer, whatever the order
+    apply_dict(cfg, {"eval": {"options": {"metric_options": {"detector": "/d"}}}})
+    assert cfg.eval.options == {"bench": "geneval", "seed": 3, "metric_options": {"detector": "/d"}}
+    apply_dict(cfg, {"eval": {"evaluator": "unigenbench"}})
+    assert cfg.eval.options == {}  # the bench evaluator's options would be unknown keys to it
+    apply_dict(cfg, {"monitor": {"reward_options": {"clip": {"a": 1}}}})
+    apply_dict(cfg, {"monitor": {"reward_options": {"clip": {"b": 2}}}})
+    assert cfg.monitor.reward_options == {"clip": {"a": 1, "b": 2}}
+
+
+def test_an_eval_option_override_keeps_the_recipes_benchmark():
+    cfg = load_config(overrides=["model.name=sd3-tiny", "eval.options.seed=3"], recipe="sd35-geneval")
+    assert cfg.eval.options["bench"] == "geneval" and cfg.eval.options["seed"] == 3
+    assert cfg.eval.options["prompts"].endswith(".jsonl")
+
+
+def test_flowgrpo_eval_applies_its_overrides_as_one_layer(cli_run_dir, capsys):
+    # before: the second eval.options override replaced the first, so the error was "needs eval.options.bench"
+    rc = main(["eval", str(cli_run_dir), "eval.evaluator=bench", "eval.seen=false", "eval.options.bench=geneval",
+               "eval.options.seed=-1"])
+    one_line_error(rc, capsys.readouterr().err, "eval.options.seed must be an integer in 0..2^40 - 1, got -1")
+
+
+@pytest.mark.parametrize("option, needle", [
+    ("eval.options.seed=abc", "eval.options.seed must be an integer"),  # was a ValueError traceback
+    ("eval.options.batch_size=0", "eval.options.batch_size must be an integer >= 1"),
+    ("eval.seeds_per_prompt=101", "eval.seeds_per_prompt must be at most 100"),
+])
+def test_the_bench_evaluators_drawing_options(cli_run_dir, option, needle, capsys):
+    rc = main(["eval", str(cli_run_dir), "eval.evaluator=bench", "eval.seen=false", "eval.options.bench=geneval",
+               option])
+    one_line_error(rc, capsys.readouterr().err, needle)
