@@ -108,3 +108,24 @@ def test_the_bench_evaluators_drawing_options(cli_run_dir, option, needle, capsy
     rc = main(["eval", str(cli_run_dir), "eval.evaluator=bench", "eval.seen=false", "eval.options.bench=geneval",
                option])
     one_line_error(rc, capsys.readouterr().err, needle)
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--n", "100000000", "--n must be in 1..1024"),  # ran on for hours
+    ("--prompts", "100000000", "--prompts must be in 1..4096"),
+    ("--steps", "0", "--steps must be in 1..1000"),  # was a traceback
+    ("--threshold", "nan", "--threshold is a cosine similarity: it must be in -1..1, got nan"),  # was accepted
+    ("--threads", "-1", "--threads must be in 0.."),  # was a traceback
+    ("--threads", "100000", "--threads must be in 0.."),  # was SIGSEGV
+])
+def test_shapes_probe_flags(flag, value, needle, tmp_path, capsys):
+    rc = main(["shapes", "probe", "--out", str(tmp_path / "p"), flag, value])
+    one_line_error(rc, capsys.readouterr().err, needle)
+    assert not (tmp_path / "p").exists()
+
+
+def test_shapes_probe_output_paths(tmp_path, capsys):
+    (tmp_path / "f").write_text("keep")
+    one_line_error(main(["shapes", "probe", "--out", str(tmp_path / "f")]), capsys.readouterr().err, "is a file")
+    one_line_error(main(["shapes", "probe", "--json", str(tmp_path)]), capsys.readouterr().err, "is a folder")
+    assert (tmp_path / "f").read_text() == "keep"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -124,6 +125,32 @@ def load_shapes_policy(weights: str | Path | None):
     return run.policy, run.cfg.sampler.shift, f"{run.weights.kind} weights of {run.weights.path}"
 
 
+#: the largest sizes of a probe; the defaults (64, 2, 3, 64) take half a minute on two CPU cores and the
+#: time grows with each, so these bound a typo (``--n 100000000`` ran on for hours), not a real use
+PROBE_LIMITS = {"prompts": 4096, "seeds": 100, "passk_prompts": 100, "n": 1024}
+
+
+def _check_probe_flags(args) -> None:
+    """A UserError naming the first bad flag of ``flowgrpo shapes probe``, before the model loads."""
+    from ..disk import check_output_file
+    from ..samplers.plan import MAX_STEPS
+
+    for name, high in PROBE_LIMITS.items():
+        if not 1 <= getattr(args, name) <= high:
+            raise UserError(f"--{name.replace('_', '-')} must be in 1..{high}, got {getattr(args, name)}")
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise UserError(f"--steps must be in 1..{MAX_STEPS}, got {args.steps}")
+    if args.threshold is not None and not -1 <= args.threshold <= 1:  # a cosine; NaN fails both comparisons
+        raise UserError(f"--threshold is a cosine similarity: it must be in -1..1, got {args.threshold:g}")
+    cpus = os.cpu_count() or 1
+    if not 0 <= args.threads <= cpus:  # torch crashed creating 100,000 threads
+        raise UserError(f"--threads must be in 0..{cpus} (this machine's CPUs; 0: torch's default), got {args.threads}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file; give a folder (created if missing)")
+    if args.json:
+        check_output_file(args.json, "--json")
+
+
 def _cmd_probe(args) -> int:
     import torch
 
@@ -131,9 +158,7 @@ def _cmd_probe(args) -> int:
     from ..shapes.evaluate import finish_ode, generate_ode
     from ..shapes.probe import THRESHOLD, run_probe
 
-    for name in ("prompts", "seeds", "passk_prompts", "n"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    _check_probe_flags(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     policy, shift, desc = load_shapes_policy(args.weights)
