@@ -129,3 +129,45 @@ def test_shapes_probe_output_paths(tmp_path, capsys):
     one_line_error(main(["shapes", "probe", "--out", str(tmp_path / "f")]), capsys.readouterr().err, "is a file")
     one_line_error(main(["shapes", "probe", "--json", str(tmp_path)]), capsys.readouterr().err, "is a folder")
     assert (tmp_path / "f").read_text() == "keep"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--within", "nan"], "--within must be a finite accuracy difference >= 0, got nan"),  # was accepted
+    (["--within", "-1"], "--within must be a finite accuracy difference >= 0"),
+])
+def test_compare_within(cli_run_dir, argv, needle, capsys):
+    one_line_error(main(["compare", str(cli_run_dir), *argv]), capsys.readouterr().err, needle)
+
+
+def test_compare_output_paths(cli_run_dir, tmp_path, capsys):
+    (tmp_path / "f").write_text("keep")  # both were tracebacks (FileExistsError, IsADirectoryError)
+    one_line_error(main(["compare", str(cli_run_dir), "--out", str(tmp_path / "f")]), capsys.readouterr().err,
+                   "is a file")
+    one_line_error(main(["compare", str(cli_run_dir), "--json", str(tmp_path)]), capsys.readouterr().err,
+                   "is a folder")
+    assert (tmp_path / "f").read_text() == "keep"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["write-pipeline", "--recipe", "sd35-medium", "--num-layers", "100000"],
+     "--num-layers must be in 1..24 (the real depth of sd35-medium"),  # ran on for hours
+    (["write-pipeline", "--recipe", "z-image", "--num-layers", "31"], "--num-layers must be in 1..30"),  # n_layers
+    (["write-pipeline", "--recipe", "sd35-medium", "--num-layers", "-1"], "--num-layers must be in 1..24"),
+    (["write-pipeline", "--recipe", "sd35-medium", "--seed", "-1"], "--seed must be in 0..2^63-1"),
+    (["lora-layers", "--recipe", "sd35-medium", "--rank", "-1"], "--rank must be >= 0"),  # was a peft traceback
+])
+def test_realsize_flags(argv, needle, tmp_path, capsys):
+    extra = ["--out", str(tmp_path / "p")] if argv[0] == "write-pipeline" else []
+    one_line_error(main(["realsize", *argv, *extra]), capsys.readouterr().err, needle)
+    assert not (tmp_path / "p").exists()
+
+
+def test_realsize_lora_layers_json(tmp_path, capsys):
+    one_line_error(main(["realsize", "lora-layers", "--recipe", "sd35-medium", "--json", str(tmp_path)]),
+                   capsys.readouterr().err, "is a folder")  # was an IsADirectoryError traceback
+    assert main(["realsize", "lora-layers", "--recipe", "sd35-medium", "--rank", "4",
+                 "--json", str(tmp_path / "l.json")]) == 0
+    import json
+
+    counts = json.loads((tmp_path / "l.json").read_text())
+    assert counts["rank"] == 4 and counts["wrapped"] > 0

@@ -12,7 +12,6 @@ import argparse
 import importlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import UserError
 
@@ -132,10 +131,9 @@ def check_bench_flags(args: argparse.Namespace) -> None:
 
             if args.recipe not in recipe_names():
                 raise UserError(f"--recipe {args.recipe!r} is not a sized recipe; valid: {', '.join(recipe_names())}")
-    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UserError(f"--out {args.out} is a file; give a folder (created if missing)")
-    if args.json is not None and Path(args.json).is_dir():
-        raise UserError(f"--json {args.json} is a folder; give a file path")
+    from ..benchmarks import check_output_paths
+
+    check_output_paths(args.out, args.json)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -207,8 +207,11 @@ def save_compare_figure(path: Path, records: list[RunRecord]) -> None:
 
 def cmd_compare(args) -> int:
     """Run ``flowgrpo compare`` (see the module docstring)."""
-    from ..benchmarks import output_dir, print_table, write_csv, write_json
+    from ..benchmarks import check_output_paths, output_dir, print_table, write_csv, write_json
 
+    if not (math.isfinite(args.within) and args.within >= 0):
+        raise UserError(f"--within must be a finite accuracy difference >= 0, got {args.within:g}")
+    check_output_paths(args.out, args.json)
     records = [read_run(p) for p in args.runs]
     rows = table_rows(records)
     tags = _tags(records)

@@ -16,8 +16,18 @@ def _cmd_write_pipeline(args) -> int:
     from ..policies.diffusers.common import show_library_progress
     from .pipeline_folder import write_pipeline
 
+    from .configs import transformer_config
+
+    config = transformer_config(args.recipe).config
+    key = "num_layers" if "num_layers" in config else "n_layers"  # Z-Image names its depth n_layers
+    depth = config[key]
+    if args.num_layers and not 1 <= args.num_layers <= depth:  # 100000 ran on for hours
+        raise UserError(f"--num-layers must be in 1..{depth} (the real depth of {args.recipe}; 0: all of them), "
+                        f"got {args.num_layers}")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed must be in 0..2^63-1, got {args.seed}")
     show_library_progress(False)  # transformers' "Writing model shards" bar per text encoder: noise here
-    overrides = {"num_layers": args.num_layers} if args.num_layers else {}
+    overrides = {key: args.num_layers} if args.num_layers else {}
     try:
         out = write_pipeline(args.recipe, args.out, seed=args.seed, **overrides)
     except (KeyError, ValueError) as exc:
@@ -28,8 +38,13 @@ def _cmd_write_pipeline(args) -> int:
 
 
 def _cmd_lora_layers(args) -> int:
+    from ..disk import check_output_file, write_text_atomically
+    from ..errors import UserError
     from .memory import lora_layer_counts
 
+    if args.rank < 0:
+        raise UserError(f"--rank must be >= 0 (0: the recipe's), got {args.rank}")
+    out = check_output_file(args.json, "--json") if args.json else None
     counts = lora_layer_counts(args.recipe, rank=args.rank, preset=args.preset)
     for block, n in counts["wrapped_by_block"].items():
         print(f"{block:40s} {n:6d}")
@@ -38,9 +53,8 @@ def _cmd_lora_layers(args) -> int:
                 print(f"  {layer[len(block) + 1:]:38s} {m:6d}")
     print(f"{'total wrapped linear layers':40s} {counts['wrapped']:6d}   LoRA parameters {counts['lora_params']:,} "
           f"(rank {counts['rank']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(counts, f, indent=2)
+    if out is not None:
+        write_text_atomically(out, json.dumps(counts, indent=2))
     return 0
 
 
