@@ -94,11 +94,12 @@ def _refuse_constant(name: str):
 
 
 def max_response_bytes(max_response_mb: float, option: str) -> int:
-    """``max_response_mb`` (MiB, > 0) in bytes; a ConfigError naming ``option`` otherwise."""
+    """``max_response_mb`` (MiB, finite, > 0) in bytes; a ConfigError naming ``option`` otherwise."""
     from flowgrpo.errors import ConfigError
 
-    if not isinstance(max_response_mb, (int, float)) or isinstance(max_response_mb, bool) or not max_response_mb > 0:
-        raise ConfigError(f"{option} must be a number of MiB > 0, got {max_response_mb!r}")
+    if (not isinstance(max_response_mb, (int, float)) or isinstance(max_response_mb, bool) or not max_response_mb > 0
+            or max_response_mb == float("inf")):  # inf was an OverflowError traceback in int()
+        raise ConfigError(f"{option} must be a finite number of MiB > 0, got {max_response_mb!r}")
     return int(float(max_response_mb) * MIB)
 
 

@@ -207,8 +207,8 @@ def test_max_response_mb_is_an_option_with_a_checked_value():
         # (IMAGES are unseeded, so the scores' printed lengths vary)
         with pytest.raises(UserError, match=r"more than 9\.5\d*e-06 MiB after decompression; refused .*max_response_mb=1e-05"):
             RemoteReward(srv.url, max_response_mb=0.00001)(IMAGES, ["a", "b"])
-    for bad in (0, -1, float("nan")):
-        with pytest.raises(ConfigError, match="max_response_mb must be a number of MiB > 0"):
+    for bad in (0, -1, float("nan"), float("inf")):  # inf was an OverflowError traceback
+        with pytest.raises(ConfigError, match="max_response_mb must be a finite number of MiB > 0"):
             RemoteReward("http://127.0.0.1:9", max_response_mb=bad)
 
 

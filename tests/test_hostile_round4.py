@@ -171,3 +171,32 @@ def test_realsize_lora_layers_json(tmp_path, capsys):
 
     counts = json.loads((tmp_path / "l.json").read_text())
     assert counts["rank"] == 4 and counts["wrapped"] > 0
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--images-per-prompt", "100000000", "--images-per-prompt must be at most 100"),  # hung listing the files
+    ("--workers", "100000", "--workers must be at most 1024"),
+    ("--retries", "100000000", "--retries must be at most 100"),
+    ("--max-response-mb", "inf", "--max-response-mb must be a finite number of MiB > 0, got inf"),  # OverflowError
+    ("--max-response-mb", "nan", "--max-response-mb must be a finite number of MiB > 0"),  # was checked after the folder
+])
+def test_unigenbench_score_bounds(flag, value, needle, tmp_path, capsys):
+    rc = main(["unigenbench", "score", str(tmp_path), "--set", "en", "--judge-url", "http://127.0.0.1:9/v1",
+               "--limit", "1", "--quiet", "--out", str(tmp_path / "res"), flag, value])
+    one_line_error(rc, capsys.readouterr().err, needle)
+    assert not (tmp_path / "res").exists()
+
+
+def test_unigenbench_generate_guidance_and_out(tmp_path, capsys):
+    base = ["unigenbench", "generate", "--model", "sd3-tiny", "--set", "en", "--limit", "1", "--quiet"]
+    one_line_error(main([*base, "--out", str(tmp_path / "g"), "--guidance", "nan"]), capsys.readouterr().err,
+                   "--guidance must be a finite number >= 0, got nan")  # drew NaN images, exit 0
+    assert not (tmp_path / "g").exists()
+    (tmp_path / "f").write_text("keep")
+    one_line_error(main([*base, "--out", str(tmp_path / "f")]), capsys.readouterr().err, "is a file")  # traceback
+    assert (tmp_path / "f").read_text() == "keep"
+
+
+def test_unigenbench_compare_json_is_checked_before_reading(tmp_path, capsys):
+    one_line_error(main(["unigenbench", "compare", str(tmp_path), str(tmp_path), "--json", str(tmp_path)]),
+                   capsys.readouterr().err, "--json", "is a folder")

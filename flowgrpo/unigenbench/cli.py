@@ -38,6 +38,10 @@ def _cmd_generate(args) -> int:
     from .generate import GenerateOptions, generate_folder
     from .prompts import load_prompt_set
 
+    if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
+        raise UserError(f"--guidance must be a finite number >= 0, got {args.guidance}")  # NaN drew NaN images
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file; give a folder (a rerun into it resumes)")
     opts = GenerateOptions(images_per_prompt=args.images_per_prompt, seed=args.seed, steps=args.steps,
                            guidance=args.guidance, batch_size=args.batch_size, limit=args.limit,
                            overrides=list(args.overrides))
@@ -71,16 +75,31 @@ def _print_summary(summary: dict, results_dir: Path) -> None:
     print(f"wrote {results_dir / 'summary.json'}, scores.csv, scores.png and report.html")
 
 
+#: the most requests in flight and extra attempts per image ``unigenbench score`` makes
+MAX_WORKERS = 1024
+MAX_RETRIES = 100
+
+
 def _cmd_score(args) -> int:
     from .prompts import load_prompt_set
     from .score import JudgeOptions, score_folder
+
+    from ..output.drawing import MAX_IMAGES_PER_PROMPT
+    from ..rewards.http_client import max_response_bytes
 
     for flag, value, low in (("--workers", args.workers, 1), ("--retries", args.retries, 0),
                              ("--max-tokens", args.max_tokens, 1), ("--images-per-prompt", args.images_per_prompt, 1)):
         if value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}")
+    # upper bounds: a folder holds at most generate's images per prompt (1e8 hung listing them); more
+    # workers or retries than these only hammer one judge
+    for flag, value, high in (("--images-per-prompt", args.images_per_prompt, MAX_IMAGES_PER_PROMPT),
+                              ("--workers", args.workers, MAX_WORKERS), ("--retries", args.retries, MAX_RETRIES)):
+        if value > high:
+            raise UserError(f"{flag} must be at most {high}, got {value}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):  # NaN reached asyncio as a traceback
         raise UserError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    max_response_bytes(args.max_response_mb, "--max-response-mb")  # before the folder is read, not after
     results = Path(args.out) if args.out else Path(args.images) / f"results_{args.set}"
     opts = JudgeOptions(url=args.judge_url, model=args.judge_model, api_key_env=args.api_key_env,
                         workers=args.workers, timeout=args.timeout, retries=args.retries, max_tokens=args.max_tokens,
@@ -103,6 +122,9 @@ def _cmd_compare(args) -> int:
 
     from .summary import compare_summaries, read_summary
 
+    from ..disk import check_output_file, write_text_atomically
+
+    out = check_output_file(args.json, "--json") if args.json else None
     a, b = read_summary(args.a), read_summary(args.b)
     rows = compare_summaries(a, b)
     if a["judge_model"] != b["judge_model"]:
@@ -119,10 +141,10 @@ def _cmd_compare(args) -> int:
         color = "" if delta is None or abs(delta) < 0.005 else ("[green]" if delta > 0 else "[red]")
         table.add_row(label, fmt(pa), fmt(pb), f"{color}{fmt(delta, sign=True)}")
     Console().print(table)
-    if args.json:
+    if out is not None:
         data = [{"level": lv, "dimension": n, "a": pa, "b": pb, "delta": d} for lv, n, pa, pb, d in rows]
-        Path(args.json).write_text(json.dumps({"a": str(args.a), "b": str(args.b), "rows": data}, indent=2,
-                                              ensure_ascii=False), encoding="utf-8")
+        write_text_atomically(out, json.dumps({"a": str(args.a), "b": str(args.b), "rows": data}, indent=2,
+                                              ensure_ascii=False))
     return 0
 
 
