@@ -200,3 +200,21 @@ def test_unigenbench_generate_guidance_and_out(tmp_path, capsys):
 def test_unigenbench_compare_json_is_checked_before_reading(tmp_path, capsys):
     one_line_error(main(["unigenbench", "compare", str(tmp_path), str(tmp_path), "--json", str(tmp_path)]),
                    capsys.readouterr().err, "--json", "is a folder")
+
+
+def test_eval_and_export_import_nothing_a_shared_runs_config_names(cli_run_dir, tmp_path, capsys):
+    """A downloaded run's config.yaml may name import paths; only `train --resume` builds (imports) them."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "shared"
+    shutil.copytree(cli_run_dir, run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["advantage"]["estimator"] = "flowgrpo_no_such_module_xyz:estimator"
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["eval", str(run), "eval.num_prompts=2", "eval.seeds_per_prompt=1"]) == 0
+    assert main(["export", str(run), "--to", str(tmp_path / "exported")]) == 0
+    capsys.readouterr()
+    one_line_error(main(["train", "--resume", str(run)]), capsys.readouterr().err,
+                   "flowgrpo_no_such_module_xyz")  # resuming rebuilds the run, so it imports (and says so)
