@@ -22,6 +22,7 @@ Re-exported lazily by ``flowgrpo`` (``import flowgrpo`` stays light: torch loads
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -64,6 +65,9 @@ def train(config: ConfigSpec = None, *, trainer: Trainer | None = None,
         run_dir: the run directory (default: ``log.out_dir/log.run_name``, or preset + time stamp).
         resume: a run directory to continue (its ``config.yaml`` is the config unless one is given).
     """
+    for name, value in (("resume", resume), ("run_dir", run_dir)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"train({name}=...) is a folder path, got {type(value).__name__}")
     if trainer is not None and config is not None:
         raise UserError("train() takes a config or a trainer, not both (the trainer holds its config)")
     if trainer is None:

@@ -83,7 +83,13 @@ class CallbackList:
         self.stop_reason: str | None = None
         self.extend(callbacks)
 
-    def extend(self, callbacks: Iterable[Callback | Callable]) -> None:
+    def extend(self, callbacks: Iterable[Callback | Callable] | Callback | Callable) -> None:
+        """Add ``callbacks``: an iterable of callbacks, or one :class:`Callback` or function alone."""
+        if isinstance(callbacks, Callback) or callable(callbacks):  # callbacks=my_fn, the common slip
+            callbacks = [callbacks]
+        elif isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
+            raise TypeError(f"callbacks is a list of flowgrpo.Callback s or functions (trainer, metrics), got "
+                            f"{type(callbacks).__name__}")
         for cb in callbacks:
             if isinstance(cb, Callback):
                 self.items.append(cb)

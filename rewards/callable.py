@@ -105,6 +105,11 @@ class CallableReward:
         self.fn = fn
         self.name = name or getattr(fn, "name", None) or getattr(fn, "__qualname__", type(fn).__name__)
         named, self._var_kw = _parameters(fn)
+        # the call __call__ makes (the keywords it names); was accepted here and failed at the first scoring
+        problem = signature_problem(fn, None, [], **{k: None for k in ("groups", "references", "metadata")
+                                                      if k in named})
+        if problem:
+            raise TypeError(f"{describe(fn)} {problem}; a reward is called as (images, prompts, **metadata)")
         self._named = named
         self.wants_references = bool(getattr(fn, "wants_references", False)) or "references" in named
         self.wants_metadata = bool(getattr(fn, "wants_metadata", False)) or "metadata" in named

@@ -218,3 +218,40 @@ def test_eval_and_export_import_nothing_a_shared_runs_config_names(cli_run_dir, 
     capsys.readouterr()
     one_line_error(main(["train", "--resume", str(run)]), capsys.readouterr().err,
                    "flowgrpo_no_such_module_xyz")  # resuming rebuilds the run, so it imports (and says so)
+
+
+# --------------------------------------------------------------------------- the Python API, misused
+
+
+def test_api_misuse_is_a_type_error_that_says_what_was_wanted():
+    import flowgrpo
+
+    with pytest.raises(TypeError, match=r"overrides is a list of 'key.sub=value' strings.*wrap it: \['train.lr=1'\]"):
+        flowgrpo.load_config(overrides="train.lr=1")  # was read character by character: "override 't' ..."
+    with pytest.raises(TypeError, match="a Trainer is built from a flowgrpo.RunConfig"):
+        flowgrpo.Trainer(None)  # was an AttributeError deep inside
+    with pytest.raises(TypeError, match=r"train\(resume=...\) is a folder path, got int"):
+        flowgrpo.train(resume=123)  # was a pathlib TypeError
+    with pytest.raises(TypeError, match="takes \\(\\); a reward is called as \\(images, prompts"):
+        flowgrpo.CallableReward(lambda: 1.0)  # was accepted, and failed at the first scoring
+
+
+def test_a_reward_that_names_the_keywords_it_is_given_is_accepted():
+    import flowgrpo
+
+    def with_groups(images, prompts, groups):  # groups passed by keyword, so a required one is fine
+        return [0.0] * len(prompts)
+
+    out = flowgrpo.CallableReward(with_groups)(torch.zeros(2, 3, 4, 4), ["a", "b"], groups=torch.tensor([0, 0]))
+    assert out.scores.shape == (2,)
+
+
+def test_one_callback_alone_is_taken_and_a_non_iterable_refused():
+    from flowgrpo.callbacks import CallbackList
+
+    seen = []
+    callbacks = CallbackList(lambda trainer, metrics: seen.append(metrics["iteration"]))  # was "'function' not iterable"
+    callbacks.iteration_end(None, {"iteration": 3})
+    assert seen == [3]
+    with pytest.raises(TypeError, match="callbacks is a list of flowgrpo.Callback s or functions"):
+        CallbackList(1)

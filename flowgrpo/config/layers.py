@@ -237,6 +237,10 @@ def compose(new_config, apply, preset: str | None = RECIPE_METHOD, config_file: 
 
     ``apply(config, mapping)`` merges one layer (the run configuration's rules:
     :func:`flowgrpo.config.apply_dict`); :func:`flowgrpo.config.compose_config` binds both."""
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(o, str) for o in overrides):
+        # a bare string was read character by character ("override 't' must look like key.sub=value")
+        raise TypeError(f"overrides is a list of 'key.sub=value' strings, got {overrides!r}"
+                        + (f"; wrap it: [{overrides!r}]" if isinstance(overrides, str) else ""))
     recipe = pick_recipe(recipe, config_file, overrides)
     composed = Composed(new_config(), recipe=recipe)
     for name, data in recipe_chain(recipe):

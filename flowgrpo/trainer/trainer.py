@@ -87,6 +87,9 @@ class Trainer:
         functions ``(trainer, metrics)`` that the run loop calls (:mod:`.callbacks`)."""
         from .accelerator import make_accelerator, weight_engine
 
+        if not isinstance(cfg, RunConfig):  # was an AttributeError deep inside ('str' has no attribute 'train')
+            raise TypeError(f"a Trainer is built from a flowgrpo.RunConfig (flowgrpo.load_config(...)), got "
+                            f"{type(cfg).__name__}")
         if rewards is not None:
             rewards, cfg = reward_parts(rewards, cfg)
         self.cfg = cfg
