@@ -12,6 +12,7 @@ The Python API (:mod:`flowgrpo.api`, docs/api.md) is re-exported here on first u
 __version__ = "0.1.0"
 
 _API = ("CallableReward", "Callback", "RunConfig", "Trainer", "config_from", "load_config", "train")
+__all__ = list(_API)  # `from flowgrpo import *` takes the API (imported then, as on any first use)
 
 
 def __getattr__(name: str):

@@ -255,3 +255,39 @@ def test_one_callback_alone_is_taken_and_a_non_iterable_refused():
     assert seen == [3]
     with pytest.raises(TypeError, match="callbacks is a list of flowgrpo.Callback s or functions"):
         CallbackList(1)
+
+
+# --------------------------------------------------------------------------- the diffusers plug-in, misused
+
+
+@pytest.fixture(scope="module")
+def sd3_pipe():
+    from flowgrpo.policies.tiny.sd3 import tiny_sd3_pipeline
+
+    return tiny_sd3_pipeline()
+
+
+@pytest.mark.parametrize("prompts, kwargs, error, needle", [
+    ([], {}, ValueError, "no prompts given"),  # was an IndexError inside the pipeline
+    (5, {}, TypeError, "prompts is a string or a list of strings, got int"),
+    ("a", {"num_inference_steps": 0}, ValueError, "num_inference_steps=0 is invalid"),  # IndexError
+    ("a", {"num_inference_steps": 2.5}, ValueError, "num_inference_steps=2.5 is invalid"),
+    ("a", {"scheduler_options": {"noise_levle": 0.7}}, ValueError, "FlowGRPOScheduler has no option 'noise_levle'"),
+    ("a", {"scheduler_options": 5}, TypeError, "scheduler_options is a dict"),
+    ("a", {"generator": 5}, TypeError, "generator is a torch.Generator"),  # was an AttributeError
+    ("a", {"guidance_scale": float("nan")}, ValueError, "guidance_scale=nan is not a finite number"),  # NaN latents
+])
+def test_rollout_refuses_bad_arguments_before_calling_the_pipeline(sd3_pipe, prompts, kwargs, error, needle):
+    from flowgrpo.diffusers import rollout
+
+    kwargs = {"num_inference_steps": 2, **kwargs}
+    with pytest.raises(error, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        rollout(sd3_pipe, prompts, height=32, width=32, **kwargs)
+
+
+def test_rollout_and_ensure_name_a_non_pipeline():
+    from flowgrpo.diffusers import ensure_flowgrpo_scheduler, rollout
+
+    for call in (lambda: rollout(None, "a"), lambda: ensure_flowgrpo_scheduler(object())):
+        with pytest.raises(TypeError, match="a diffusers pipeline with a scheduler is wanted"):
+            call()

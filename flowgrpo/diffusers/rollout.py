@@ -13,8 +13,10 @@ SDE step's noise: the same seed gives the same rollout.
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from flowgrpo.samplers.forest import Level, Rollout
-from flowgrpo.samplers.plan import PlanMeta, SamplingPlan, StepSpec
+from flowgrpo.samplers.plan import MAX_STEPS, PlanMeta, SamplingPlan, StepSpec
 
 from .recorder import StepRecorder
 from .scheduler import FlowGRPOScheduler, SDERecord
@@ -70,6 +72,14 @@ def ensure_flowgrpo_scheduler(pipe, **options) -> FlowGRPOScheduler:
     becomes flow-matching Euler with ``shift = flow_shift`` on the same sigma grid. A pipeline of
     another kind (DDPM / DDIM noise prediction) is a one-line ValueError, its scheduler untouched.
     """
+    if getattr(pipe, "scheduler", None) is None or not hasattr(pipe.scheduler, "config"):
+        raise TypeError(f"a diffusers pipeline with a scheduler is wanted (e.g. StableDiffusion3Pipeline), got "
+                        f"{type(pipe).__name__}")
+    known = inspect.signature(FlowGRPOScheduler.__init__).parameters
+    unknown = sorted(set(options) - set(known) - {"self"})
+    if unknown:  # from_config dropped them silently
+        raise ValueError(f"FlowGRPOScheduler has no option {', '.join(map(repr, unknown))}; valid: "
+                         f"{', '.join(k for k in known if k not in ('self', 'kwargs'))}")
     if not is_flow_scheduler(pipe.scheduler):
         config = pipe.scheduler.config
         raise ValueError(f"{type(pipe).__name__}'s scheduler {type(pipe.scheduler).__name__} (prediction_type "
@@ -80,7 +90,6 @@ def ensure_flowgrpo_scheduler(pipe, **options) -> FlowGRPOScheduler:
         config = dict(pipe.scheduler.config)
         if "shift" not in config and config.get("flow_shift") is not None:
             options = {"shift": float(config["flow_shift"]), **options}
-        known = inspect.signature(FlowGRPOScheduler.__init__).parameters
         pipe.scheduler = FlowGRPOScheduler.from_config({k: v for k, v in config.items() if k in known}, **options)
     return pipe.scheduler
 
@@ -105,6 +114,19 @@ def levels_from_records(records: list[SDERecord]) -> list[Level]:
         else:
             levels.append(Level(x=r.prev_sample, parent=idx, tree=idx))
     return levels
+
+
+def _check_prompts(prompts) -> list[str]:
+    """``prompts`` as a non-empty list of strings (one string: a list of one); else a one-line error."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError(f"rollout(): prompts is a string or a list of strings, got {type(prompts).__name__}"
+                        + (f" holding {type(next(p for p in prompts if not isinstance(p, str))).__name__}"
+                           if isinstance(prompts, (list, tuple)) else ""))
+    if not prompts:  # was an IndexError inside the pipeline
+        raise ValueError("rollout(): no prompts given")
+    return list(prompts)
 
 
 def rollout(pipe, prompts: str | list[str], *, trees_per_prompt: int = 1, num_inference_steps: int = 10,
@@ -132,7 +154,22 @@ def rollout(pipe, prompts: str | list[str], *, trees_per_prompt: int = 1, num_in
     Returns: :class:`PipelineRollout`; its ``rollout`` has N = P * G trees, T + 1 levels
     (``levels[d].x`` [N, ...] float32), ``tree_prompt`` = ``tree_group`` = [N] prompt index.
     """
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    prompts = _check_prompts(prompts)
+    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, numbers.Integral) \
+            or not 1 <= num_inference_steps <= MAX_STEPS:  # 0 was an IndexError, 2.5 a TypeError inside
+        raise ValueError(f"rollout(): num_inference_steps={num_inference_steps!r} is invalid; valid: an integer "
+                         f"in 1..{MAX_STEPS}")
+    if scheduler_options is not None and not isinstance(scheduler_options, Mapping):
+        raise TypeError(f"rollout(): scheduler_options is a dict of FlowGRPOScheduler options, got "
+                        f"{type(scheduler_options).__name__}")
+    gens = generator if isinstance(generator, list) else [generator]
+    if not all(g is None or isinstance(g, torch.Generator) for g in gens):
+        raise TypeError(f"rollout(): generator is a torch.Generator, a list of them or None, got "
+                        f"{type(generator).__name__}")
+    for name in _CFG_ARGS:
+        value = pipe_kwargs.get(name)
+        if isinstance(value, numbers.Real) and not math.isfinite(value):  # NaN guidance made NaN latents
+            raise ValueError(f"rollout(): {name}={value!r} is not a finite number")
     if group_size is not None:
         if trees_per_prompt != 1:
             raise ValueError("rollout(): give trees_per_prompt only (group_size is its deprecated name)")
