@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import UserError
+from .text_inputs import loads_json
 
 #: how many parameters a model may have per value its weight files store before its configuration is
 #: refused: 4-bit files store two values a byte and a class may initialise a few weights it does not
@@ -57,7 +57,7 @@ def _safetensors_values(file: Path) -> int:
             size = int.from_bytes(fh.read(8), "little")
             if not 0 < size <= min(file.stat().st_size, 100 * 2**20):
                 return 0
-            header = json.loads(fh.read(size))
+            header = loads_json(fh.read(size))
     except (OSError, ValueError):
         return 0
     return sum(math.prod(v.get("shape", [])) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict))
@@ -136,7 +136,7 @@ def check_pipeline_folder(path: str | Path) -> None:
     if not index.is_file():
         return
     try:
-        components = json.loads(index.read_text(encoding="utf-8"))
+        components = loads_json(index.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return
     for name, spec in components.items():
@@ -162,7 +162,7 @@ def _builder(library: str, cls, folder: Path, settings: dict) -> Callable[[], ob
 def _json_mapping(file: Path) -> dict | None:
     """The JSON object in ``file``, or None when it is not one (the loader names the problem)."""
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = loads_json(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

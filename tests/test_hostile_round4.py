@@ -291,3 +291,66 @@ def test_rollout_and_ensure_name_a_non_pipeline():
     for call in (lambda: rollout(None, "a"), lambda: ensure_flowgrpo_scheduler(object())):
         with pytest.raises(TypeError, match="a diffusers pipeline with a scheduler is wanted"):
             call()
+
+
+# --------------------------------------------------------------------------- YAML and JSON from outside
+
+
+def _alias_bomb(indent: str = "") -> str:
+    """Ten levels of ten references each: 10^10 values once expanded, a few hundred bytes written."""
+    lines = [f'{indent}a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"{indent}a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_config_file_alias_bomb_is_refused_in_one_line(tmp_path, capsys):
+    """It was accepted, and the run hung writing its config.yaml (dataclasses.asdict expands aliases)."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("eval:\n  options:\n" + _alias_bomb("    "))
+    rc = main(["train", "--config", str(bomb), f"log.out_dir={tmp_path / 'runs'}"])
+    one_line_error(rc, capsys.readouterr().err, "holds more than 100,000 values once its aliases")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_aliases_of_a_sane_size_still_work():
+    from flowgrpo.text_inputs import expanded_size, load_yaml
+
+    data = load_yaml("x: &x [1, 2, 3]\ny: *x\nz: [*x, *x]\n", "t")
+    assert data["y"] == [1, 2, 3] and expanded_size(data) == 1 + 3 + 4 + 4 + (1 + 4 + 4)  # root, keys, x, y, z
+    cfg = load_config(overrides=["eval.options={a: &x [1, 2], b: *x}"])
+    assert cfg.eval.options == {"a": [1, 2], "b": [1, 2]}
+
+
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_nesting_too_deep_for_the_parser_is_one_line(where, tmp_path, capsys):
+    deep = "[" * 20_000 + "]" * 20_000  # was a RecursionError traceback from PyYAML's composer
+    if where == "file":
+        (tmp_path / "deep.yaml").write_text(f"eval:\n  options: {{a: {deep}}}\n")
+        argv = ["config", "show", "--config", str(tmp_path / "deep.yaml")]
+    else:
+        argv = ["config", "show", f"eval.options={{a: {deep}}}"]
+    one_line_error(main(argv), capsys.readouterr().err, "nests too deeply to be read")
+
+
+def test_a_shared_runs_config_yaml_bomb_is_refused_by_eval(cli_run_dir, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "shared"
+    shutil.copytree(cli_run_dir, run)
+    with (run / "config.yaml").open("a") as fh:
+        fh.write("_bomb:\n" + _alias_bomb("  "))
+    one_line_error(main(["eval", str(run)]), capsys.readouterr().err, "config.yaml cannot be read as YAML (holds more than 100,000 values")
+
+
+def test_json_nested_too_deeply_is_the_readers_own_one_line_error(cli_run_dir, tmp_path, capsys):
+    import shutil
+
+    deep = "[" * 100_000 + "]" * 100_000  # each was a RecursionError traceback from json.loads
+    prompts = tmp_path / "deep.jsonl"
+    prompts.write_text('{"prompt": ' + deep + "}\n")
+    one_line_error(main(["train", f"data.prompts={prompts}", f"log.out_dir={tmp_path / 'runs'}"]),
+                   capsys.readouterr().err, "deep.jsonl:1: malformed JSON line (nested too deeply")
+    run = tmp_path / "shared"
+    shutil.copytree(cli_run_dir, run)
+    (run / "summary.json").write_text(deep)
+    one_line_error(main(["compare", str(run)]), capsys.readouterr().err, "cannot read its evaluations: nested too deeply")

@@ -34,6 +34,7 @@ from ..disk import write_text_atomically
 from ..errors import UserError
 from ..benches.scoring import build_scorer, summarise
 from ..benches.suites import bench_prompts, get_bench
+from ..text_inputs import loads_json
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 SETTINGS_FILE = "bench_settings.json"
@@ -139,7 +140,7 @@ def _check_resume(out: Path, settings: dict) -> None:
     """Write the settings of a new output folder; refuse, in one line, a folder made with other ones."""
     file = out / SETTINGS_FILE
     if file.is_file():
-        old = json.loads(file.read_text())
+        old = loads_json(file.read_text())
         changed = sorted(k for k in settings if old.get(k) != settings[k])
         if changed:
             raise UserError(f"{out} holds a benchmark run with other settings ({', '.join(changed)}); give a new --out "
@@ -187,7 +188,7 @@ def _score_missing(scorer, folder: Path, rows: list[dict], items: list[tuple[int
     if file.is_file():
         for line in file.read_text().splitlines():
             if line.strip():
-                rec = json.loads(line)
+                rec = loads_json(line)
                 done[(rec["i"], rec["j"])] = rec["score"]
     todo = [it for it in items if it not in done]
     with file.open("a") as fh:
@@ -219,7 +220,7 @@ def run_bench(target: str, opts: BenchOptions) -> dict:
     _check_resume(out, _settings(opts, target, rows, steps, per_prompt, prompts))
     items = [(i, j) for i in range(len(rows)) for j in range(per_prompt)]
     scorer = build_scorer(bench, opts.options)
-    result = {"settings": json.loads((out / SETTINGS_FILE).read_text()), "models": {}}
+    result = {"settings": loads_json((out / SETTINGS_FILE).read_text()), "models": {}}
     for k, variant in enumerate(variants):
         folder = out / f"model{k}"
         _draw_missing(variant, folder, rows, items, opts, steps)

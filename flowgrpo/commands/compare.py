@@ -14,7 +14,6 @@ standard deviation and range of the latest accuracy over the runs, and how many 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from ..errors import UserError
 from ..evaluators import per_tag_from_metrics
 from ..trainer.core_share import cores_used
 from ..trainer.metrics import read_metrics
+from ..text_inputs import loads_json
 
 #: how close to its peak a run's latest evaluation counts as "at the peak", by default
 DEFAULT_WITHIN = 0.02
@@ -81,11 +81,12 @@ def _point(minutes: float, record: dict, per_tag: dict | None = None) -> CurvePo
 
 
 def _seed(run: Path) -> int | None:
-    import yaml
+    from ..errors import ConfigError
+    from ..text_inputs import load_yaml
 
     try:
-        cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        cfg = load_yaml((run / "config.yaml").read_text(), "config.yaml") or {}
+    except (OSError, UnicodeDecodeError, ConfigError):
         return None
     seed = (cfg.get("train") or {}).get("seed") if isinstance(cfg, dict) else None
     return seed if isinstance(seed, int) else None
@@ -101,7 +102,7 @@ def read_run(path: str | Path) -> RunRecord:
     try:
         lines = read_metrics(run)  # the core share of either kind of run; the curve of one still training
         if summary_path.exists():
-            s = json.loads(summary_path.read_text())
+            s = loads_json(summary_path.read_text())
             curve = [_point(c["train_seconds"] / 60, c) for c in s.get("eval_curve") or []
                      if c.get("accuracy") is not None]
             if curve and s.get("eval_after") and not curve[-1].per_tag:  # runs before the curve kept its tags
@@ -111,7 +112,7 @@ def read_run(path: str | Path) -> RunRecord:
             return RunRecord(run.name, _seed(run), True, int(s.get("iterations") or 0),
                              float(s.get("train_seconds") or 0.0) / 60, tuple(curve), cores_used(lines))
         before_path = run / "eval_before.json"
-        curve = [_point(0.0, json.loads(before_path.read_text()))] if before_path.exists() else []
+        curve = [_point(0.0, loads_json(before_path.read_text()))] if before_path.exists() else []
         for ln in lines:
             if ln.get("eval_accuracy") is not None:
                 record = {"accuracy": ln["eval_accuracy"], "accuracy_se": ln.get("eval_accuracy_se"),

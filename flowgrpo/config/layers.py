@@ -27,11 +27,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from ..errors import ConfigError, UserError
 from ..presets import DEFAULT_PRESET, load_yaml_mapping, preset_names, read_chain, read_preset
 from ..recipes import META_KEYS, recipe_chain, recipe_for_model, recipe_meta, recipe_names, recipe_needs
+from ..text_inputs import load_yaml
 from .renames import new_keys
 
 #: the keys (or whole sections) a method preset may set; ``strategy`` is sampler.strategy's options.
@@ -110,9 +109,11 @@ def parse_override(text: str) -> dict:
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = load_yaml(raw, f"override {key.strip()}") if raw.strip() else ""
+    except ConfigError as exc:
+        if "is not valid YAML" not in str(exc):  # an alias bomb or nesting too deep: refused
+            raise
+        value = raw  # not YAML: the text itself (a path, a name)
     if isinstance(value, str) and _looks_float(raw):
         value = float(raw)  # YAML 1.1 reads "1e-4" as a string
     out: dict = {}

@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 from ..errors import UserError
+from ..text_inputs import loads_json
 
 #: the largest prompt file read, in bytes (64 MiB: about a million prompts of 60 characters); a file is
 #: read whole, so every reader (train's data.prompts, sample --prompts, the edit evaluator's file) checks
@@ -51,7 +52,7 @@ def load_prompt_file(path: str | Path) -> list[dict]:
             continue
         if path.suffix == ".jsonl":
             try:
-                obj = json.loads(line)
+                obj = loads_json(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():

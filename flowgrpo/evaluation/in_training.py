@@ -13,7 +13,6 @@ takes part in each forward. The training clock is paused while it evaluates.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from ..output.plots import save_accuracy_curve, save_labeled_grid, save_reward_c
 from ..safe_load import load_tensors
 from ..callbacks import Callback
 from . import EvalResult, paired_gain
+from ..text_inputs import loads_json
 
 #: prompts in the before/after grid (each with its first seed)
 GRID_PROMPTS = 16
@@ -84,7 +84,7 @@ class InTrainingEvaluation(Callback):
         # a process that does not evaluate (not main, not lock-step) has self.evaluator None: it skips both
         elif self.evaluator is not None and (run.dp.broadcast(path.exists()) if run.lockstep else path.exists()):
             if run.main:
-                self.before = json.loads(path.read_text())
+                self.before = loads_json(path.read_text())
         elif self.evaluator is not None:
             res = self._evaluate(keep_images=True, use_ema=False)  # the base model
             seen = self._evaluate(split="seen", use_ema=False).to_json() if cfg.eval.seen else None

@@ -52,6 +52,7 @@ from ..seeds import FORWARD_ROWS, derive_seed
 from .base import MicroLoss, Objective, UpdateContext, idle_inputs
 from .forward_rows import logit_normal_times, per_row_mean, rollout_times, uniform_times
 from .terms.kl import velocity_kl
+from ..text_inputs import loads_json
 
 
 @dataclass
@@ -155,7 +156,7 @@ def read_pairs_file(path: str | Path) -> list[PreferencePair]:
             continue
         where = f"{path}:{n}"
         try:
-            row = json.loads(line)
+            row = loads_json(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: not a JSON object ({exc.msg}); each line is "
                             '{"prompt": ..., "chosen": IMAGE, "rejected": IMAGE}') from None

@@ -15,12 +15,12 @@ The shapes model's adapter lives with its world, in :mod:`flowgrpo.shapes.policy
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import UserError
 from ..registry import Registry
 from .base import Conditioning, Policy
+from ..text_inputs import loads_json
 
 POLICIES: Registry[Policy] = Registry("model")
 for _name, _target in (("shapes", "flowgrpo.shapes.policy:build_shapes_policy"),
@@ -65,7 +65,7 @@ def _model_index(index: Path) -> dict:
     """The content of a model_index.json; a one-line UserError naming the file when it cannot be read
     or is not a JSON object (a broken folder, not a bug of flowgrpo)."""
     try:
-        content = json.loads(index.read_text(encoding="utf-8"))
+        content = loads_json(index.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # ValueError: invalid JSON or invalid UTF-8
         raise UserError(f"{index}: not a readable JSON object ({type(exc).__name__}: {exc})") from None
     if not isinstance(content, dict):
@@ -79,7 +79,7 @@ def _flow_solver_config(directory: Path) -> bool:
     (Wan's UniPC: ``use_flow_sigmas`` with ``prediction_type="flow_prediction"``), which the generic
     adapter replaces by flow-matching Euler at its ``flow_shift``."""
     try:
-        config = json.loads((directory / "scheduler" / "scheduler_config.json").read_text(encoding="utf-8"))
+        config = loads_json((directory / "scheduler" / "scheduler_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and bool(config.get("use_flow_sigmas")) \

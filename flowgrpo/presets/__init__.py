@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from importlib import resources
 
-import yaml
-
 from ..errors import ConfigError
+from ..text_inputs import load_yaml
 
 #: the preset `flowgrpo train` runs without --preset (and load_config's default): the best recipe
 #: measured on the shapes world, judged on held-out accuracy and image fidelity (docs/shapes_world.md); a
@@ -110,10 +109,7 @@ def read_chain(name: str, read, kind: str) -> list[tuple[str, dict]]:
 
 def load_yaml_mapping(text: str, what: str) -> dict:
     """``text`` parsed as YAML that must be a mapping (empty: ``{}``); one-line ConfigErrors naming ``what``."""
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    data = load_yaml(text, what) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{what} must hold a mapping at the top level")
     return data

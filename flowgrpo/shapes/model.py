@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..model_size import check_model_folder
+from ..text_inputs import loads_json
 from .cell_bias import install_cell_offset_bias
 from .scene_text import SceneTextEncoder, SceneTokenizer, VocabularyError, prompt_words  # noqa: F401 (VocabularyError: re-exported)
 from .world import VOCAB
@@ -255,7 +256,7 @@ class ShapesFlowModel(nn.Module):
                 f"shapes model weights not found at {weights}; create them with "
                 f"`python -m flowgrpo.shapes.pretrain --out {directory}`"
             )
-        meta = json.loads((directory / "config.json").read_text())
+        meta = loads_json((directory / "config.json").read_text())
         # weights written before the scene encoder existed carry no text_encoder key: they are "words";
         # scene weights written before group_relation existed were trained without it
         # and weights written before position_code existed have SD3's sincos table

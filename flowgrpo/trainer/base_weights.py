@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..policies import BASE_FINGERPRINTS
+from ..text_inputs import loads_json
 
 BASE_FILE = "base_weights.json"
 
@@ -43,7 +44,7 @@ def check_base_weights(run_dir: Path, model_cfg) -> None:
     if not recorded_file.is_file():
         return
     now = base_fingerprint(model_cfg)
-    recorded = json.loads(recorded_file.read_text())
+    recorded = loads_json(recorded_file.read_text())
     if now is None or now["sha256"] == recorded.get("sha256"):
         return
     given = f"model.path={model_cfg.path}" if model_cfg.path else "model.path=null (the weights shipped with flowgrpo)"

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import yaml
 
 from ..disk import write_problem
 from ..errors import ConfigError, UserError
 from ..safe_load import UnsafeFileError, load_tensors
+from ..text_inputs import load_yaml
 from .base_weights import check_base_weights
 
 if TYPE_CHECKING:
@@ -281,9 +281,11 @@ def read_run_config(run_dir: Path, *, for_training: bool = True) -> RunConfig:
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run directory (no {CONFIG_FILE})")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        data = load_yaml(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} cannot be read as YAML ({str(exc).splitlines()[0]})") from None
+    except ConfigError as exc:  # invalid YAML, an alias bomb, nesting too deep (a shared run's file)
+        raise UserError(f"{path} cannot be read as YAML ({str(exc).removeprefix(f'{path} ')})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a mapping of config sections, not {type(data).__name__}")
     cfg = RunConfig()

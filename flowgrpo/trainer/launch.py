@@ -51,11 +51,12 @@ def _single_machine_without_port(accelerate_config: str | None) -> bool:
     ``main_process_port`` (several machines must agree on one: theirs is kept)."""
     if not accelerate_config:
         return True
-    import yaml
+    from ..errors import ConfigError
+    from ..text_inputs import load_yaml
 
     try:
-        data = yaml.safe_load(open(accelerate_config)) or {}
-    except (OSError, yaml.YAMLError):
+        data = load_yaml(open(accelerate_config).read(), str(accelerate_config)) or {}
+    except (OSError, UnicodeDecodeError, ConfigError):
         return False  # accelerate reports an unreadable file itself
     return isinstance(data, dict) and str(data.get("num_machines") or 1) == "1" and not data.get("main_process_port")
 

@@ -9,6 +9,7 @@ import json
 import math
 import numbers
 from pathlib import Path
+from ..text_inputs import loads_json
 
 
 class MetricsLogger:
@@ -101,7 +102,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     out = []
     for i, ln in enumerate(rows):
         try:
-            out.append(json.loads(ln))
+            out.append(loads_json(ln))
         except json.JSONDecodeError:
             if i < len(rows) - 1:
                 raise UserError(f"{path}: line {i + 1} is not JSON") from None

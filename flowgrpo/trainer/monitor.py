@@ -32,6 +32,7 @@ from ..monitors.measure import MonitoredEvaluator
 from ..output.monitor_plot import save_monitor_curves
 from ..callbacks import Callback
 from .metrics import json_safe
+from ..text_inputs import loads_json
 
 RECORDS = "monitors.jsonl"
 PLOT = "monitors.png"
@@ -111,7 +112,7 @@ class MonitorAlarms(Callback):
                             if r["stage"] != "after" and r["iteration"] <= trainer.iteration]
             before = self.run_dir / "eval_before.json"
             if before.exists():
-                self.before = json.loads(before.read_text()).get("monitors") or None
+                self.before = loads_json(before.read_text()).get("monitors") or None
         self.fired = {a["monitor"] for r in self.records for a in r["alarms"]}
         self.seconds = max([r["train_seconds"] for r in self.records] + [0.0])
         path.write_text("".join(json.dumps(r) + "\n" for r in self.records))

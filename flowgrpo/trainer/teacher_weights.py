@@ -29,6 +29,7 @@ from torch import Tensor
 from ..errors import UserError
 from .base_weights import BASE_FILE, base_fingerprint
 from .checkpoint import CONFIG_FILE, STATE_FILE, load_policy_weights, read_run_config
+from ..text_inputs import loads_json
 
 #: the file diffusers' LoRA savers write in a LoRA folder
 LORA_FILENAME = "pytorch_lora_weights.safetensors"
@@ -44,7 +45,6 @@ def _run_dir(path: Path) -> tuple[Path, Path | None]:
 def check_same_model(run_dir: Path, model_cfg, what: str) -> None:
     """One UserError when run folder ``run_dir`` trained another model than ``model_cfg`` (the student's):
     another ``model.name``, ``model.path``, ``model.train_mode``, or recorded base-weights fingerprint."""
-    import json
 
     cfg = read_run_config(run_dir, for_training=False)
     theirs, ours = cfg.model, model_cfg
@@ -60,7 +60,7 @@ def check_same_model(run_dir: Path, model_cfg, what: str) -> None:
     recorded = run_dir / BASE_FILE
     now = base_fingerprint(ours)
     if recorded.is_file() and now is not None:
-        sha = json.loads(recorded.read_text()).get("sha256")
+        sha = loads_json(recorded.read_text()).get("sha256")
         if sha != now["sha256"]:
             raise UserError(f"teacher {what} was trained from other {ours.name} base weights (sha256 "
                             f"{str(sha)[:12]}) than the student's {now['path']} (sha256 {now['sha256'][:12]}): "
@@ -113,7 +113,6 @@ def load_lora_teacher(path: Path, policy, model_cfg) -> dict[str, Tensor]:
 
 def lora_teacher_scale(file: Path) -> float | None:
     """alpha / rank a LoRA file's metadata records (None when it records none)."""
-    import json
 
     from safetensors import safe_open
 
@@ -121,7 +120,7 @@ def lora_teacher_scale(file: Path) -> float | None:
         meta = f.metadata() or {}
     for value in meta.values():
         try:
-            cfg = json.loads(value)
+            cfg = loads_json(value)
         except (TypeError, ValueError):
             continue
         if not isinstance(cfg, dict):

@@ -29,6 +29,7 @@ from ..images import png_bytes
 from ..output.drawing import check_draw_flags, noise_seed
 from .judgements import file_sha256
 from .prompts import BenchPrompt, PromptSet
+from ..text_inputs import loads_json
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
@@ -123,7 +124,7 @@ def read_settings(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
+        settings = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path} cannot be read ({str(exc).splitlines()[0]}); remove it or use another folder") from None
     if not isinstance(settings, dict):

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from ..errors import UserError
+from ..text_inputs import loads_json
 
 LOG_NAME = "judgements.jsonl"
 RUN_NAME = "run.json"
@@ -48,7 +49,7 @@ class JudgementLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         run = self.dir / RUN_NAME
         if run.is_file():
-            old = json.loads(run.read_text(encoding="utf-8"))
+            old = loads_json(run.read_text(encoding="utf-8"))
             for key in IDENTITY:
                 if old.get(key) != meta.get(key):
                     raise UserError(f"{self.dir} holds judgements with {key}={old.get(key)!r}, not {meta.get(key)!r}; "
@@ -74,7 +75,7 @@ class JudgementLog:
                 if not line.strip():
                     continue
                 try:
-                    rec = json.loads(line)
+                    rec = loads_json(line)
                     self.records[rec["key"]] = rec
                 except (json.JSONDecodeError, KeyError, TypeError):
                     self.unreadable_lines += 1

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .protocol import LANGUAGES, data_path, protocol
+from ..text_inputs import loads_json
 
 #: set name -> shipped prompt file (600 prompts each)
 SETS = {"en": "test_prompts_en.csv", "zh": "test_prompts_zh.csv",
@@ -100,7 +101,7 @@ def _parse_row(row: dict, lang: str) -> tuple[BenchPrompt | None, str]:
     if not text.strip():
         return None, f"{p.prompt_column} is empty"
     try:
-        dims = json.loads(row.get(p.dims_column) or "")
+        dims = loads_json(row.get(p.dims_column) or "")
     except json.JSONDecodeError as e:
         return None, f"{p.dims_column} is not valid JSON ({e.msg} at character {e.pos})"
     if not isinstance(dims, dict):

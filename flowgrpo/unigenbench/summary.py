@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import csv
 import functools
-import json
 from pathlib import Path
 
 from ..errors import UserError
 from .protocol import data_path
+from ..text_inputs import loads_json
 
 
 def primary_of(testpoint: str) -> str:
@@ -28,7 +28,7 @@ def primary_of(testpoint: str) -> str:
 @functools.lru_cache(maxsize=2)
 def leaderboard_columns(language: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """((primary, (its sub-dimensions, ...)), ...) in the leaderboard's column order, in ``language``'s names."""
-    dims = json.loads(data_path("dimensions.json").read_text(encoding="utf-8"))
+    dims = loads_json(data_path("dimensions.json").read_text(encoding="utf-8"))
     return tuple((d[language], tuple(s[language] for s in d["sub"])) for d in dims)
 
 
@@ -94,7 +94,7 @@ def read_summary(results_dir: str | Path) -> dict:
     path = Path(results_dir) / "summary.json"
     if not path.is_file():
         raise UserError(f"{results_dir} holds no summary.json (run `flowgrpo unigenbench score ... --out {results_dir}`)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return loads_json(path.read_text(encoding="utf-8"))
 
 
 def compare_summaries(a: dict, b: dict) -> list[tuple[str, str, float | None, float | None, float | None]]:
