@@ -88,8 +88,7 @@ class Trainer:
         from .accelerator import make_accelerator, weight_engine
 
         if not isinstance(cfg, RunConfig):  # was an AttributeError deep inside ('str' has no attribute 'train')
-            raise TypeError(f"a Trainer is built from a flowgrpo.RunConfig (flowgrpo.load_config(...)), got "
-                            f"{type(cfg).__name__}")
+            raise TypeError(f"a Trainer is built from a flowgrpo.RunConfig (load_config(...)), got {type(cfg).__name__}")
         if rewards is not None:
             rewards, cfg = reward_parts(rewards, cfg)
         self.cfg = cfg
