@@ -45,6 +45,11 @@ BENCHMARKS: dict[str, BenchEntry] = {
 }
 
 
+#: the option flags (argparse destinations), some benchmarks' only; --out and --json are every one's
+OPTION_FLAGS = ("repeats", "flow_grpo", "minutes", "device", "tiny", "stages", "time_budget", "recipe", "all_recipes",
+                "gpus", "markdown", "resolution", "frames", "micro_batch")
+
+
 def add_bench_parser(sub) -> None:
     """Add ``bench`` to the CLI's subparsers ``sub``."""
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV/PNG)")
@@ -74,13 +79,10 @@ def add_bench_parser(sub) -> None:
                    help="memory: put the table between FILE's memory-table markers")
     for flag in ("resolution", "frames", "micro-batch"):
         b.add_argument(f"--{flag}", type=int, default=0, help=f"memory: {flag} instead of the recipe's")
-    b.set_defaults(fn=run_bench_command)
+    # the unset value of each option flag, read back from the parser so no default is written twice
+    b.set_defaults(fn=run_bench_command, option_defaults={name: b.get_default(name) for name in OPTION_FLAGS})
 
 
-#: the option flags and their unset values; a flag differing from it was given (``nan`` and negatives too)
-_OPTION_UNSET = {"repeats": 0, "flow_grpo": None, "minutes": 0.0, "device": None, "tiny": False, "stages": None,
-                 "time_budget": 0.0, "recipe": None, "all_recipes": False, "gpus": 0, "markdown": None,
-                 "resolution": 0, "frames": 0, "micro_batch": 0}
 #: the memory flags that size a recipe, meaningless for the measured tiny runs
 _RECIPE_ONLY = ("gpus", "markdown", "resolution", "frames", "micro_batch")
 #: the largest --repeats; a guard against a typo turning a benchmark into an endless loop
@@ -102,10 +104,9 @@ def check_bench_flags(args: argparse.Namespace) -> None:
     ``--out`` an existing file and ``--json`` an existing folder."""
     entry = BENCHMARKS[args.what]
     taken = set(entry.options) | ({"flow_grpo"} if args.what == "reference" else set())
-    for name, unset in _OPTION_UNSET.items():
-        value = getattr(args, name, unset)
-        if value != unset and name not in taken:  # NaN != anything: a NaN flag counts as given
-            takes = ", ".join([_flag(n) for n in _OPTION_UNSET if n in taken] + ["--out", "--json"])
+    for name, unset in args.option_defaults.items():
+        if getattr(args, name) != unset and name not in taken:  # NaN != anything: a NaN flag counts as given
+            takes = ", ".join([_flag(n) for n in OPTION_FLAGS if n in taken] + ["--out", "--json"])
             raise UserError(f"bench {args.what} does not take {_flag(name)} (its flags: {takes})")
     if not 0 <= args.repeats <= MAX_REPEATS:
         raise UserError(f"--repeats must be in 0..{MAX_REPEATS} (0: the benchmark's default), got {args.repeats}")

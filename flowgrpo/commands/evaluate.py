@@ -41,8 +41,7 @@ def cmd_eval(args) -> int:
     """Run ``flowgrpo eval`` (see the module docstring)."""
     if args.bench:
         return _cmd_bench(args)
-    for flag, unset in (("prompts", None), ("out", None), ("base", None), ("option", []), ("seed", 0),
-                        ("steps", None), ("images_per_prompt", None), ("max_prompts", None), ("batch_size", 4)):
+    for flag, unset in args.bench_flag_defaults.items():
         if getattr(args, flag) != unset:  # the held-out evaluation takes its sizes from eval.* (was silently ignored)
             raise UserError(f"--{flag.replace('_', '-')} belongs to a benchmark: add --bench NAME "
                             "(the held-out evaluation takes eval.KEY=VALUE settings)")
@@ -139,4 +138,5 @@ def register(subparsers) -> None:
     b.add_argument("--images-per-prompt", type=int, default=None, help="default: the benchmark's protocol (GenEval 4)")
     b.add_argument("--max-prompts", type=int, default=None, help="the first N prompts only (a quick look)")
     b.add_argument("--batch-size", type=int, default=4, help="images drawn and scored per call")
-    e.set_defaults(fn=cmd_eval)
+    # each benchmark flag's unset value, read back from the parser: the held-out evaluation refuses a set one
+    e.set_defaults(fn=cmd_eval, bench_flag_defaults={a.dest: a.default for a in b._group_actions if a.dest != "bench"})
