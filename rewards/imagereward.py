@@ -24,13 +24,13 @@ on PIL images as the authors do.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from flowgrpo.errors import UserError
+from flowgrpo.text_inputs import loads_json
 
 from .aesthetic import AestheticHead
 from .clip_common import (CLIP_MEAN, CLIP_STD, PREPROCESS_MODES, ClipReward, check_choice, clip_pixels,
@@ -115,7 +115,7 @@ def _json_overrides(path, defaults: dict, what: str) -> dict:
         return dict(defaults)
     p = existing_file(path, what)
     try:
-        data = json.loads(p.read_text())
+        data = loads_json(p.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"{what}: cannot read {str(p)!r} as JSON ({first_line(exc)})") from None
     if not isinstance(data, dict):

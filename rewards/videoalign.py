@@ -25,7 +25,6 @@ Set ``video_fps`` to the rate of the frames handed over (the generator's fps / `
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from flowgrpo.errors import ConfigError, UserError
+from flowgrpo.text_inputs import loads_json
 
 from .base import RewardOutput
 from .clip_common import check_choice, first_line, load_state_dict_file, positive_int, resolve_device
@@ -139,7 +139,7 @@ def read_model_config(folder: Path) -> dict:
     if not path.is_file():
         raise UserError(f"videoalign checkpoint: no model_config.json in {str(folder)!r}")
     try:
-        cfg = json.loads(path.read_text())
+        cfg = loads_json(path.read_text())
         data, model = cfg["data_config"], cfg["model_config"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"videoalign checkpoint: cannot read {str(path)!r} ({first_line(exc)})") from None
