@@ -22,10 +22,11 @@ def output_dir(out_dir: str | Path | None = None) -> Path:
 def check_output_paths(out_dir: str | Path | None, json_path: str | Path | None) -> None:
     """Before the work: a UserError when ``out_dir`` (:func:`output_dir`) is an existing file or
     ``json_path`` (:func:`write_json`) an existing folder; both are created otherwise."""
+    from flowgrpo.disk import check_output_folder
     from flowgrpo.errors import UserError
 
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise UserError(f"--out {out_dir} is a file; give a folder (created if missing)")
+    if out_dir is not None:
+        check_output_folder(out_dir, "--out")
     if json_path and Path(json_path).is_dir():
         raise UserError(f"--json {json_path} is a folder; give a file path")
 

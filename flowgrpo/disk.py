@@ -91,6 +91,15 @@ def write_text_atomically(path: Path, text: str) -> None:
         raise UserError(f"cannot write {path}: {write_problem(exc, path.parent)}") from None
 
 
+def check_output_folder(out: str | Path, option: str, why: str = "created if missing") -> Path:
+    """``out`` as a Path unless it exists and is not a folder (a UserError naming ``option``); for an
+    output folder that may already hold earlier output (``why`` says what becomes of it)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{option} {out} is a file; give a folder ({why})")
+    return out
+
+
 def check_new_folder(out: str | Path, option: str) -> Path:
     """``out`` as a Path when it does not exist or is an empty folder, else a UserError naming ``option``:
     an output folder is never written over (nor mixed with what a folder already holds)."""

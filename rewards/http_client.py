@@ -97,8 +97,8 @@ def max_response_bytes(max_response_mb: float, option: str) -> int:
     """``max_response_mb`` (MiB, finite, > 0) in bytes; a ConfigError naming ``option`` otherwise."""
     from flowgrpo.errors import ConfigError
 
-    if (not isinstance(max_response_mb, (int, float)) or isinstance(max_response_mb, bool) or not max_response_mb > 0
-            or max_response_mb == float("inf")):  # inf was an OverflowError traceback in int()
+    if (not isinstance(max_response_mb, (int, float)) or isinstance(max_response_mb, bool)
+            or not 0 < max_response_mb < float("inf")):  # NaN fails both; inf was an OverflowError in int()
         raise ConfigError(f"{option} must be a finite number of MiB > 0, got {max_response_mb!r}")
     return int(float(max_response_mb) * MIB)
 

@@ -83,6 +83,7 @@ def _print_accuracy_table(res: dict, ckpt) -> None:
 
 
 def _cmd_bench(args) -> int:
+    from ..disk import check_output_folder
     from .bench_eval import BenchOptions, run_bench
     from ..benches.suites import bench_prompts, get_bench
     from ..output.drawing import check_draw_flags
@@ -93,8 +94,7 @@ def _cmd_bench(args) -> int:
         raise UserError("--evaluator and --json belong to the held-out evaluation; a benchmark writes into --out")
     if not args.out:
         raise UserError(f"--bench {args.bench} needs --out DIR")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UserError(f"--out {args.out} is a file; give a folder (a rerun into it resumes)")
+    check_output_folder(args.out, "--out", "a rerun into it resumes")
     check_draw_flags(seed=args.seed, images_per_prompt=args.images_per_prompt, steps=args.steps,
                      batch_size=args.batch_size)
     if args.max_prompts is not None and args.max_prompts < 1:

@@ -132,7 +132,7 @@ PROBE_LIMITS = {"prompts": 4096, "seeds": 100, "passk_prompts": 100, "n": 1024}
 
 def _check_probe_flags(args) -> None:
     """A UserError naming the first bad flag of ``flowgrpo shapes probe``, before the model loads."""
-    from ..disk import check_output_file
+    from ..disk import check_output_file, check_output_folder
     from ..samplers.plan import MAX_STEPS
 
     for name, high in PROBE_LIMITS.items():
@@ -145,8 +145,7 @@ def _check_probe_flags(args) -> None:
     cpus = os.cpu_count() or 1
     if not 0 <= args.threads <= cpus:  # torch crashed creating 100,000 threads
         raise UserError(f"--threads must be in 0..{cpus} (this machine's CPUs; 0: torch's default), got {args.threads}")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UserError(f"--out {args.out} is a file; give a folder (created if missing)")
+    check_output_folder(args.out, "--out")
     if args.json:
         check_output_file(args.json, "--json")
 

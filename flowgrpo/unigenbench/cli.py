@@ -35,13 +35,13 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    from ..disk import check_output_folder
     from .generate import GenerateOptions, generate_folder
     from .prompts import load_prompt_set
 
     if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
         raise UserError(f"--guidance must be a finite number >= 0, got {args.guidance}")  # NaN drew NaN images
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UserError(f"--out {args.out} is a file; give a folder (a rerun into it resumes)")
+    check_output_folder(args.out, "--out", "a rerun into it resumes")
     opts = GenerateOptions(images_per_prompt=args.images_per_prompt, seed=args.seed, steps=args.steps,
                            guidance=args.guidance, batch_size=args.batch_size, limit=args.limit,
                            overrides=list(args.overrides))
